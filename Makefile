@@ -1,0 +1,53 @@
+# vLLM ROCm AITER patch series. `make help` lists the verbs.
+# The two commands of a fresh machine: `make apply` then `make test`.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+BUILD      ?= build
+TREE       := $(BUILD)/vllm
+VPY        := $(VENV)/bin/python
+# The GPU machine has torch + triton but no vllm and no venv: use its python.
+GPU_PYTHON ?= python3
+PYTEST_ARGS ?=
+FORCE      ?=
+
+SERIES := $(PYTHON) scripts/series.py
+
+.DEFAULT_GOAL := help
+.PHONY: help apply check refresh fetch readme venv test test-gpu bench report clean
+
+help: ## List the verbs
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
+	@$(SERIES) fetch
+
+apply: ## Build build/vllm: pristine vLLM, overlay, one commit per patch (FORCE=1 discards local work)
+	@$(SERIES) apply $(if $(FORCE),--force)
+
+check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing
+	@$(SERIES) check
+
+refresh: ## Regenerate patches/ and vllm_overlay/ from commits in build/vllm
+	@$(SERIES) refresh
+
+readme: ## Regenerate README.md's series table from the patch headers
+	@$(SERIES) readme
+
+venv: apply ## Create/update .venv for the CPU tier (CPU torch, triton, vLLM's common requirements)
+	@$(PYTHON) scripts/make_venv.py --venv $(VENV) --tree $(TREE)
+
+test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRITON_INTERPRET=1
+	PYTHONPATH=$(TREE) $(VPY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+
+test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
+	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
+
+bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
+	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py $(PYTEST_ARGS)
+
+report: ## Turn benchmarks/results/*.json into the README table and PNG plots
+	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
+
+clean: ## Remove build outputs (build/, dist/); never the sdist cache or the venv
+	rm -rf $(BUILD) dist

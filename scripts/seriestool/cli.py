@@ -1,0 +1,59 @@
+"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status}."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import SeriesError, buildtree, gitrepo, lint, readme, sdist
+from .pins import load_pins
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="series.py", description=__doc__)
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2],
+                        help="the series repository (default: this checkout)")
+    parser.add_argument("--build", type=Path, default=None,
+                        help="the build tree (default: ROOT/build/vllm)")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    sub.add_parser("fetch", help="download and verify the pinned sdist into the cache")
+    apply_p = sub.add_parser("apply", help="build the patched tree")
+    apply_p.add_argument("--force", action="store_true",
+                         help="discard uncommitted edits and unsaved commits in the build tree")
+    sub.add_parser("check", help="lint the series")
+    sub.add_parser("refresh", help="regenerate patches/ and vllm_overlay/ from the build tree")
+    sub.add_parser("status", help="print the build tree's state")
+    sub.add_parser("readme", help="rewrite README.md's series table from the patch headers")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    layout = buildtree.Layout(root=root, build=(args.build or root / "build" / "vllm").resolve())
+    try:
+        if args.verb == "fetch":
+            print(sdist.fetch(load_pins(root), sdist.cache_dir()))
+        elif args.verb == "apply":
+            buildtree.apply(layout, force=args.force)
+        elif args.verb == "check":
+            findings = lint.lint(layout)
+            for finding in findings:
+                print(finding)
+            if findings:
+                print(f"make check: {len(findings)} finding(s)")
+                return 1
+            print(f"make check: series OK ({len(buildtree.series_patches(layout))} patches, "
+                  f"{len(buildtree.overlay_files(layout))} overlay files)")
+        elif args.verb == "refresh":
+            report = buildtree.refresh(layout)
+            print("\n".join(report) if report else "refresh: nothing changed")
+        elif args.verb == "status":
+            state = buildtree.read_state(layout.build)
+            fresh = state.get("inputs") == buildtree.inputs_hash(layout)
+            print(f"build tree: {layout.build}\nhead: {gitrepo.head(layout.build)}\n"
+                  f"tree: {gitrepo.tree_of(layout.build)}\nup to date with patches/: {fresh}")
+        elif args.verb == "readme":
+            changed = readme.update(root)
+            print("README.md: series table " + ("rewritten" if changed else "already current"))
+    except SeriesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,85 @@
+"""Thin, deterministic git plumbing for the build tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from . import SeriesError
+
+# Fixed identity and dates make `make apply` reproduce the same commit ids,
+# not only the same trees. The date is vLLM 0.33.0's release day.
+SERIES_IDENTITY = {
+    "GIT_AUTHOR_NAME": "vllm-aiter-series",
+    "GIT_AUTHOR_EMAIL": "series@localhost",
+    "GIT_AUTHOR_DATE": "2026-11-02T00:00:00+0000",
+    "GIT_COMMITTER_NAME": "vllm-aiter-series",
+    "GIT_COMMITTER_EMAIL": "series@localhost",
+    "GIT_COMMITTER_DATE": "2026-11-02T00:00:00+0000",
+}
+_CONFIG = ("-c", "core.autocrlf=false", "-c", "commit.gpgsign=false", "-c", "core.quotepath=false",
+           "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "core.hooksPath=/dev/null")
+
+
+def git(repo: Path, *args: str, check: bool = True, identity: bool = False,
+        input_text: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    extra = env or {}
+    env = dict(os.environ)
+    env.pop("GIT_DIR", None)
+    env.pop("GIT_WORK_TREE", None)
+    if identity:
+        env.update(SERIES_IDENTITY)
+    env.update(extra)
+    proc = subprocess.run(["git", *_CONFIG, "-C", str(repo), *args], capture_output=True,
+                          text=True, env=env, input=input_text)
+    if check and proc.returncode != 0:
+        raise SeriesError(f"git {' '.join(args[:3])} failed in {repo}: "
+                          f"{(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def out(repo: Path, *args: str) -> str:
+    return git(repo, *args).stdout.strip()
+
+
+def is_repo(path: Path) -> bool:
+    return (path / ".git").exists()
+
+
+def root_commit(repo: Path) -> str:
+    return out(repo, "rev-list", "--max-parents=0", "HEAD").splitlines()[-1]
+
+
+def head(repo: Path) -> str:
+    return out(repo, "rev-parse", "HEAD")
+
+
+def tree_of(repo: Path, rev: str = "HEAD") -> str:
+    return out(repo, "rev-parse", f"{rev}^{{tree}}")
+
+
+def dirty(repo: Path) -> list[str]:
+    """Uncommitted changes, untracked files included (``git status --porcelain``)."""
+    return git(repo, "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
+
+
+def commit_all(repo: Path, message: str, paths: list[str] | None = None) -> str:
+    if paths is None:
+        git(repo, "add", "-A", "-f", ".")
+    elif paths:
+        git(repo, "add", "-f", "--", *paths)
+    git(repo, "commit", "-q", "--allow-empty", "-F", "-", identity=True, input_text=message)
+    return head(repo)
+
+
+def files_at(repo: Path, rev: str) -> set[str]:
+    return set(out(repo, "ls-tree", "-r", "--name-only", "-z", rev).split("\0")) - {""}
+
+
+def diff(repo: Path, a: str, b: str, paths: list[str]) -> str:
+    if not paths:
+        return ""
+    return git(repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
+               "--diff-algorithm=myers", "-U3", "--src-prefix=a/", "--dst-prefix=b/",
+               a, b, "--", *paths).stdout

@@ -1,0 +1,84 @@
+"""make check: lint the series without touching build/vllm.
+
+Findings, each one line naming the file:
+  * series entries that do not exist, duplicates, patch files not in series,
+    names not of the form NNNN-slug.patch;
+  * headers missing a field (patchfile.HEADER_FIELDS) or naming an unknown topic;
+  * diffs with ``index`` lines (not refreshed);
+  * overlay files that shadow a file upstream already has;
+  * the whole series not applying to pristine upstream with zero fuzz and no
+    whitespace errors (built in a scratch directory from the cached sdist).
+"""
+
+from __future__ import annotations
+
+import tarfile
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from . import SeriesError, patchfile, sdist
+from .buildtree import Layout, build_tree, overlay_files
+from .pins import load_pins
+
+
+def _pristine_files(sdist_file: Path) -> set[str]:
+    with tarfile.open(sdist_file) as tar:
+        return {m.name.split("/", 1)[1] for m in tar.getmembers()
+                if m.isfile() and "/" in m.name}
+
+
+def lint_series_files(layout: Layout) -> list[str]:
+    findings = []
+    names = patchfile.read_series(layout.patches)
+    for name, count in Counter(names).items():
+        if count > 1:
+            findings.append(f"patches/series: {name} is listed {count} times")
+    for name in dict.fromkeys(names):
+        path = layout.patches / name
+        if not patchfile.NAME_RE.match(name):
+            findings.append(f"patches/series: {name}: name is not NNNN-slug.patch")
+        if not path.is_file():
+            findings.append(f"patches/series: {name} is listed but patches/{name} does not exist")
+            continue
+        try:
+            patch = patchfile.parse(path)
+        except SeriesError as exc:
+            findings.append(str(exc))
+            continue
+        fields = patch.fields()
+        if not patch.header or not patch.header[0].startswith("Subject:"):
+            findings.append(f"patches/{name}: the header must start with 'Subject:'")
+        for field in patchfile.HEADER_FIELDS:
+            if not fields.get(field):
+                findings.append(f"patches/{name}: header field '{field}:' is missing or empty")
+        topic = fields.get("Topic")
+        if topic and topic not in patchfile.TOPICS:
+            findings.append(f"patches/{name}: unknown Topic {topic!r} "
+                            f"(one of {', '.join(patchfile.TOPICS)})")
+        if any(line.startswith("index ") for line in patch.diff.splitlines()):
+            findings.append(f"patches/{name}: has 'index' lines (run make refresh)")
+    listed = set(names)
+    for path in sorted(layout.patches.glob("*.patch")) if layout.patches.is_dir() else []:
+        if path.name not in listed:
+            findings.append(f"patches/{path.name}: not listed in patches/series")
+    return findings
+
+
+def lint(layout: Layout) -> list[str]:
+    findings = lint_series_files(layout)
+    pins = load_pins(layout.root)
+    sdist_file = sdist.fetch(pins, sdist.cache_dir())
+    pristine = _pristine_files(sdist_file)
+    for rel in overlay_files(layout):
+        if rel in pristine:
+            findings.append(f"vllm_overlay/{rel}: shadows a file upstream has (use a patch)")
+    if any("does not exist" in f or "shadows" in f for f in findings):
+        return findings  # applying would only repeat these
+    with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:
+        scratch = Layout(root=layout.root, build=Path(tmp) / "vllm")
+        try:
+            build_tree(scratch, sdist_file, pins, record_state=False)
+        except SeriesError as exc:
+            findings.append(str(exc).splitlines()[0])
+    return findings

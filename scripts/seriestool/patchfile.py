@@ -1,0 +1,192 @@
+"""The patch file format of the series.
+
+A patch is a header, a line ``---``, and a unified diff (``-p1``, ``a/`` and
+``b/`` prefixes, 3 lines of context, no ``index`` lines):
+
+    Subject: Order MRv2 batches decode -> extend -> prefill
+    Topic: order-contract
+    Why: ...
+      continuation lines are indented by two spaces
+    How: ...
+    Upstream: vllm#25763 (merged), or "none: ..."
+    Drop when: ...
+    Tested on: CPU ...; ROCm: not run
+    ---
+    diff --git a/vllm/x.py b/vllm/x.py
+    ...
+
+In the build tree each patch is one commit whose message is the subject, a
+blank line, the other header lines, and a ``Series-Patch: <file>`` trailer;
+``make refresh`` turns such commits back into exactly this text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import SeriesError
+
+HEADER_FIELDS = ("Subject", "Topic", "Why", "How", "Upstream", "Drop when", "Tested on")
+TOPICS = ("order-contract", "fetch-kv", "mla-fusion")
+TRAILER = "Series-Patch: "
+NAME_RE = re.compile(r"^\d{4}-[a-z0-9][a-z0-9.-]*\.patch$")
+_FIELD_RE = re.compile(r"^([A-Z][A-Za-z ]*):(?: (.*))?$")
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+@dataclass
+class Patch:
+    path: Path
+    header: list[str]          # header lines, "Subject: ..." first
+    diff: str                  # from the first "diff --git" line on
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def fields(self) -> dict[str, str]:
+        """Header fields; continuation lines are joined to their field."""
+        out: dict[str, str] = {}
+        current = None
+        for line in self.header:
+            match = _FIELD_RE.match(line)
+            if match and not line.startswith(" "):
+                current = match.group(1)
+                out[current] = (match.group(2) or "").strip()
+            elif current is not None:
+                out[current] = (out[current] + " " + line.strip()).strip()
+        return out
+
+    @property
+    def subject(self) -> str:
+        return self.fields().get("Subject", "")
+
+    @property
+    def topic(self) -> str:
+        return self.fields().get("Topic", "")
+
+    def commit_message(self) -> str:
+        subject = self.header[0].removeprefix("Subject:").strip() if self.header else self.name
+        body = "\n".join(self.header[1:])
+        return f"{subject}\n\n{body}\n\n{TRAILER}{self.name}\n" if body else \
+            f"{subject}\n\n{TRAILER}{self.name}\n"
+
+    def hunks(self) -> list[tuple[str, int, str]]:
+        """(file, index within file starting at 1, hunk header) for every hunk."""
+        out = []
+        current, index = "", 0
+        for line in self.diff.splitlines():
+            if line.startswith("+++ "):
+                target = line[4:].strip()
+                current = target[2:] if target.startswith("b/") else target
+                index = 0
+            elif line.startswith("--- ") and line[4:].strip() != "/dev/null":
+                source = line[4:].strip()
+                current = source[2:] if source.startswith("a/") else source
+            elif _HUNK_RE.match(line):
+                index += 1
+                out.append((current, index, line))
+        return out
+
+    def files(self) -> list[str]:
+        names = []
+        for line in self.diff.splitlines():
+            if line.startswith("diff --git "):
+                names.append(line.split(" b/", 1)[-1])
+        return names
+
+
+def parse(path: Path) -> Patch:
+    text = path.read_text()
+    lines = text.splitlines()
+    try:
+        sep = lines.index("---")
+    except ValueError:
+        raise SeriesError(f"{path}: no '---' line between the header and the diff") from None
+    diff_start = text.find("\ndiff --git ")
+    if diff_start < 0:
+        raise SeriesError(f"{path}: no 'diff --git' section")
+    return Patch(path=path, header=lines[:sep], diff=text[diff_start + 1:])
+
+
+def render(header: list[str], diff: str) -> str:
+    return "\n".join(header) + "\n---\n" + diff
+
+
+def header_from_commit_message(message: str) -> tuple[list[str], str | None]:
+    """Invert Patch.commit_message: (header lines, patch name from the trailer or None)."""
+    lines = message.rstrip("\n").splitlines()
+    name = None
+    if lines and lines[-1].startswith(TRAILER):
+        name = lines[-1][len(TRAILER):].strip()
+        lines = lines[:-1]
+        while lines and not lines[-1].strip():
+            lines.pop()
+    subject = lines[0] if lines else ""
+    body = lines[1:]
+    while body and not body[0].strip():
+        body.pop(0)
+    return [f"Subject: {subject}", *body], name
+
+
+def strip_index_lines(diff: str) -> str:
+    """Drop ``index abc..def`` lines from the extended headers of a git diff."""
+    out = []
+    in_header = False
+    for line in diff.splitlines(keepends=True):
+        if line.startswith("diff --git "):
+            in_header = True
+        elif line.startswith("@@"):
+            in_header = False
+        if in_header and line.startswith("index "):
+            continue
+        out.append(line)
+    return "".join(out)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:50] or "patch"
+
+
+def read_series(patches_dir: Path) -> list[str]:
+    series = patches_dir / "series"
+    if not series.exists():
+        return []
+    names = []
+    for raw in series.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    return names
+
+
+def write_series(patches_dir: Path, names: list[str]) -> None:
+    """Rewrite the entries of ``series`` in the given order, keeping its comments.
+
+    A comment block directly above an entry moves with that entry; comments at
+    the top of the file stay at the top.
+    """
+    series = patches_dir / "series"
+    lines = series.read_text().splitlines() if series.exists() else []
+    top: list[str] = []
+    attached: dict[str, list[str]] = {}
+    pending: list[str] = []
+    seen_entry = False
+    for raw in lines:
+        entry = raw.split("#", 1)[0].strip()
+        if entry:
+            attached[entry] = pending
+            pending = []
+            seen_entry = True
+        elif not seen_entry:
+            top.append(raw)
+        else:
+            pending.append(raw)
+    out = list(top)
+    for name in names:
+        out.extend(attached.get(name, []))
+        out.append(name)
+    out.extend(pending)
+    series.write_text("\n".join(out) + "\n")

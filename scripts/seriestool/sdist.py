@@ -1,0 +1,146 @@
+"""Fetch (with pip, hash-checked), verify and unpack the pinned vLLM sdist.
+
+The sdist is cached outside the build tree (``$SERIES_CACHE``, default
+``~/.cache/vllm-aiter-series``) so a second ``make apply`` needs no network and
+``make clean`` never deletes it.
+
+pip cannot simply download vLLM's sdist: it prepares metadata, and vLLM's build
+requirements pin a CUDA torch.  As BRIEF §1 records, it works with
+``--no-build-isolation`` from a small tools venv (setuptools, setuptools-scm,
+setuptools-rust, ...) plus a three-file stand-in ``torch`` package, with
+``VLLM_TARGET_DEVICE=empty``.  pip itself enforces ``--require-hashes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from . import SeriesError
+
+FETCH_TOOLS = ("setuptools>=77,<81", "setuptools-scm", "setuptools-rust", "packaging",
+               "jinja2", "wheel")
+
+_STANDIN_TORCH = {
+    "torch/__init__.py": '__version__ = "2.14.0"\n\n\nclass version:\n'
+                         "    cuda = None\n    hip = None\n    xpu = None\n",
+    "torch/utils/__init__.py": "",
+    "torch/utils/cpp_extension.py": "CUDA_HOME = None\nROCM_HOME = None\n",
+}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SERIES_CACHE"):
+        return Path(os.environ["SERIES_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm-aiter-series"
+
+
+def sdist_path(pins: dict[str, str], cache: Path) -> Path:
+    return cache / f"vllm-{pins['VLLM_VERSION']}.tar.gz"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(path: Path, expected: str) -> None:
+    actual = sha256_of(path)
+    if actual != expected:
+        raise SeriesError(
+            f"{path}: sha256 mismatch, refusing to use it\n"
+            f"  expected (pins.env) {expected}\n"
+            f"  actual              {actual}\n"
+            "Nothing was deleted. If the file is a bad download, remove it and run make apply again;\n"
+            "if upstream re-released, update VLLM_SDIST_SHA256 in pins.env deliberately.")
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
+def _last_error(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines()
+             if ln.strip() and "is ignored: it is neither" not in ln]
+    errors = [ln for ln in lines if "ERROR" in ln or "error" in ln.lower()]
+    return (errors or lines or ["(no output)"])[-1].strip()
+
+
+def _tools_python(cache: Path) -> Path:
+    venv = cache / "fetch-venv"
+    python = venv / "bin" / "python"
+    stamp = venv / ".tools"
+    if python.exists() and stamp.exists() and stamp.read_text() == "\n".join(FETCH_TOOLS):
+        return python
+    shutil.rmtree(venv, ignore_errors=True)  # our own cache entry, rebuilt from scratch
+    proc = _run([sys.executable, "-m", "venv", str(venv)])
+    if proc.returncode == 0:
+        proc = _run([str(python), "-m", "pip", "install", "-q", "--retries", "1", *FETCH_TOOLS])
+    if proc.returncode != 0:
+        raise SeriesError(f"could not prepare pip's download environment in {venv}: "
+                          f"{_last_error(proc)}")
+    stamp.write_text("\n".join(FETCH_TOOLS))
+    return python
+
+
+def fetch(pins: dict[str, str], cache: Path) -> Path:
+    """Return the verified cached sdist, downloading it with pip if absent."""
+    target = sdist_path(pins, cache)
+    if target.exists():
+        verify(target, pins["VLLM_SDIST_SHA256"])
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"fetching vllm=={pins['VLLM_VERSION']} sdist with pip (hash-checked) ...", flush=True)
+    try:
+        python = _tools_python(cache)
+        with tempfile.TemporaryDirectory(dir=cache, prefix="download-") as tmp:
+            tmp_path = Path(tmp)
+            standin = tmp_path / "standin"
+            for rel, text in _STANDIN_TORCH.items():
+                (standin / rel).parent.mkdir(parents=True, exist_ok=True)
+                (standin / rel).write_text(text)
+            req = tmp_path / "requirements.txt"
+            req.write_text(f"vllm=={pins['VLLM_VERSION']} "
+                           f"--hash=sha256:{pins['VLLM_SDIST_SHA256']}\n")
+            env = dict(os.environ, PYTHONPATH=str(standin), VLLM_TARGET_DEVICE="empty",
+                       VLLM_SKIP_VERSION_SUFFIX="1")
+            out = tmp_path / "out"
+            proc = _run([str(python), "-m", "pip", "download", "-q", "--no-deps",
+                         "--no-binary", ":all:", "--no-build-isolation", "--require-hashes",
+                         "--retries", "1", "-r", str(req), "-d", str(out)], env=env)
+            if proc.returncode != 0:
+                raise SeriesError(f"pip download failed: {_last_error(proc)}")
+            got = out / target.name
+            if not got.exists():
+                raise SeriesError(f"pip download produced no {target.name} in {out}")
+            verify(got, pins["VLLM_SDIST_SHA256"])  # pip checked it too; belt and braces
+            os.replace(got, target)
+    except SeriesError as exc:
+        raise SeriesError(
+            f"cannot get vllm=={pins['VLLM_VERSION']}: {exc}\n"
+            f"No cached copy at {target}. Connect to PyPI, or put the verified sdist there.") from None
+    return target
+
+
+def unpack(sdist: Path, dest: Path) -> None:
+    """Extract the sdist into dest, dropping its top-level ``vllm-X.Y.Z/`` folder."""
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            parts = member.name.split("/", 1)
+            if len(parts) < 2 or not parts[1]:
+                continue
+            member.name = parts[1]
+            members.append(member)
+        tar.extractall(dest, members=members, filter="data")

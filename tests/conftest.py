@@ -1,0 +1,55 @@
+"""Shared pytest setup for the series' tests.
+
+Tiers (README "Test tiers"):
+  * CPU   -- no CUDA/ROCm device: Triton kernels run under ``TRITON_INTERPRET=1``
+             on small fp32/fp16 shapes.  This is what ``make test`` and CI run.
+  * GPU   -- a CUDA or ROCm device: the same kernel tests compiled, at real
+             sizes (tests marked ``gpu``).  ``make test-gpu``.
+  * ROCm  -- AITER paths (tests marked ``rocm``); skipped elsewhere.
+
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` is evaluated, so it
+is decided here, before test modules import the kernels.
+"""
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+    _IS_ROCM = _HAS_CUDA and torch.version.hip is not None
+except ImportError:  # the series-mechanics tests need no torch
+    torch = None
+    _HAS_CUDA = _IS_ROCM = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm GPU (compiled kernels, real sizes)")
+    config.addinivalue_line("markers", "rocm: needs ROCm and AITER")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on the CPU tier")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (CPU tier runs kernels under TRITON_INTERPRET=1)")
+    skip_rocm = pytest.mark.skip(reason="needs ROCm with AITER")
+    for item in items:
+        if "gpu" in item.keywords and not _HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "rocm" in item.keywords and not _IS_ROCM:
+            item.add_marker(skip_rocm)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """The device kernels run on: the GPU when there is one, else the CPU interpreter."""
+    return "cuda" if _HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="session")
+def on_gpu() -> bool:
+    return _HAS_CUDA

@@ -45,22 +45,25 @@ DO_BENCH_WARMUP_MS = 25
 DO_BENCH_REP_MS = 100
 
 
-def _git(*args: str) -> str:
+def _git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", "-C", _REPO, *args], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return None
 
 
 def series_state() -> dict:
-    """Commit and content hashes of what was benchmarked (works on a copied tree too)."""
+    """Commit and state of what was benchmarked.
+
+    A copy of the working tree without .git (the GPU machine gets one) takes
+    them from SERIES_COMMIT / SERIES_DIRTY, which scripts/run_bench.py passes on.
+    """
+    commit = _git("rev-parse", "HEAD") or os.environ.get("SERIES_COMMIT", "unknown")
     dirty = _git("status", "--porcelain", "--", "patches", "vllm_overlay", "benchmarks")
     return {
-        "commit": _git("rev-parse", "HEAD"),
-        "patches_tree": _git("rev-parse", "HEAD:patches"),
-        "overlay_tree": _git("rev-parse", "HEAD:vllm_overlay"),
-        "dirty": bool(dirty) if dirty != "unknown" else "unknown",
+        "commit": commit,
+        "dirty": bool(dirty) if dirty is not None else os.environ.get("SERIES_DIRTY", "unknown"),
     }
 
 

@@ -10,6 +10,8 @@ VPY        := $(VENV)/bin/python
 GPU_PYTHON ?= python3
 PYTEST_ARGS ?=
 FORCE      ?=
+# make bench writes here (default benchmarks/results/).
+BENCH_OUT  ?=
 
 SERIES := $(PYTHON) scripts/series.py
 
@@ -44,7 +46,7 @@ test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + t
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
-	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py $(PYTEST_ARGS)
+	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
 
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py

@@ -16,7 +16,7 @@ BENCH_OUT  ?=
 SERIES := $(PYTHON) scripts/series.py
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh fetch readme venv test test-gpu bench report clean
+.PHONY: help apply check refresh fetch readme venv test test-gpu bench report sweep sweep-report e2e clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -50,6 +50,15 @@ bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>
 
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
+
+sweep: ## Run a Ray sweep: make sweep CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]
+	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)
+
+sweep-report: ## Rewrite and print a sweep's REPORT.md: make sweep-report DIR=benchmarks/results/sweeps/<name>
+	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py report $(DIR)
+
+e2e: ## ROCm end-to-end recipes: make e2e RECIPES=all MODEL=... UPSTREAM=/path/python PATCHED=/path/python
+	$(PYTHON) scripts/e2e.py $(or $(RECIPES),all) --model $(MODEL) $(if $(UPSTREAM),--upstream '$(UPSTREAM)') $(if $(PATCHED),--patched '$(PATCHED)')
 
 clean: ## Remove build outputs (build/, dist/); never the sdist cache or the venv
 	rm -rf $(BUILD) dist

@@ -1,0 +1,12 @@
+#!/usr/bin/env python3
+"""Entry point of the end-to-end ROCm recipes; see scripts/e2e/README.md."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from e2e.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""fetch_kv vs upstream cp_mha_gather_cache vs a same-bytes copy (GPU).
+
+Each case gathers the cached context of 4 ragged requests (non-zero,
+unaligned starts; lengths not multiples of the block size) from a cache of
+randomly permuted blocks into a dense ``[tokens, H_kv, D]`` workspace, the job
+AITER FA's extend path does per 32K-token chunk.
+
+  ours      vllm/v1/attention/ops/triton_fetch_kv.fetch_kv
+  baseline  upstream vLLM 0.33.0 ``cp_mha_gather_cache`` (one program per
+            (token, head)), loaded at run time from the pinned tree by
+            benchmarks/upstream_kernels.py; its token_to_batch map is built
+            outside the timed region, as upstream's metadata builder does
+  copy      added by the harness
+
+``nbytes`` = K+V bytes read from the cache + K+V bytes written, for the
+fetched tokens only.  Times are CUDA-graph replays (``graph=True``): kernel
+time without host launch overhead.  ``FETCH_KV_BENCH_TILE_BYTES=4096,16384``
+adds ``ours_tile<N>k`` variants run with another ``_TILE_BYTES`` (tuning).
+
+Run: PYTHONPATH=vllm_overlay:. VLLM_PINNED_TREE=<vllm 0.33.0 tree> \
+     python -m pytest -q benchmarks/bench_fetch_kv.py --benchmark-json=out.json
+"""
+
+import os
+
+import pytest
+import torch
+import vllm.v1.attention.ops.triton_fetch_kv as _fetch_kv_mod
+from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv
+
+from benchmarks.upstream_kernels import UpstreamUnavailable, load_cp_mha_gather_cache
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+# Share of the chunk each request gets, and where its fetch starts.
+REQ_SHARES = (0.1, 0.2, 0.3, 0.4)
+REQ_STARTS = (0, 100, 37, 4099)
+# Physical blocks the cache holds beyond those referenced, so the referenced
+# ones are scattered like in a real pool.
+SPARE_BLOCKS = 8192
+_DEVICE = "cuda"  # the CPU smoke check of this file swaps it
+
+try:
+    _UPSTREAM = load_cp_mha_gather_cache()
+    _UPSTREAM_MISSING = ""
+except UpstreamUnavailable as exc:
+    _UPSTREAM = None
+    _UPSTREAM_MISSING = f"baseline skipped: {exc}"
+
+
+def _cases():
+    cases = []
+    for tokens in (4096, 32768):
+        for h in (1, 4, 8):
+            for bs in (16, 32):
+                cases.append(("NHD", BF16, BF16, h, 128, bs, tokens))
+    for d in (64, 256):
+        cases.append(("NHD", BF16, BF16, 8, d, 16, 32768))
+    for h in (1, 4, 8):
+        cases.append(("NHD", FP8, BF16, h, 128, 16, 32768))
+    cases.append(("NHD", FP8, BF16, 8, 128, 16, 4096))
+    for h in (1, 8):
+        cases.append(("SHUFFLE", BF16, BF16, h, 128, 16, 32768))
+    cases.append(("SHUFFLE", FP8, BF16, 8, 128, 16, 32768))
+    return cases
+
+
+def _name(layout, cache_dtype, out_dtype, h, d, bs, tokens):
+    dt = "bf16" if cache_dtype == out_dtype else "fp8_to_bf16"
+    return f"{layout.lower()}_{dt}_h{h}_d{d}_b{bs}_{tokens // 1024}k"
+
+
+def _setup(layout, cache_dtype, out_dtype, h, d, bs, tokens):
+    gen = torch.Generator().manual_seed(0)
+    lens = [int(tokens * s) for s in REQ_SHARES]
+    lens[-1] = tokens - sum(lens[:-1])
+    lens = [n - 3 if i % 2 else n + 3 for i, n in enumerate(lens)]  # not multiples of bs
+    pages = [-(-(s + n) // bs) for s, n in zip(REQ_STARTS, lens)]
+    num_blocks = 1 + sum(pages) + SPARE_BLOCKS
+    perm = (torch.randperm(num_blocks - 1, generator=gen)[: sum(pages)] + 1).to(torch.int32)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    dev = _DEVICE
+    if layout == "NHD":  # vLLM 0.33.0's packed cache, viewed as K / V
+        raw = torch.empty(num_blocks, h, bs, 2 * d, dtype=cache_dtype, device=dev)
+        key_cache, value_cache = raw.transpose(1, 2).split(d, dim=-1)
+    else:  # shuffle: (blocks, 2, bs, H * D) unflattened and unbound, as the backend does
+        raw = torch.empty(num_blocks, 2, bs, h * d, dtype=cache_dtype, device=dev)
+        key_cache, value_cache = raw.unflatten(-1, (h, d)).unbind(1)
+    raw.view(torch.uint8).random_(0, 0x7F)  # bytes < 0x7f: finite in every dtype
+    key_out = torch.empty(tokens, h, d, dtype=out_dtype, device=dev)
+    value_out = torch.empty_like(key_out)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(dev)
+    seq_starts = torch.tensor(REQ_STARTS, dtype=torch.int32, device=dev)
+    token_to_batch = torch.repeat_interleave(
+        torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens)).to(dev)
+    k_scale = torch.tensor([0.5], device=dev)
+    v_scale = torch.tensor([2.0], device=dev)
+    table = table.to(dev)
+    dequant = cache_dtype != out_dtype
+    scales = {"k_scale": k_scale, "v_scale": v_scale} if dequant else {}
+
+    def ours():
+        fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
+                 kv_cache_layout=layout, **scales)
+
+    variants = {}
+    for tile in [int(t) for t in os.environ.get("FETCH_KV_BENCH_TILE_BYTES", "").split(",") if t]:
+        def variant(tile=tile):
+            saved, _fetch_kv_mod._TILE_BYTES = _fetch_kv_mod._TILE_BYTES, tile
+            try:
+                ours()
+            finally:
+                _fetch_kv_mod._TILE_BYTES = saved
+        variants[f"ours_tile{tile // 1024}k"] = variant
+
+    baseline = None
+    if _UPSTREAM is not None:
+        def baseline():
+            _UPSTREAM(key_cache, value_cache, key_out, value_out, table, k_scale, v_scale,
+                      cu, token_to_batch, seq_starts, dequant, layout, tokens)
+
+    nbytes = tokens * h * d * 2 * (cache_dtype.itemsize + out_dtype.itemsize)
+    shapes = {
+        "layout": layout, "cache_dtype": str(cache_dtype), "out_dtype": str(out_dtype),
+        "num_kv_heads": h, "head_size": d, "block_size": bs, "tokens": tokens,
+        "req_lens": lens, "seq_starts": list(REQ_STARTS), "num_blocks": num_blocks,
+    }
+    return ours, baseline, variants, nbytes, shapes
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: _name(*c))
+def test_fetch_kv(kernel_bench, case):
+    ours, baseline, variants, nbytes, shapes = _setup(*case)
+    kernel_bench(kernel="fetch_kv", case=_name(*case), shapes=shapes, nbytes=nbytes,
+                 impls={"ours": ours, "baseline": baseline, **variants}, graph=True,
+                 notes=_UPSTREAM_MISSING)

@@ -1,0 +1,518 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Gather the cached K/V of a batch of requests into dense varlen buffers.
+
+``fetch_kv`` copies, for every request ``b``, the cached tokens at logical
+positions ``seq_starts[b] .. seq_starts[b] + len_b - 1`` into output rows
+``cu_seqlens_kv[b] .. cu_seqlens_kv[b + 1] - 1`` (``len_b`` is the difference
+of those two).  Logical position ``p`` of request ``b`` lives in physical block
+``block_table[b, p // block_size]``, slot ``p % block_size``.  Attention
+backends use it to hand a varlen attention kernel the context of extends
+(chunked prefill), sliding windows and KV-sharing layers.
+
+Layouts (``H`` = num_kv_heads, ``D`` = head_size, ``bs`` = block_size):
+
+  * ``"NHD"``: ``key_cache`` / ``value_cache`` are ``[num_blocks, bs, H, D]``
+    views with any strides.  vLLM's packed cache
+    ``(num_blocks, H, bs, 2 * D)`` viewed as K = ``[..., :D]`` and
+    V = ``[..., D:]`` after ``transpose(1, 2)`` is the common case; there one
+    (block, head) pair is a contiguous ``bs x 2D`` tile holding K and V.
+  * ``"SHUFFLE"``: the tensors upstream's ``cp_mha_gather_cache`` takes, i.e.
+    ``[num_blocks, bs, H, D]`` views whose blocks are dense
+    (``stride(1) == H * D``, ``stride(2) == D``, ``stride(3) == 1``; the block
+    stride is free), with each block's bytes holding, per head,
+    K as ``[D // x, bs, x]`` and V as ``[bs // x, D, x]``, where
+    ``x = 16 // cache element size`` (one 16-byte vector).
+
+Outputs ``key_out`` / ``value_out`` are ``[num_tokens, H, D]`` (any strides);
+only rows ``cu_seqlens_kv[0] .. cu_seqlens_kv[-1] - 1`` are written.
+
+Dtypes: the cache and output dtypes match (a plain copy, bit-exact), or the
+cache is fp8 (e4m3fn / e4m3fnuz / e5m2 / e5m2fnuz) and the outputs are
+fp16 / bf16 / fp32: then ``out = (float32(cache) * scale).to(out dtype)`` with
+the per-tensor ``k_scale`` / ``v_scale`` (one-element float tensors).
+
+Design: one program moves one (cache page, kv head) tile per side -- ``bs``
+slots x ``D``, a contiguous ``bs x 2D`` run in the packed layout -- or, when
+such tiles are small (NHD only), ``PAGES_PER_PROGRAM`` consecutive pages of one
+request, so each program has about ``_TILE_BYTES`` in flight.  Pages are
+loaded whole (they are allocated; rows of a group past the request's last page
+read block 0), so loads need no row mask and stay 16-byte vectors in both
+layouts; stores are masked to the slots the request wants.  Work items are
+numbered so that request ``b`` owns items ``W(b) .. W(b) + n_b - 1`` with
+``W(b) = cu_seqlens_kv[b] // rows + 2 * b`` (``rows`` = slots per program) --
+a closed form of ``cu_seqlens_kv``, so no work list, cumulative sum or host
+synchronisation is needed and the call is CUDA-graph capturable.  A request
+of ``len_b`` tokens needs at most ``len_b // rows + 2`` items, so the items of
+consecutive requests never collide and at most two per request stay idle; a
+program finds its request by counting the ``W(b)`` not above its item number,
+in the same vector loads that fetch the request's row range and start.  All
+cache and output offsets are computed in 64 bits.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fetch_kv"]
+
+# Size of a vector access in bytes; the SHUFFLE layout interleaves in units of
+# 16 bytes (x = 16 // element size), and both layouts are moved in 16-byte
+# vectors by the tile loads/stores.
+_VECTOR_BYTES = 16
+
+# Requests scanned per step when a program looks up which request its work
+# item belongs to (one vector load per step; one step covers up to this many
+# requests minus one).
+_MAX_REQ_STEP = 1024
+
+# Bytes of one side (K or V, the larger of cache and output element) that a
+# program aims to move: one (page, head) tile, or several pages of one request
+# when pages are small.  Enough bytes in flight per program hide the latency of
+# its block-table lookup; with 4 warps an 8 KiB 16-bit tile is four 16-byte
+# vectors per thread per side, which reaches copy bandwidth on H200 without
+# spilling.
+_TILE_BYTES = 8192
+_MAX_PAGES_PER_PROGRAM = 8
+_NUM_WARPS = 4
+
+_FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+_DEQUANT_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LAYOUTS = ("NHD", "SHUFFLE")
+
+
+@triton.jit
+def _fetch_kv_kernel(
+    key_cache_ptr,  # [num_blocks, PAGE, H, D] (NHD) / shuffled blocks
+    value_cache_ptr,
+    key_out_ptr,  # [num_tokens, H, D]
+    value_out_ptr,
+    block_table_ptr,  # [num_reqs, max_blocks]
+    cu_seqlens_ptr,  # [num_reqs + 1]
+    seq_starts_ptr,  # [num_reqs]
+    k_scale_ptr,  # [1] (read only when DEQUANT)
+    v_scale_ptr,
+    num_reqs,
+    num_kv_heads,
+    stride_bt_req,
+    stride_bt_blk,
+    stride_cu,
+    stride_ss,
+    stride_kc_blk,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_blk,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
+    stride_ko_tok,
+    stride_ko_head,
+    stride_ko_dim,
+    stride_vo_tok,
+    stride_vo_head,
+    stride_vo_dim,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_SIZE
+    PAGE: tl.constexpr,  # cache block size (tokens per page)
+    PAGES_PER_PROGRAM: tl.constexpr,
+    SHUFFLE: tl.constexpr,
+    X: tl.constexpr,  # SHUFFLE vector width in elements
+    DEQUANT: tl.constexpr,
+    REQ_STEP: tl.constexpr,  # requests scanned per lookup step
+):
+    ROWS: tl.constexpr = PAGES_PER_PROGRAM * PAGE
+    pid = tl.program_id(0)
+    item = pid // num_kv_heads
+    head = (pid % num_kv_heads).to(tl.int64)
+
+    # Which request owns this item: req = #{b : W(b) <= item} - 1 with
+    # W(b) = cu[b] // ROWS + 2 b (strictly increasing).  The same vector loads
+    # also yield the request's cu[req], cu[req + 1] and seq_starts[req], so
+    # the lookup costs one memory round trip (one step up to REQ_STEP - 1
+    # requests).
+    count = tl.zeros((), dtype=tl.int32)
+    out_start = tl.zeros((), dtype=tl.int64)
+    out_end = tl.zeros((), dtype=tl.int64)
+    pos_start = tl.zeros((), dtype=tl.int64)
+    for req0 in range(0, num_reqs + 1, REQ_STEP):
+        reqs = req0 + tl.arange(0, REQ_STEP)
+        cu = tl.load(
+            cu_seqlens_ptr + reqs.to(tl.int64) * stride_cu,
+            mask=reqs <= num_reqs,
+            other=0,
+        ).to(tl.int64)
+        starts = tl.load(
+            seq_starts_ptr + reqs.to(tl.int64) * stride_ss,
+            mask=reqs < num_reqs,
+            other=0,
+        ).to(tl.int64)
+        hit = (reqs < num_reqs) & (cu // ROWS + 2 * reqs <= item)
+        count += tl.sum(hit.to(tl.int32), axis=0)
+        # Hits form a prefix, so index count - 1 (count) is in this step or
+        # a later one whenever it is in this step at all.
+        is_req = reqs == count - 1
+        is_next = reqs == count
+        found = tl.max(is_req.to(tl.int32), axis=0) > 0
+        out_start = tl.where(found, tl.sum(tl.where(is_req, cu, 0), axis=0), out_start)
+        pos_start = tl.where(
+            found, tl.sum(tl.where(is_req, starts, 0), axis=0), pos_start
+        )
+        found_next = tl.max(is_next.to(tl.int32), axis=0) > 0
+        out_end = tl.where(
+            found_next, tl.sum(tl.where(is_next, cu, 0), axis=0), out_end
+        )
+    req = count - 1
+    seq_len = out_end - out_start
+    pos_end = pos_start + seq_len
+    end_page = (pos_end + PAGE - 1) // PAGE
+    first_page = (
+        pos_start // PAGE + (item - (out_start // ROWS + 2 * req)) * PAGES_PER_PROGRAM
+    )
+    if (req < 0) | (seq_len <= 0) | (first_page >= end_page):
+        return
+
+    rows = tl.arange(0, ROWS)
+    slots = rows % PAGE
+    page = first_page + rows // PAGE  # int64
+    bt_ptrs = block_table_ptr + req.to(tl.int64) * stride_bt_req + page * stride_bt_blk
+    if PAGES_PER_PROGRAM == 1:
+        block = tl.load(bt_ptrs).to(tl.int64)
+    else:
+        block = tl.load(bt_ptrs, mask=page < end_page, other=0).to(tl.int64)
+    pos = page * PAGE + slots
+    row_ok = (pos >= pos_start) & (pos < pos_end)
+    out_rows = out_start + (pos - pos_start)  # int64
+
+    dims = tl.arange(0, BLOCK_D)
+    if SHUFFLE:
+        # Per (block, head): K is [D // X, PAGE, X], V is [PAGE // X, D, X].
+        tile = head * (HEAD_SIZE * PAGE)
+        k_src = (
+            key_cache_ptr
+            + (block * stride_kc_blk + tile + slots * X)[:, None]
+            + (dims // X * (PAGE * X) + dims % X)[None, :]
+        )
+        v_src = (
+            value_cache_ptr
+            + (block * stride_vc_blk + tile + slots // X * (HEAD_SIZE * X) + slots % X)[
+                :, None
+            ]
+            + (dims * X)[None, :]
+        )
+    else:
+        k_src = (
+            key_cache_ptr
+            + (
+                block * stride_kc_blk
+                + head * stride_kc_head
+                + slots.to(tl.int64) * stride_kc_slot
+            )[:, None]
+            + (dims * stride_kc_dim)[None, :]
+        )
+        v_src = (
+            value_cache_ptr
+            + (
+                block * stride_vc_blk
+                + head * stride_vc_head
+                + slots.to(tl.int64) * stride_vc_slot
+            )[:, None]
+            + (dims * stride_vc_dim)[None, :]
+        )
+
+    # Pages are loaded whole: they are allocated, and rows of pages past the
+    # request's last one read block 0 (their table entry is masked to 0), so
+    # loads need no row mask and stay 16-byte vectors in both layouts; the
+    # stores are masked to the wanted slots.
+    if BLOCK_D == HEAD_SIZE:
+        k = tl.load(k_src)
+        v = tl.load(v_src)
+    else:
+        col_ok = (dims < HEAD_SIZE)[None, :]
+        k = tl.load(k_src, mask=col_ok, other=0.0)
+        v = tl.load(v_src, mask=col_ok, other=0.0)
+
+    if DEQUANT:
+        k_scale = tl.load(k_scale_ptr).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr).to(tl.float32)
+        k = k.to(tl.float32) * k_scale
+        v = v.to(tl.float32) * v_scale
+    k = k.to(key_out_ptr.dtype.element_ty)
+    v = v.to(value_out_ptr.dtype.element_ty)
+
+    store_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+    k_dst = (
+        key_out_ptr
+        + (out_rows * stride_ko_tok + head * stride_ko_head)[:, None]
+        + (dims * stride_ko_dim)[None, :]
+    )
+    v_dst = (
+        value_out_ptr
+        + (out_rows * stride_vo_tok + head * stride_vo_head)[:, None]
+        + (dims * stride_vo_dim)[None, :]
+    )
+    tl.store(k_dst, k, mask=store_mask)
+    tl.store(v_dst, v, mask=store_mask)
+
+
+def _check_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"fetch_kv: {name} must be a torch.Tensor, got {type(t).__name__}"
+        )
+    if t.dim() != ndim:
+        raise ValueError(
+            f"fetch_kv: {name} must have {ndim} dims, got shape {tuple(t.shape)}"
+        )
+
+
+def _check_scale(name: str, scale, device: torch.device) -> None:
+    if scale is None:
+        raise ValueError(
+            f"fetch_kv: {name} is required to dequantise an fp8 cache into a "
+            "non-fp8 output"
+        )
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(
+            f"fetch_kv: {name} must be a one-element tensor, got {type(scale).__name__}"
+        )
+    if scale.numel() != 1 or not scale.dtype.is_floating_point:
+        raise ValueError(
+            f"fetch_kv: {name} must be a one-element float tensor, got "
+            f"shape {tuple(scale.shape)} dtype {scale.dtype}"
+        )
+    if scale.device != device:
+        raise ValueError(
+            f"fetch_kv: {name} is on {scale.device}, the cache on {device}"
+        )
+
+
+def _plan(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    seq_starts: torch.Tensor,
+    k_scale,
+    v_scale,
+    kv_cache_layout: str,
+    max_num_tokens,
+) -> tuple[bool, int]:
+    """Validate the arguments; return (dequant, upper bound on fetched tokens)."""
+    if kv_cache_layout not in _LAYOUTS:
+        raise ValueError(
+            f"fetch_kv: kv_cache_layout must be one of {_LAYOUTS}, "
+            f"got {kv_cache_layout!r}"
+        )
+    for name, t, ndim in (
+        ("key_cache", key_cache, 4),
+        ("value_cache", value_cache, 4),
+        ("key_out", key_out, 3),
+        ("value_out", value_out, 3),
+        ("block_table", block_table, 2),
+        ("cu_seqlens_kv", cu_seqlens_kv, 1),
+        ("seq_starts", seq_starts, 1),
+    ):
+        _check_tensor(name, t, ndim)
+        if t.device != key_cache.device:
+            raise ValueError(
+                f"fetch_kv: {name} is on {t.device}, key_cache on {key_cache.device}"
+            )
+
+    num_blocks, page, num_kv_heads, head_size = key_cache.shape
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"fetch_kv: value_cache shape {tuple(value_cache.shape)} != "
+            f"key_cache shape {tuple(key_cache.shape)}"
+        )
+    if key_out.shape != value_out.shape:
+        raise ValueError(
+            f"fetch_kv: value_out shape {tuple(value_out.shape)} != "
+            f"key_out shape {tuple(key_out.shape)}"
+        )
+    if tuple(key_out.shape[1:]) != (num_kv_heads, head_size):
+        raise ValueError(
+            f"fetch_kv: outputs must be [num_tokens, {num_kv_heads}, {head_size}] "
+            f"to match the cache, got {tuple(key_out.shape)}"
+        )
+    if page <= 0 or page & (page - 1):
+        raise ValueError(f"fetch_kv: block_size must be a power of two, got {page}")
+
+    cache_dtype, out_dtype = key_cache.dtype, key_out.dtype
+    if value_cache.dtype != cache_dtype:
+        raise TypeError(
+            f"fetch_kv: key_cache is {cache_dtype}, value_cache is {value_cache.dtype}"
+        )
+    if value_out.dtype != out_dtype:
+        raise TypeError(
+            f"fetch_kv: key_out is {out_dtype}, value_out is {value_out.dtype}"
+        )
+    if cache_dtype == out_dtype:
+        dequant = False
+    elif cache_dtype in _FP8_DTYPES and out_dtype in _DEQUANT_OUT_DTYPES:
+        dequant = True
+        _check_scale("k_scale", k_scale, key_cache.device)
+        _check_scale("v_scale", v_scale, key_cache.device)
+    else:
+        raise TypeError(
+            f"fetch_kv: cannot fetch a {cache_dtype} cache into {out_dtype} "
+            "outputs; the dtypes must match, or the cache must be fp8 (viewed as "
+            "the platform's fp8 dtype, not uint8) and the outputs fp16/bf16/fp32"
+        )
+
+    if kv_cache_layout == "SHUFFLE":
+        x = _VECTOR_BYTES // key_cache.element_size()
+        if head_size % x or page % x:
+            raise ValueError(
+                f"fetch_kv: SHUFFLE needs head_size ({head_size}) and block_size "
+                f"({page}) to be multiples of x = {x}"
+            )
+        dense = (num_kv_heads * head_size, head_size, 1)
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if tuple(t.stride()[1:]) != dense:
+                raise ValueError(
+                    f"fetch_kv: SHUFFLE needs each block of {name} dense (strides [*, "
+                    f"{dense[0]}, {dense[1]}, 1]), got strides {tuple(t.stride())}"
+                )
+
+    for name, t in (
+        ("block_table", block_table),
+        ("cu_seqlens_kv", cu_seqlens_kv),
+        ("seq_starts", seq_starts),
+    ):
+        if t.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"fetch_kv: {name} must be int32 or int64, got {t.dtype}")
+    num_reqs = seq_starts.shape[0]
+    if cu_seqlens_kv.shape[0] != num_reqs + 1:
+        raise ValueError(
+            f"fetch_kv: cu_seqlens_kv must have num_reqs + 1 = {num_reqs + 1} entries "
+            f"(seq_starts has {num_reqs}), got {cu_seqlens_kv.shape[0]}"
+        )
+    if block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"fetch_kv: block_table has {block_table.shape[0]} rows for "
+            f"{num_reqs} requests"
+        )
+
+    num_tokens = key_out.shape[0]
+    if max_num_tokens is not None:
+        if not isinstance(max_num_tokens, int) or not 0 <= max_num_tokens <= num_tokens:
+            raise ValueError(
+                f"fetch_kv: max_num_tokens must be an int in [0, {num_tokens}] (an "
+                f"upper bound on cu_seqlens_kv[-1]), got {max_num_tokens!r}"
+            )
+        num_tokens = max_num_tokens
+    return dequant, (num_tokens if num_reqs else 0)
+
+
+def fetch_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    seq_starts: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    kv_cache_layout: str = "NHD",
+    max_num_tokens: int | None = None,
+) -> None:
+    """Gather each request's cached K/V into ``key_out`` / ``value_out``.
+
+    Args:
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` cache
+            view (see the module docstring for layouts).
+        value_cache: same shape and dtype as ``key_cache``.
+        key_out: ``[num_tokens, num_kv_heads, head_size]``; rows
+            ``cu_seqlens_kv[0] .. cu_seqlens_kv[-1] - 1`` are written.
+        value_out: same shape and dtype as ``key_out``.
+        block_table: ``[>= num_reqs, max_blocks]`` int32/int64 physical block
+            ids per request.
+        cu_seqlens_kv: ``[num_reqs + 1]`` output row offsets (device tensor).
+        seq_starts: ``[num_reqs]`` first logical position fetched per request.
+        k_scale: one-element float tensor; required (and used) only when an
+            fp8 cache is dequantised into non-fp8 outputs.
+        v_scale: likewise for the values.
+        kv_cache_layout: ``"NHD"`` or ``"SHUFFLE"``.
+        max_num_tokens: optional host upper bound on ``cu_seqlens_kv[-1]``
+            (default ``key_out.shape[0]``); only sizes the launch grid, so a
+            caller that knows the fetched total avoids launching idle programs
+            into a large workspace.
+
+    Never reads device values on the host, so it may be captured in a CUDA
+    graph.
+
+    """
+    dequant, num_tokens = _plan(
+        key_cache,
+        value_cache,
+        key_out,
+        value_out,
+        block_table,
+        cu_seqlens_kv,
+        seq_starts,
+        k_scale,
+        v_scale,
+        kv_cache_layout,
+        max_num_tokens,
+    )
+    if num_tokens == 0:
+        return
+    _, page, num_kv_heads, head_size = key_cache.shape
+    num_reqs = seq_starts.shape[0]
+    shuffle = kv_cache_layout == "SHUFFLE"
+    side_bytes = (
+        page * head_size * max(key_cache.element_size(), key_out.element_size())
+    )
+    pages_per_program = min(
+        _MAX_PAGES_PER_PROGRAM,
+        1 << (max(1, _TILE_BYTES // side_bytes).bit_length() - 1),
+    )
+    if shuffle:
+        # With several pages per program Triton 3.6 no longer sees that the
+        # SHUFFLE V rows are contiguous in groups of x and falls back to scalar
+        # loads; one page per program keeps them 16-byte vectors.
+        pages_per_program = 1
+    # A request of len tokens needs at most len // rows + 2 items, so its
+    # items lie below W(b + 1) <= cu[-1] // rows + 2 (b + 1).
+    num_items = num_tokens // (pages_per_program * page) + 2 * num_reqs
+    if not dequant:  # the kernel never reads the scales then
+        k_scale = v_scale = cu_seqlens_kv
+    _fetch_kv_kernel[(num_items * num_kv_heads,)](
+        key_cache,
+        value_cache,
+        key_out,
+        value_out,
+        block_table,
+        cu_seqlens_kv,
+        seq_starts,
+        k_scale,
+        v_scale,
+        num_reqs,
+        num_kv_heads,
+        *block_table.stride(),
+        cu_seqlens_kv.stride(0),
+        seq_starts.stride(0),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *key_out.stride(),
+        *value_out.stride(),
+        HEAD_SIZE=head_size,
+        BLOCK_D=triton.next_power_of_2(head_size),
+        PAGE=page,
+        PAGES_PER_PROGRAM=pages_per_program,
+        SHUFFLE=shuffle,
+        X=_VECTOR_BYTES // key_cache.element_size() if shuffle else 1,
+        DEQUANT=dequant,
+        REQ_STEP=max(16, min(triton.next_power_of_2(num_reqs + 1), _MAX_REQ_STEP)),
+        num_warps=_NUM_WARPS,
+    )

@@ -1,0 +1,670 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Attention of extend queries to their cached context, read from the paged cache.
+
+An *extend* is a request that already has ``context_len`` tokens in the KV
+cache and brings ``query_len`` new tokens this step (a chunked-prefill chunk or
+a prefix-cache hit).  Its attention splits into two parts that a backend merges
+with ``merge_attn_states``: the new tokens attending causally to each other,
+and the new tokens attending to the cached context.  ``paged_context_attention``
+computes the second part straight from the paged cache -- no gather into a
+workspace -- and returns the output with its log-sum-exp.
+
+Semantics, for request ``b`` and its ``i``-th new token (``i < query_len_b``):
+
+  * absolute position ``p = context_len_b + i``;
+  * it attends to context positions ``k`` in ``[0, context_len_b)`` -- all of
+    them (the context precedes every new token, so no causal mask), or, with a
+    sliding window of ``W`` tokens, those with ``p - k < W`` (vLLM's
+    ``sliding_window`` int; the backend tuple ``(W - 1, 0)``);
+  * ``lse = log(sum_k exp(scale * q . k))`` (natural log, as
+    ``merge_attn_states`` expects); a token that sees no context gets output 0
+    and ``lse = -inf``, which the merge treats as "no prefix".
+
+Layouts (``T`` = total new tokens, ``Hq`` / ``Hkv`` = query / kv heads,
+``D`` = head_size, ``bs`` = block_size, ``B`` = number of requests):
+
+  * ``query``: ``[T, Hq, D]``, requests back to back in ``cu_seqlens_q`` order;
+    any token/head strides, last dim contiguous.
+  * ``key_cache`` / ``value_cache``: ``[num_blocks, bs, Hkv, D]`` views with any
+    strides (last dim contiguous).  vLLM 0.33.0's packed cache
+    ``(num_blocks, Hkv, bs, 2 * D)`` is the common case:
+    ``kv_cache.transpose(1, 2).split(D, dim=-1)`` gives K and V with strides
+    ``(Hkv * bs * 2D, 2D, bs * 2D, 1)``.  fp16/bf16, or fp8 (e4m3fn, e4m3fnuz,
+    e5m2, e5m2fnuz) with per-tensor ``k_scale`` / ``v_scale``: the stored value
+    times the scale is the real value.
+  * ``block_table``: ``[>= B, max_blocks]`` int32/int64; logical position ``k``
+    of request ``b`` is slot ``k % bs`` of block ``block_table[b, k // bs]``.
+  * ``cu_seqlens_q``: ``[B + 1]`` int32/int64, ``cu_seqlens_q[0] == 0``,
+    ``cu_seqlens_q[B] <= T``.
+  * ``seq_lens``: ``[B]`` int32/int64, context + new tokens per request (vLLM's
+    ``seq_lens``); ``context_len_b = seq_lens[b] - query_len_b``.  Positions at
+    or after ``context_len_b`` are never read, so it does not matter whether
+    the new tokens are already in the cache.
+  * outputs: ``out`` ``[T, Hq, D]`` in the query dtype and ``lse`` ``[Hq, T]``
+    float32 (any strides; ``merge_attn_states``'s layout).  Rows of tokens at
+    or after ``cu_seqlens_q[B]`` are not written.
+
+Design (flash-attention forward, one program per tile):
+  * A program owns ``BLOCK_Q`` consecutive new tokens of one request times the
+    ``Hq / Hkv`` query heads that share one kv head (GQA): ``BLOCK_M = BLOCK_Q *
+    GROUP_PAD`` query rows, row ``r`` = token ``r // GROUP_PAD``, head ``r %
+    GROUP_PAD`` of the group.  Each K/V tile is loaded once for the whole group.
+  * It walks the context in ``BLOCK_N``-token tiles, looking up each token's
+    block in the block table (so ``BLOCK_N`` need not equal the page size), with
+    ``tl.dot`` for ``Q K^T`` and ``P V``, an fp32 accumulator and an online
+    softmax in base 2.  fp8 tiles are widened to the query dtype for the dots;
+    ``k_scale`` folds into the softmax scale and ``v_scale`` into the final
+    normalisation, so dequantisation costs no extra pass.
+  * Tiles are numbered in closed form: request ``b`` owns tiles
+    ``cu_seqlens_q[b] // BLOCK_Q + b`` onwards, so a program finds its request by
+    a binary search over ``cu_seqlens_q`` -- no host synchronisation, no tile list.
+  * When there are too few tiles to fill the GPU (short extends), the context
+    of each tile is split into ``num_splits`` ranges processed by separate
+    programs; each writes a normalised fp32 partial output and its lse, and a
+    small second kernel combines them.  With one split the first kernel writes
+    the final output directly.
+  * Every offset that multiplies a block id or a token index by a stride is
+    computed in 64 bits.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_context_attention", "use_paged_context"]
+
+# Tile shape (query rows x context tokens per iteration, warps, pipeline
+# stages).  Query rows = tokens x heads of one GQA group; every K/V element a
+# program loads is used by BLOCK_M rows, so 128 rows halve the K/V traffic
+# from L2 against 64.  On the H200 this tile ran the compute-bound case at
+# 294 TFLOP/s; 64-row tiles were 5% slower, 8 warps 13% (2% with 3 stages),
+# and a 128 x 128 / 8-warp tile 6% faster but not yet correctness-checked on
+# a GPU (benchmarks/notes/paged_context.md).  BLOCK_N is a multiple of the
+# 16-token page.
+_BLOCK_M = 128
+_BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+# D > 128: the per-iteration K/V tiles and the accumulator double; halve the
+# context tile and double the warps to stay within registers / shared memory.
+_BLOCK_N_LARGE_D = 32
+_NUM_WARPS_LARGE_D = 8
+# Split the context when there are fewer than this many programs per SM
+# worth of work (one full wave of two co-resident programs per SM).
+_PROGRAMS_PER_SM = 2
+# Never split finer than this many context tokens per split (enough
+# iterations to amortise the partial-output write), nor into more than this
+# many splits (the partial buffer is splits x T x Hq x D fp32).
+_MIN_TOKENS_PER_SPLIT = 1024
+_MAX_SPLITS = 16
+
+# fp32 queries (tests, reference runs) use exact FMA dots, not tensor cores;
+# smaller tiles keep them in registers.
+_FP32_BLOCK_M = 64
+_FP32_BLOCK_N = 32
+
+# Interpreter (CPU) launches: small tiles keep numpy work per program small.
+_INTERP_BLOCK_M = 16
+_INTERP_BLOCK_N = 16
+
+_LOG2E = 1.4426950408889634
+
+_FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _find_request(cu_seqlens_q_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest ``b`` with ``cu_seqlens_q[b] // BLOCK_Q + b <= tile``."""
+    lo: tl.int32 = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        go_right = first_tile <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    # fp32 operands: exact products (no tf32); 16-bit operands: the target's
+    # default tensor-core path.
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_context_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_row_ptr,
+    tile_start,
+    context_len,
+    q_pos,
+    k_head_off,
+    v_head_off,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    qk_scale,
+    window_left,
+    offs_n,
+    offs_d,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TAIL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with one context tile.
+
+    ``TAIL``: the tile crosses ``context_len`` (mask positions past it).
+    """
+    pos = tile_start + offs_n
+    if TAIL:
+        in_ctx = pos < context_len
+        block = tl.load(block_row_ptr + pos // PAGE_SIZE, mask=in_ctx, other=0)
+    else:
+        block = tl.load(block_row_ptr + pos // PAGE_SIZE)
+    slot = (pos % PAGE_SIZE).to(tl.int64)
+    k_rows = block.to(tl.int64) * stride_kb + slot * stride_kt + k_head_off
+    v_rows = block.to(tl.int64) * stride_vb + slot * stride_vt + v_head_off
+    k_ptrs = k_cache_ptr + k_rows[None, :] + offs_d[:, None]  # [D, N]
+    v_ptrs = v_cache_ptr + v_rows[:, None] + offs_d[None, :]  # [N, D]
+    if TAIL:
+        if HEAD_DIM_PAD != HEAD_DIM:
+            d_ok = offs_d < HEAD_DIM
+            k = tl.load(k_ptrs, mask=d_ok[:, None] & in_ctx[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_ctx[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=in_ctx[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_ctx[:, None], other=0.0)
+    else:
+        if HEAD_DIM_PAD != HEAD_DIM:
+            d_ok = offs_d < HEAD_DIM
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+
+    s = _dot(q, k.to(q.dtype), tl.zeros([q.shape[0], k.shape[1]], tl.float32), DOT_IEEE)
+    s = s * qk_scale  # [M, N], log2 units
+    if TAIL:
+        s = tl.where(in_ctx[None, :], s, float("-inf"))
+    if USE_WINDOW:
+        s = tl.where(pos[None, :] >= q_pos[:, None] - window_left, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives
+    # 0 rather than NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = _dot(p.to(q.dtype), v.to(q.dtype), acc, DOT_IEEE)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_context_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [num_blocks, bs, Hkv, D] (strided view)
+    v_cache_ptr,  # [num_blocks, bs, Hkv, D] (strided view)
+    block_table_ptr,  # [B, max_blocks]
+    cu_seqlens_q_ptr,  # [B + 1]
+    seq_lens_ptr,  # [B]
+    k_scale_ptr,  # [1] float32 (read only for fp8 caches)
+    v_scale_ptr,  # [1] float32 (read only for fp8 caches)
+    out_ptr,  # [T, Hq, D] final, or [S, T, Hq, D] fp32 partials
+    lse_ptr,  # [Hq, T] final, or [S, Hq, T] fp32 partials
+    num_reqs,
+    num_splits,
+    qk_scale_log2,  # softmax scale * log2(e)
+    window_left,  # a token at p sees context k >= p - window_left
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lh,
+    stride_lt,
+    GROUP: tl.constexpr,  # Hq // Hkv
+    GROUP_PAD: tl.constexpr,  # next power of two of GROUP
+    BLOCK_Q: tl.constexpr,  # new tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD query rows
+    BLOCK_N: tl.constexpr,  # context tokens per iteration
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(cu_seqlens_q_ptr, num_reqs, tile, BLOCK_Q)
+    q_begin = tl.load(cu_seqlens_q_ptr + req).to(tl.int32)
+    q_end = tl.load(cu_seqlens_q_ptr + req + 1).to(tl.int32)
+    query_len = q_end - q_begin
+    first_local = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q
+    if first_local >= query_len:
+        return  # idle tile between two requests' tile ranges
+    context_len = tl.load(seq_lens_ptr + req).to(tl.int32) - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    local = first_local + offs_m // GROUP_PAD  # token index within the request
+    head_in_group = offs_m % GROUP_PAD
+    row_ok = (local < query_len) & (head_in_group < GROUP)
+    token = (q_begin + local).to(tl.int64)
+    head = kv_head * GROUP + head_in_group
+    q_pos = context_len + local  # absolute position of each row's token
+
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    if HEAD_DIM_PAD != HEAD_DIM:
+        q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    else:
+        q_mask = row_ok[:, None]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+
+    qk_scale = qk_scale_log2
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
+    # Context range this tile needs: everything, or from the window start of
+    # its earliest token on; whole BLOCK_N tiles, aligned.
+    ctx_lo = 0
+    if USE_WINDOW:
+        ctx_lo = tl.maximum(context_len + first_local - window_left, 0)
+    tile_lo = ctx_lo // BLOCK_N
+    num_full = context_len // BLOCK_N  # tiles entirely inside the context
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    per_split = tl.cdiv(tl.maximum(num_tiles - tile_lo, 0), num_splits)
+    t_begin = tile_lo + split * per_split
+    t_end = tl.minimum(t_begin + per_split, num_tiles)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+
+    block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_head_off = kv_head.to(tl.int64) * stride_kh
+    v_head_off = kv_head.to(tl.int64) * stride_vh
+    for t in range(t_begin, tl.minimum(t_end, num_full)):
+        acc, l_i, m_i = _attend_context_tile(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_row_ptr, t * BLOCK_N,
+            context_len, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
+            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, False, USE_WINDOW, DOT_IEEE,
+        )
+    if (num_full < t_end) & (num_full >= t_begin):
+        acc, l_i, m_i = _attend_context_tile(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_row_ptr, num_full * BLOCK_N,
+            context_len, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
+            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW, DOT_IEEE,
+        )
+
+    seen = l_i > 0.0
+    inv_l = 1.0 / tl.where(seen, l_i, 1.0)
+    if FP8:
+        inv_l = inv_l * tl.load(v_scale_ptr)
+    out = acc * inv_l[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+
+    split64 = split.to(tl.int64)
+    o_ptrs = (out_ptr + split64 * stride_os + token[:, None] * stride_ot
+              + head[:, None] * stride_oh + offs_d[None, :])
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    l_ptrs = lse_ptr + split64 * stride_ls + head.to(tl.int64) * stride_lh + token * stride_lt
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr,  # [S, T, Hq, D] fp32
+    part_lse_ptr,  # [S, Hq, T] fp32
+    out_ptr,  # [T, Hq, D]
+    lse_ptr,  # [Hq, T]
+    cu_seqlens_q_ptr,  # [B + 1]
+    num_reqs,
+    num_splits,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_pls,
+    stride_plh,
+    stride_plt,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    stride_lt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    if token >= tl.load(cu_seqlens_q_ptr + num_reqs):
+        return  # padding past the last request: no partials were written
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+
+    lse_s = tl.load(part_lse_ptr + offs_s.to(tl.int64) * stride_pls + head * stride_plh
+                    + token * stride_plt, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, axis=0)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_shift)  # 0 for empty splits
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + offs_s.to(tl.int64)[:, None] * stride_ps + token * stride_pt
+                    + head * stride_ph + offs_d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    merged = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
+             merged.to(out_ptr.dtype.element_ty), mask=d_ok)
+    lse = tl.where(total > 0.0, m_shift + tl.log(tl.where(total > 0.0, total, 1.0)),
+                   float("-inf"))
+    tl.store(lse_ptr + head * stride_lh + token * stride_lt, lse)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check(cond: bool, msg, exc: type[Exception] = ValueError) -> None:
+    # msg: a string, or a callable building it (formatted only on failure, so
+    # the checks cost little host time per call).
+    if not cond:
+        raise exc(f"paged_context_attention: {msg() if callable(msg) else msg}")
+
+
+def _check_scale(name: str, scale, device: torch.device) -> torch.Tensor:
+    if isinstance(scale, (int, float)):
+        return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+    _check(isinstance(scale, torch.Tensor),
+           lambda: f"{name} must be a float or a one-element float32 tensor, got {type(scale)}",
+           TypeError)
+    _check(scale.numel() == 1 and scale.dtype == torch.float32,
+           lambda: f"{name} must be a one-element float32 tensor, got shape "
+           f"{tuple(scale.shape)} dtype {scale.dtype}")
+    _check(scale.device == device, lambda: f"{name} is on {scale.device}, the cache on {device}")
+    return scale
+
+
+def paged_context_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend each new token of each extend to its request's cached context.
+
+    Args:
+        query: ``[T, Hq, D]`` fp16/bf16/fp32 new-token queries.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` views of
+            the paged cache (module docstring); same dtype: the query dtype, or
+            fp8 with ``k_scale`` / ``v_scale`` given.
+        block_table: ``[>= B, max_blocks]`` int32/int64 block ids per request.
+        cu_seqlens_q: ``[B + 1]`` int32/int64 offsets of each request's tokens
+            in ``query`` (``cu_seqlens_q[0] == 0``).
+        seq_lens: ``[B]`` int32/int64 context + new tokens per request.
+        scale: softmax scale.
+        sliding_window: ``None`` (full context) or the window ``W >= 1`` in
+            tokens: the token at position ``p`` sees positions ``> p - W``.
+        k_scale, v_scale: per-tensor dequantisation scales (one-element float32
+            tensors or floats), required for fp8 caches, ignored otherwise.
+        out: optional ``[T, Hq, D]`` output in the query dtype.
+        lse: optional ``[Hq, T]`` float32 log-sum-exp output (natural log).
+        max_context_len: optional host upper bound on the context lengths;
+            only caps how finely the context is split across programs.
+        num_splits: force the number of context splits (>= 1); default: enough
+            programs to fill the device.
+
+    Returns:
+        ``(out, lse)``.  Never reads device values on the host.
+    """
+    _check(isinstance(query, torch.Tensor) and query.dim() == 3,
+           "query must be a [T, Hq, D] tensor", TypeError)
+    _check(query.dtype in _QUERY_DTYPES,
+           lambda: f"query dtype must be one of {_QUERY_DTYPES}, got {query.dtype}", TypeError)
+    num_tokens, num_heads, head_size = query.shape
+    device = query.device
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(isinstance(cache, torch.Tensor) and cache.dim() == 4,
+               lambda name=name: f"{name} must be a [num_blocks, block_size, Hkv, D] tensor",
+               TypeError)
+        _check(cache.device == device,
+               lambda name=name, cache=cache: f"{name} is on {cache.device}, query on {device}")
+        _check(cache.stride(3) == 1,
+               lambda name=name: f"{name} must be contiguous in its last dim")
+    _check(key_cache.shape == value_cache.shape,
+           lambda: f"key_cache {tuple(key_cache.shape)} and value_cache "
+           f"{tuple(value_cache.shape)} shapes differ")
+    _check(key_cache.dtype == value_cache.dtype,
+           lambda: f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
+           "dtypes differ",
+           TypeError)
+    num_blocks, page_size, num_kv_heads, cache_head_size = key_cache.shape
+    _check(cache_head_size == head_size,
+           lambda: f"cache head size {cache_head_size} != query head size {head_size}")
+    _check(16 <= head_size <= 256, lambda: f"head size must be in [16, 256], got {head_size}")
+    _check(num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
+           lambda: f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    _check(query.stride(2) == 1, "query must be contiguous in its last dim")
+    fp8 = key_cache.dtype in _FP8_DTYPES
+    _check(fp8 or key_cache.dtype == query.dtype,
+           lambda: f"cache dtype {key_cache.dtype} must equal the query dtype {query.dtype} "
+           "or be fp8",
+           TypeError)
+    if fp8:
+        _check(query.dtype != torch.float32, "an fp8 cache needs fp16/bf16 queries", TypeError)
+        _check(k_scale is not None and v_scale is not None,
+               "an fp8 cache needs k_scale and v_scale")
+        k_scale = _check_scale("k_scale", k_scale, device)
+        v_scale = _check_scale("v_scale", v_scale, device)
+
+    for name, t, ndim in (("block_table", block_table, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
+                          ("seq_lens", seq_lens, 1)):
+        _check(isinstance(t, torch.Tensor) and t.dim() == ndim,
+               lambda name=name, ndim=ndim: f"{name} must be a {ndim}-d tensor", TypeError)
+        _check(t.dtype in _INDEX_DTYPES,
+               lambda name=name, t=t: f"{name} must be int32 or int64, got {t.dtype}",
+               TypeError)
+        _check(t.device == device,
+               lambda name=name, t=t: f"{name} is on {t.device}, query on {device}")
+    num_reqs = seq_lens.shape[0]
+    _check(cu_seqlens_q.shape[0] == num_reqs + 1,
+           lambda: f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected {num_reqs + 1}")
+    _check(block_table.shape[0] >= num_reqs,
+           lambda: f"block_table has {block_table.shape[0]} rows for {num_reqs} requests")
+    _check(block_table.stride(1) == 1, "block_table rows must be contiguous")
+    _check(cu_seqlens_q.stride(0) == 1 and seq_lens.stride(0) == 1,
+           "cu_seqlens_q and seq_lens must be contiguous")
+
+    if sliding_window is not None:
+        _check(isinstance(sliding_window, int) and sliding_window >= 1,
+               lambda: f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if max_context_len is not None:
+        _check(isinstance(max_context_len, int) and max_context_len >= 0,
+               lambda: f"max_context_len must be an int >= 0, got {max_context_len!r}")
+    if num_splits is not None:
+        _check(isinstance(num_splits, int) and 1 <= num_splits <= 256,
+               lambda: f"num_splits must be an int in [1, 256], got {num_splits!r}")
+
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        _check(out.shape == query.shape and out.dtype == query.dtype and out.device == device,
+               lambda: f"out must be {tuple(query.shape)} {query.dtype} on {device}, got "
+               f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        _check(out.stride(2) == 1, "out must be contiguous in its last dim")
+    if lse is None:
+        lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
+    else:
+        _check(lse.shape == (num_heads, num_tokens) and lse.dtype == torch.float32
+               and lse.device == device,
+               lambda: f"lse must be ({num_heads}, {num_tokens}) float32 on {device}, got "
+               f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
+    if num_reqs == 0 or num_tokens == 0:
+        return out, lse
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_size)
+    interpret = device.type != "cuda"
+    if interpret:
+        block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
+    elif query.dtype == torch.float32:  # FMA dots: keep the tiles in registers
+        block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
+    else:
+        block_m = _BLOCK_M
+        block_n = _BLOCK_N if head_dim_pad <= 128 else _BLOCK_N_LARGE_D
+    block_m = max(block_m, group_pad)
+    block_q = block_m // group_pad
+    num_q_tiles = num_tokens // block_q + num_reqs
+
+    if num_splits is None:
+        num_splits = 1
+        if not interpret:
+            base = num_q_tiles * num_kv_heads
+            want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device.index or 0), base)
+            cap = _MAX_SPLITS
+            if max_context_len is not None:
+                cap = min(cap, max(1, max_context_len // _MIN_TOKENS_PER_SPLIT))
+            num_splits = max(1, min(want, cap))
+
+    if fp8:
+        k_scale_arg, v_scale_arg = k_scale, v_scale
+    else:  # never read
+        k_scale_arg = v_scale_arg = seq_lens
+    if num_splits == 1:
+        dst_out, dst_lse = out, lse
+        o_strides = (0, *out.stride()[:2])
+        l_strides = (0, *lse.stride())
+    else:
+        dst_out = torch.empty((num_splits, num_tokens, num_heads, head_size),
+                              dtype=torch.float32, device=device)
+        dst_lse = torch.empty((num_splits, num_heads, num_tokens), dtype=torch.float32,
+                              device=device)
+        o_strides = dst_out.stride()[:3]
+        l_strides = dst_lse.stride()
+
+    _paged_context_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        k_scale_arg,
+        v_scale_arg,
+        dst_out,
+        dst_lse,
+        num_reqs,
+        num_splits,
+        float(scale) * _LOG2E,
+        (sliding_window - 1) if sliding_window is not None else 0,
+        query.stride(0),
+        query.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        block_table.stride(0),
+        *o_strides,
+        *l_strides,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_size,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=page_size,
+        USE_WINDOW=sliding_window is not None,
+        FP8=fp8,
+        DOT_IEEE=query.dtype == torch.float32,
+        num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
+        num_stages=_NUM_STAGES,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            dst_out,
+            dst_lse,
+            out,
+            lse,
+            cu_seqlens_q,
+            num_reqs,
+            num_splits,
+            *dst_out.stride()[:3],
+            *dst_lse.stride(),
+            *out.stride()[:2],
+            *lse.stride(),
+            HEAD_DIM=head_size,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=_NUM_WARPS,
+        )
+    return out, lse
+
+
+def use_paged_context(extend_query_lens: torch.Tensor, max_tokens: int) -> bool:
+    """Whether a step's extends should attend to their context from the paged cache.
+
+    The rule the AITER FA backend applies once per step: the extends bring at
+    most ``max_tokens`` new tokens *in total* (``max_tokens <= 0`` disables
+    the paged route).  Beyond that, a dense varlen kernel over gathered
+    context has enough (query block x head) tiles to fill the device and its
+    per-tile speed wins; below it, the dense kernel leaves most of the device
+    idle while this kernel splits the context across programs.  On the H200
+    the crossover tracks the step's total (1 x 512 and 4 x 128 new tokens
+    both measured at parity), so the rule counts the total, which also keeps
+    every long chunk on the gather path.  ``extend_query_lens`` is the host
+    tensor of the extends' new-token counts; no extends: False.
+    """
+    if max_tokens <= 0 or extend_query_lens.numel() == 0:
+        return False
+    return int(extend_query_lens.sum()) <= max_tokens

@@ -32,6 +32,11 @@ from benchmarks.upstream_kernels import UpstreamUnavailable, load_cp_mha_gather_
 
 pytestmark = pytest.mark.gpu
 
+# What "baseline" is in this suite (recorded with every case by kernel_bench).
+BASELINE = (
+    'upstream cp_mha_gather_cache (vLLM 0.33.0 rocm_aiter_fa.py, loaded at run time from the pinned tree)'
+)
+
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 # Share of the chunk each request gets, and where its fetch starts.
 REQ_SHARES = (0.1, 0.2, 0.3, 0.4)

@@ -58,6 +58,11 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.gpu
 
+# What "baseline" is in this suite (recorded with every case by kernel_bench).
+BASELINE = (
+    "vLLM's CUDA concat_and_cache_mla_rope_fused (compiled at run time from the pinned csrc) followed by the q concat; compiled_unfused = torch.compile RoPE, cache write, concat"
+)
+
 REPO = Path(__file__).resolve().parent.parent
 L, R, QK_NOPE = 512, 64, 128
 BLOCK_SIZE = 64

@@ -53,6 +53,11 @@ except ImportError:  # another topic's kernel; the torch gather stands in
 
 pytestmark = pytest.mark.gpu
 
+# What "baseline" is in this suite (recorded with every case by kernel_bench).
+BASELINE = (
+    'gather with fetch_kv + the same Triton attention kernel over the workspace + merge; gather_fa2 = same gather + PyTorch FlashAttention-2 varlen (the dense-vendor-kernel stand-in)'
+)
+
 NUM_HEADS = 32
 NUM_KV_HEADS = 4
 HEAD_SIZE = 128

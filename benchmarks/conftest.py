@@ -178,6 +178,9 @@ def kernel_bench(benchmark, request):
         }
         if notes:
             extra["notes"] = notes
+        baseline_desc = getattr(request.module, "BASELINE", None)
+        if baseline_desc:  # what "baseline" means for this suite, for the report
+            extra["baseline_desc"] = baseline_desc
         benchmark.extra_info.update(extra)
         benchmark.group = kernel
         ours = candidates["ours"]

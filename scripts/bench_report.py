@@ -58,12 +58,15 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def kernel_table(cases: list[dict]) -> str:
-    rows = ["| case | ours µs | baseline µs | copy µs | speedup | ours GB/s | of copy BW |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    extra = sorted({impl for case in cases for impl in case["results"]} - {"ours", "baseline", "copy"})
+    head = "| case | ours µs | baseline µs | " + "".join(f"{impl} µs | " for impl in extra)
+    rows = [head + "copy µs | speedup | ours GB/s | of copy BW |",
+            "|---|" + "---:|" * (len(extra) + 6)]
     for case in cases:
         ours = case["results"]["ours"]
         rows.append(f"| {case['case']}{' (graph)' if case.get('graph') else ''} | {_us(case, 'ours')} | "
-                    f"{_us(case, 'baseline')} | {_us(case, 'copy')} | {_fmt(case.get('speedup'))}× | "
+                    f"{_us(case, 'baseline')} | " + "".join(f"{_us(case, impl)} | " for impl in extra) +
+                    f"{_us(case, 'copy')} | {_fmt(case.get('speedup'))}× | "
                     f"{_fmt(ours.get('gbps'), '.0f')} | {_fmt(100 * case['frac_copy'], '.0f')}% |")
     return "\n".join(rows)
 
@@ -98,7 +101,7 @@ def plot(kernel: str, device: str, cases: list[dict], path: Path) -> bool:
 def summary(latest: dict, plots: dict) -> str:
     if not latest:
         return "No benchmark results yet (`make bench` on a GPU, then `make report`)."
-    lines = ["| kernel | device | cases | speedup vs upstream (min–max) | of copy BW (min–max) | results |",
+    lines = ["| kernel | device | cases | speedup vs baseline (min–max) | of copy BW (min–max) | results |",
              "|---|---|---:|---|---|---|"]
     for (kernel, device), entry in sorted(latest.items()):
         speed = [c["speedup"] for c in entry["cases"] if c.get("speedup")]
@@ -128,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, ((kernel, device), entry) in enumerate(sorted(latest.items()), 1):
         print(f"[report] {i}/{len(latest)} {kernel} on {device}: {len(entry['cases'])} cases", flush=True)
         s = entry["series"]
+        baseline = entry["cases"][0].get("baseline_desc")
         details += [f"## {kernel} — {device}", "",
+                    *([f"Baseline: {baseline}", ""] if baseline else []),
                     f"From `{entry['file']}` ({entry['datetime']}; commit {s.get('commit', '?')}, "
                     f"torch {s.get('torch', '?')}, triton {s.get('triton', '?')}).", "",
                     kernel_table(entry["cases"]), ""]

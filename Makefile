@@ -12,8 +12,13 @@ PYTEST_ARGS ?=
 FORCE      ?=
 # make bench writes here (default benchmarks/results/).
 BENCH_OUT  ?=
+# make pr / build / image (README "Upstream PRs, wheels and the ROCm image").
+TOPIC      ?=
+RUFF       ?= $(wildcard $(VENV)/bin/ruff)
+DEVICE     ?= auto
+BASE_IMAGE ?=
 
-SERIES := $(PYTHON) scripts/series.py
+SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
 .PHONY: help apply check refresh fetch readme venv test test-gpu bench report sweep sweep-report e2e clean
@@ -40,7 +45,7 @@ venv: apply ## Create/update .venv for the CPU tier (CPU torch, triton, vLLM's c
 	@$(PYTHON) scripts/make_venv.py --venv $(VENV) --tree $(TREE)
 
 test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRITON_INTERPRET=1
-	PYTHONPATH=$(TREE) $(VPY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
@@ -62,3 +67,13 @@ e2e: ## ROCm end-to-end recipes: make e2e RECIPES=all MODEL=... UPSTREAM=/path/p
 
 clean: ## Remove build outputs (build/, dist/); never the sdist cache or the venv
 	rm -rf $(BUILD) dist
+
+.PHONY: pr build image
+pr: ## Export TOPIC=order-contract|fetch-kv|mla-fusion as an upstream PR: branch pr/TOPIC, dist/TOPIC/
+	@$(SERIES) pr --topic "$(TOPIC)" $(if $(RUFF),--ruff $(RUFF))
+
+build: apply ## Wheel of the patched tree into dist/: ROCm extensions on ROCm, else Python-only (DEVICE=auto|rocm|empty)
+	@$(PYTHON) scripts/build_wheel.py --tree $(TREE) --dist dist --device $(DEVICE)
+
+image: ## ROCm image from ci/Dockerfile.rocm (needs a Docker engine; BASE_IMAGE= overrides the base)
+	@BASE_IMAGE="$(BASE_IMAGE)" bash ci/image/docker_build.sh

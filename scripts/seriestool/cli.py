@@ -1,4 +1,4 @@
-"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status}."""
+"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status,readme,pr}."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import SeriesError, buildtree, gitrepo, lint, readme, sdist
+from . import SeriesError, buildtree, export, gitrepo, lint, readme, sdist
 from .pins import load_pins
 
 
@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("refresh", help="regenerate patches/ and vllm_overlay/ from the build tree")
     sub.add_parser("status", help="print the build tree's state")
     sub.add_parser("readme", help="rewrite README.md's series table from the patch headers")
+    pr_p = sub.add_parser("pr", help="export one topic as an upstream PR: branch pr/<topic>, dist/<topic>/")
+    pr_p.add_argument("--topic", required=True, help="one of the patch header topics")
+    pr_p.add_argument("--dist", type=Path, default=None, help="output folder (default: ROOT/dist)")
+    pr_p.add_argument("--ruff", default=None, help="the ruff executable (default: found next to python)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     layout = buildtree.Layout(root=root, build=(args.build or root / "build" / "vllm").resolve())
@@ -50,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             fresh = state.get("inputs") == buildtree.inputs_hash(layout)
             print(f"build tree: {layout.build}\nhead: {gitrepo.head(layout.build)}\n"
                   f"tree: {gitrepo.tree_of(layout.build)}\nup to date with patches/: {fresh}")
+        elif args.verb == "pr":
+            report = export.export(layout, args.topic, (args.dist or root / "dist").resolve(), ruff=args.ruff)
+            print("\n".join(report))
         elif args.verb == "readme":
             changed = readme.update(root)
             print("README.md: series table " + ("rewritten" if changed else "already current"))

@@ -6,6 +6,9 @@ Findings, each one line naming the file:
   * headers missing a field (patchfile.HEADER_FIELDS) or naming an unknown topic;
   * diffs with ``index`` lines (not refreshed);
   * overlay files that shadow a file upstream already has;
+  * overlay files with no topic or an unknown one (patches/overlay-topics);
+  * a topic whose patches do not apply on pristine upstream without the
+    other topics (each topic is exported as one upstream PR);
   * the whole series not applying to pristine upstream with zero fuzz and no
     whitespace errors (built in a scratch directory from the cached sdist).
 """
@@ -17,8 +20,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, patchfile, sdist
-from .buildtree import Layout, build_tree, overlay_files
+from . import SeriesError, export, gitrepo, patchfile, sdist, topics
+from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
 
@@ -73,6 +76,7 @@ def lint(layout: Layout) -> list[str]:
     for rel in overlay_files(layout):
         if rel in pristine:
             findings.append(f"vllm_overlay/{rel}: shadows a file upstream has (use a patch)")
+    findings += topics.lint_overlay_topics(layout.patches, overlay_files(layout))
     if any("does not exist" in f or "shadows" in f for f in findings):
         return findings  # applying would only repeat these
     with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:
@@ -81,4 +85,11 @@ def lint(layout: Layout) -> list[str]:
             build_tree(scratch, sdist_file, pins, record_state=False)
         except SeriesError as exc:
             findings.append(str(exc).splitlines()[0])
+            return findings
+        patches = series_patches(layout)
+        root = gitrepo.root_commit(scratch.build)
+        for topic in patchfile.TOPICS:
+            problem = export.topic_alone_problem(scratch.build, root, patches, topic)
+            if problem:
+                findings.append(problem)
     return findings

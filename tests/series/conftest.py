@@ -115,6 +115,7 @@ def fake_series(tmp_path: Path) -> FakeSeries:
     overlay = root / "vllm_overlay" / "vllm" / "ops"
     overlay.mkdir(parents=True)
     (overlay / "new_kernel.py").write_text("def kernel():\n    return 42\n")
+    (root / "patches" / "overlay-topics").write_text("# overlay file -> topic\nvllm/ops/*.py fetch-kv\n")
     envs1 = envs_edit_1(ENVS_PY)
     (root / "patches" / "0001-add-series-flag.patch").write_text(
         make_patch("Add SERIES_FLAG", "vllm/envs.py", ENVS_PY, envs1, topic="mla-fusion"))

@@ -117,8 +117,16 @@ _E5M2_DTYPES = tuple(d for d in _FP8_MAX if "e5m2" in str(d))
 
 
 @triton.jit
-def _load_pairs(ptr, row, row_mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                D0: tl.constexpr, D1: tl.constexpr, IS_NEOX: tl.constexpr):
+def _load_pairs(
+    ptr,
+    row,
+    row_mask,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
     """Load the rotary pairs of ``[D0, D1]`` vectors starting at ``ptr + row``.
 
     ``row`` / ``row_mask`` are ``[D0, D1, 1]``; returns ``(x1, x2)`` as fp32
@@ -137,8 +145,18 @@ def _load_pairs(ptr, row, row_mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr
 
 
 @triton.jit
-def _store_pairs(ptr, row, row_mask, o1, o2, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 D0: tl.constexpr, D1: tl.constexpr, IS_NEOX: tl.constexpr):
+def _store_pairs(
+    ptr,
+    row,
+    row_mask,
+    o1,
+    o2,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
     """Inverse of ``_load_pairs``: store pairs ``(o1, o2)`` (already converted)."""
     if IS_NEOX:
         i = tl.arange(0, BLOCK_HALF)[None, None, :]
@@ -159,9 +177,16 @@ def _fp8_saturate(x, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(positions_ptr, cos_sin_ptr, tok64, tok_ok, stride_cs_p, HALF: tl.constexpr,
-             BLOCK_HALF: tl.constexpr):
-    """cos / sin of each token's position as fp32 ``[BLOCK_T, 1, BLOCK_HALF]``."""
+def _cos_sin(
+    positions_ptr,
+    cos_sin_ptr,
+    tok64,
+    tok_ok,
+    stride_cs_p,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Cos / sin of each token's position as fp32 ``[BLOCK_T, 1, BLOCK_HALF]``."""
     pos = tl.load(positions_ptr + tok64, mask=tok_ok, other=0).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     mask = tok_ok[:, None] & (i < HALF)[None, :]
@@ -172,90 +197,212 @@ def _cos_sin(positions_ptr, cos_sin_ptr, tok64, tok_ok, stride_cs_p, HALF: tl.co
 
 
 @triton.jit
-def _q_heads(ql_nope_ptr, q_pe_ptr, q_out_ptr, q_scale_ptr, positions_ptr, cos_sin_ptr, tok64,
-             tok_ok, head, num_heads, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-             stride_qo_t, stride_qo_h, stride_cs_p, L: tl.constexpr, HALF: tl.constexpr,
-             BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-             BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr, DECODE: tl.constexpr,
-             Q_FP8_MAX: tl.constexpr):
-    """q of BLOCK_T tokens x BLOCK_H heads: decode -> q_out, prefill -> q_pe in place."""
+def _q_heads(
+    ql_nope_ptr,
+    q_pe_ptr,
+    q_out_ptr,
+    q_scale_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    tok64,
+    tok_ok,
+    head,
+    num_heads,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_qo_t,
+    stride_qo_h,
+    stride_cs_p,
+    L: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    DECODE: tl.constexpr,
+    Q_FP8_MAX: tl.constexpr,
+):
+    """Q of BLOCK_T tokens x BLOCK_H heads.
+
+    Decode writes q_out; prefill rotates q_pe in place.
+    """
     model_ty = q_pe_ptr.dtype.element_ty
     head64 = head.to(tl.int64)
     th_mask = (tok_ok[:, None] & (head < num_heads)[None, :])[:, :, None]
     # The bulk loads go first; positions -> cos/sin (a dependent load pair) after.
     if DECODE:
-        qn_row = (tok64[:, None] * stride_qn_t + head64[None, :] * stride_qn_h)[:, :, None]
+        qn_row = (tok64[:, None] * stride_qn_t + head64[None, :] * stride_qn_h)[
+            :, :, None
+        ]
         l_off = tl.arange(0, BLOCK_L)[None, None, :]
         l_mask = th_mask & (l_off < L)
         nope = tl.load(ql_nope_ptr + qn_row + l_off, mask=l_mask)
     qp_row = (tok64[:, None] * stride_qp_t + head64[None, :] * stride_qp_h)[:, :, None]
-    x1, x2 = _load_pairs(q_pe_ptr, qp_row, th_mask, HALF, BLOCK_HALF, BLOCK_T, BLOCK_H, IS_NEOX)
-    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, tok64, tok_ok, stride_cs_p, HALF,
-                        BLOCK_HALF)
+    x1, x2 = _load_pairs(
+        q_pe_ptr, qp_row, th_mask, HALF, BLOCK_HALF, BLOCK_T, BLOCK_H, IS_NEOX
+    )
+    cos, sin = _cos_sin(
+        positions_ptr, cos_sin_ptr, tok64, tok_ok, stride_cs_p, HALF, BLOCK_HALF
+    )
     o1 = (x1 * cos - x2 * sin).to(model_ty)
     o2 = (x2 * cos + x1 * sin).to(model_ty)
     if DECODE:
         out_ty = q_out_ptr.dtype.element_ty
-        qo_row = (tok64[:, None] * stride_qo_t + head64[None, :] * stride_qo_h)[:, :, None]
+        qo_row = (tok64[:, None] * stride_qo_t + head64[None, :] * stride_qo_h)[
+            :, :, None
+        ]
         if Q_FP8_MAX > 0:
             q_scale = tl.load(q_scale_ptr)
-            tl.store(q_out_ptr + qo_row + l_off,
-                     _fp8_saturate(nope, q_scale, Q_FP8_MAX).to(out_ty), mask=l_mask)
-            _store_pairs(q_out_ptr + L, qo_row, th_mask,
-                         _fp8_saturate(o1, q_scale, Q_FP8_MAX).to(out_ty),
-                         _fp8_saturate(o2, q_scale, Q_FP8_MAX).to(out_ty),
-                         HALF, BLOCK_HALF, BLOCK_T, BLOCK_H, IS_NEOX)
+            tl.store(
+                q_out_ptr + qo_row + l_off,
+                _fp8_saturate(nope, q_scale, Q_FP8_MAX).to(out_ty),
+                mask=l_mask,
+            )
+            _store_pairs(
+                q_out_ptr + L,
+                qo_row,
+                th_mask,
+                _fp8_saturate(o1, q_scale, Q_FP8_MAX).to(out_ty),
+                _fp8_saturate(o2, q_scale, Q_FP8_MAX).to(out_ty),
+                HALF,
+                BLOCK_HALF,
+                BLOCK_T,
+                BLOCK_H,
+                IS_NEOX,
+            )
         else:
             tl.store(q_out_ptr + qo_row + l_off, nope.to(out_ty), mask=l_mask)
-            _store_pairs(q_out_ptr + L, qo_row, th_mask, o1.to(out_ty), o2.to(out_ty),
-                         HALF, BLOCK_HALF, BLOCK_T, BLOCK_H, IS_NEOX)
+            _store_pairs(
+                q_out_ptr + L,
+                qo_row,
+                th_mask,
+                o1.to(out_ty),
+                o2.to(out_ty),
+                HALF,
+                BLOCK_HALF,
+                BLOCK_T,
+                BLOCK_H,
+                IS_NEOX,
+            )
     else:
-        _store_pairs(q_pe_ptr, qp_row, th_mask, o1, o2, HALF, BLOCK_HALF, BLOCK_T, BLOCK_H,
-                     IS_NEOX)
+        _store_pairs(
+            q_pe_ptr,
+            qp_row,
+            th_mask,
+            o1,
+            o2,
+            HALF,
+            BLOCK_HALF,
+            BLOCK_T,
+            BLOCK_H,
+            IS_NEOX,
+        )
 
 
 @triton.jit
-def _cache_rows(kv_c_ptr, k_pe_ptr, kv_cache_ptr, slot_mapping_ptr, k_scale_ptr, positions_ptr,
-                cos_sin_ptr, tok, tok64, tok_ok, num_slots, block_size, stride_kvc_t,
-                stride_kpe_t, stride_cache_b, stride_cache_s, stride_cs_p, L: tl.constexpr,
-                HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                BLOCK_T: tl.constexpr, IS_NEOX: tl.constexpr, DECODE: tl.constexpr,
-                KV_FP8_MAX: tl.constexpr):
-    """Cache rows ``[kv_c | rope(k_pe)]`` of BLOCK_T tokens (prefill: k_pe in place too)."""
+def _cache_rows(
+    kv_c_ptr,
+    k_pe_ptr,
+    kv_cache_ptr,
+    slot_mapping_ptr,
+    k_scale_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    tok,
+    tok64,
+    tok_ok,
+    num_slots,
+    block_size,
+    stride_kvc_t,
+    stride_kpe_t,
+    stride_cache_b,
+    stride_cache_s,
+    stride_cs_p,
+    L: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    DECODE: tl.constexpr,
+    KV_FP8_MAX: tl.constexpr,
+):
+    """Cache rows ``[kv_c | rope(k_pe)]`` of BLOCK_T tokens.
+
+    The prefill form also rotates k_pe in place.
+    """
     model_ty = k_pe_ptr.dtype.element_ty
     # The bulk loads go first (masked by token bounds only, so they do not wait
     # for the slot load); slots, positions and cos/sin after.
     l_off = tl.arange(0, BLOCK_L)
-    kvc = tl.load(kv_c_ptr + tok64[:, None] * stride_kvc_t + l_off[None, :],
-                  mask=tok_ok[:, None] & (l_off < L)[None, :])
+    kvc = tl.load(
+        kv_c_ptr + tok64[:, None] * stride_kvc_t + l_off[None, :],
+        mask=tok_ok[:, None] & (l_off < L)[None, :],
+    )
     kpe_row = (tok64 * stride_kpe_t)[:, None, None]
     t_mask = tok_ok[:, None, None]
-    x1, x2 = _load_pairs(k_pe_ptr, kpe_row, t_mask, HALF, BLOCK_HALF, BLOCK_T, 1, IS_NEOX)
-    slot = tl.load(slot_mapping_ptr + tok64, mask=tok < num_slots, other=-1).to(tl.int64)
-    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, tok64, tok_ok, stride_cs_p, HALF,
-                        BLOCK_HALF)
+    x1, x2 = _load_pairs(
+        k_pe_ptr, kpe_row, t_mask, HALF, BLOCK_HALF, BLOCK_T, 1, IS_NEOX
+    )
+    slot = tl.load(slot_mapping_ptr + tok64, mask=tok < num_slots, other=-1).to(
+        tl.int64
+    )
+    cos, sin = _cos_sin(
+        positions_ptr, cos_sin_ptr, tok64, tok_ok, stride_cs_p, HALF, BLOCK_HALF
+    )
     o1 = (x1 * cos - x2 * sin).to(model_ty)
     o2 = (x2 * cos + x1 * sin).to(model_ty)
     if not DECODE:
-        _store_pairs(k_pe_ptr, kpe_row, t_mask, o1, o2, HALF, BLOCK_HALF, BLOCK_T, 1, IS_NEOX)
+        _store_pairs(
+            k_pe_ptr, kpe_row, t_mask, o1, o2, HALF, BLOCK_HALF, BLOCK_T, 1, IS_NEOX
+        )
 
     write = tok_ok & (slot >= 0)
-    cache_row = (slot // block_size) * stride_cache_b + (slot % block_size) * stride_cache_s
+    cache_row = (slot // block_size) * stride_cache_b + (
+        slot % block_size
+    ) * stride_cache_s
     kv_mask = write[:, None] & (l_off < L)[None, :]
     cache_ty = kv_cache_ptr.dtype.element_ty
     if KV_FP8_MAX > 0:
         k_scale = tl.load(k_scale_ptr)
-        tl.store(kv_cache_ptr + cache_row[:, None] + l_off[None, :],
-                 _fp8_saturate(kvc, k_scale, KV_FP8_MAX).to(cache_ty), mask=kv_mask)
-        _store_pairs(kv_cache_ptr + L, cache_row[:, None, None], write[:, None, None],
-                     _fp8_saturate(o1, k_scale, KV_FP8_MAX).to(cache_ty),
-                     _fp8_saturate(o2, k_scale, KV_FP8_MAX).to(cache_ty),
-                     HALF, BLOCK_HALF, BLOCK_T, 1, IS_NEOX)
+        tl.store(
+            kv_cache_ptr + cache_row[:, None] + l_off[None, :],
+            _fp8_saturate(kvc, k_scale, KV_FP8_MAX).to(cache_ty),
+            mask=kv_mask,
+        )
+        _store_pairs(
+            kv_cache_ptr + L,
+            cache_row[:, None, None],
+            write[:, None, None],
+            _fp8_saturate(o1, k_scale, KV_FP8_MAX).to(cache_ty),
+            _fp8_saturate(o2, k_scale, KV_FP8_MAX).to(cache_ty),
+            HALF,
+            BLOCK_HALF,
+            BLOCK_T,
+            1,
+            IS_NEOX,
+        )
     else:
-        tl.store(kv_cache_ptr + cache_row[:, None] + l_off[None, :], kvc.to(cache_ty),
-                 mask=kv_mask)
-        _store_pairs(kv_cache_ptr + L, cache_row[:, None, None], write[:, None, None],
-                     o1.to(cache_ty), o2.to(cache_ty), HALF, BLOCK_HALF, BLOCK_T, 1, IS_NEOX)
+        tl.store(
+            kv_cache_ptr + cache_row[:, None] + l_off[None, :],
+            kvc.to(cache_ty),
+            mask=kv_mask,
+        )
+        _store_pairs(
+            kv_cache_ptr + L,
+            cache_row[:, None, None],
+            write[:, None, None],
+            o1.to(cache_ty),
+            o2.to(cache_ty),
+            HALF,
+            BLOCK_HALF,
+            BLOCK_T,
+            1,
+            IS_NEOX,
+        )
 
 
 @triton.jit
@@ -304,16 +451,62 @@ def _mla_rope_cache_kernel(
     tok64 = tok.to(tl.int64)
     num_head_blocks = (num_heads + BLOCK_H - 1) // BLOCK_H
     if pid_h < num_head_blocks:
-        _q_heads(ql_nope_ptr, q_pe_ptr, q_out_ptr, q_scale_ptr, positions_ptr, cos_sin_ptr,
-                 tok64, tok_ok, pid_h * BLOCK_H + tl.arange(0, BLOCK_H), num_heads,
-                 stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h,
-                 stride_cs_p, L, HALF, BLOCK_L, BLOCK_HALF, BLOCK_T, BLOCK_H, IS_NEOX, DECODE,
-                 Q_FP8_MAX)
+        _q_heads(
+            ql_nope_ptr,
+            q_pe_ptr,
+            q_out_ptr,
+            q_scale_ptr,
+            positions_ptr,
+            cos_sin_ptr,
+            tok64,
+            tok_ok,
+            pid_h * BLOCK_H + tl.arange(0, BLOCK_H),
+            num_heads,
+            stride_qn_t,
+            stride_qn_h,
+            stride_qp_t,
+            stride_qp_h,
+            stride_qo_t,
+            stride_qo_h,
+            stride_cs_p,
+            L,
+            HALF,
+            BLOCK_L,
+            BLOCK_HALF,
+            BLOCK_T,
+            BLOCK_H,
+            IS_NEOX,
+            DECODE,
+            Q_FP8_MAX,
+        )
     else:
-        _cache_rows(kv_c_ptr, k_pe_ptr, kv_cache_ptr, slot_mapping_ptr, k_scale_ptr,
-                    positions_ptr, cos_sin_ptr, tok, tok64, tok_ok, num_slots, block_size,
-                    stride_kvc_t, stride_kpe_t, stride_cache_b, stride_cache_s, stride_cs_p,
-                    L, HALF, BLOCK_L, BLOCK_HALF, BLOCK_T, IS_NEOX, DECODE, KV_FP8_MAX)
+        _cache_rows(
+            kv_c_ptr,
+            k_pe_ptr,
+            kv_cache_ptr,
+            slot_mapping_ptr,
+            k_scale_ptr,
+            positions_ptr,
+            cos_sin_ptr,
+            tok,
+            tok64,
+            tok_ok,
+            num_slots,
+            block_size,
+            stride_kvc_t,
+            stride_kpe_t,
+            stride_cache_b,
+            stride_cache_s,
+            stride_cs_p,
+            L,
+            HALF,
+            BLOCK_L,
+            BLOCK_HALF,
+            BLOCK_T,
+            IS_NEOX,
+            DECODE,
+            KV_FP8_MAX,
+        )
 
 
 # --------------------------------------------------------------------------
@@ -332,19 +525,29 @@ def platform_fp8_e4m3_dtype() -> torch.dtype:
 
     e4m3fnuz on ROCm gfx94x (MI300), e4m3fn on CUDA, other ROCm parts and CPU.
     """
-    if (torch.version.hip is not None and torch.cuda.is_available()
-            and _rocm_arch_uses_fnuz(torch.cuda.current_device())):
+    if (
+        torch.version.hip is not None
+        and torch.cuda.is_available()
+        and _rocm_arch_uses_fnuz(torch.cuda.current_device())
+    ):
         return torch.float8_e4m3fnuz
     return torch.float8_e4m3fn
 
 
-def decode_q_out_shape(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[int, int, int]:
+def decode_q_out_shape(
+    ql_nope: torch.Tensor, q_pe: torch.Tensor
+) -> tuple[int, int, int]:
     """Shape of the decode form's ``q_out``: ``[T, H, L + R]``."""
     return (ql_nope.shape[0], ql_nope.shape[1], ql_nope.shape[2] + q_pe.shape[2])
 
 
-def decode_q_out_dtype(ql_nope: torch.Tensor, q_scale: torch.Tensor | None) -> torch.dtype:
-    """Dtype of the ``q_out`` the decode form allocates: fp8 when ``q_scale`` is given."""
+def decode_q_out_dtype(
+    ql_nope: torch.Tensor, q_scale: torch.Tensor | None
+) -> torch.dtype:
+    """Dtype of the ``q_out`` the decode form allocates.
+
+    fp8 when ``q_scale`` is given, else the query dtype.
+    """
     return platform_fp8_e4m3_dtype() if q_scale is not None else ql_nope.dtype
 
 
@@ -354,31 +557,55 @@ def _require(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
 
 
 def _check_tensor(name: str, t, dims: int | tuple[int, ...]) -> None:
-    _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
-             TypeError)
+    _require(
+        isinstance(t, torch.Tensor),
+        f"{name} must be a torch.Tensor, got {type(t).__name__}",
+        TypeError,
+    )
     dims = (dims,) if isinstance(dims, int) else dims
-    _require(t.dim() in dims, f"{name} must have {' or '.join(map(str, dims))} dims, "
-             f"got shape {tuple(t.shape)}")
+    _require(
+        t.dim() in dims,
+        f"{name} must have {' or '.join(map(str, dims))} dims, "
+        f"got shape {tuple(t.shape)}",
+    )
 
 
 def _check_scale(name: str, scale, device: torch.device) -> None:
     _require(scale is not None, f"{name} is required for an fp8 output")
-    _require(isinstance(scale, torch.Tensor),
-             f"{name} must be a one-element float32 tensor, got {type(scale).__name__}",
-             TypeError)
-    _require(scale.dtype == torch.float32, f"{name} must be float32, got {scale.dtype}", TypeError)
-    _require(scale.numel() == 1, f"{name} must have one element, got shape {tuple(scale.shape)}")
+    _require(
+        isinstance(scale, torch.Tensor),
+        f"{name} must be a one-element float32 tensor, got {type(scale).__name__}",
+        TypeError,
+    )
+    _require(
+        scale.dtype == torch.float32,
+        f"{name} must be float32, got {scale.dtype}",
+        TypeError,
+    )
+    _require(
+        scale.numel() == 1,
+        f"{name} must have one element, got shape {tuple(scale.shape)}",
+    )
     _require(scale.device == device, f"{name} is on {scale.device}, expected {device}")
 
 
-def _cache_store_view(kv_cache: torch.Tensor, kv_cache_dtype: str,
-                      model_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """The cache as the kernel stores into it, and the fp8 saturation bound (0: none)."""
-    _require(isinstance(kv_cache_dtype, str), "kv_cache_dtype must be a string", TypeError)
+def _cache_store_view(
+    kv_cache: torch.Tensor, kv_cache_dtype: str, model_dtype: torch.dtype
+) -> tuple[torch.Tensor, float]:
+    """The cache as the kernel stores into it, and the fp8 saturation bound.
+
+    The bound is 0 for non-fp8 caches.
+    """
+    _require(
+        isinstance(kv_cache_dtype, str), "kv_cache_dtype must be a string", TypeError
+    )
     if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
-        _require(kv_cache.dtype == model_dtype,
-                 f'kv_cache_dtype "{kv_cache_dtype}" needs a {model_dtype} cache, '
-                 f"got {kv_cache.dtype}", TypeError)
+        _require(
+            kv_cache.dtype == model_dtype,
+            f'kv_cache_dtype "{kv_cache_dtype}" needs a {model_dtype} cache, '
+            f"got {kv_cache.dtype}",
+            TypeError,
+        )
         return kv_cache, 0.0
     if kv_cache_dtype in _E4M3_CACHE_DTYPES:
         family, default = _E4M3_DTYPES, platform_fp8_e4m3_dtype()
@@ -387,17 +614,30 @@ def _cache_store_view(kv_cache: torch.Tensor, kv_cache_dtype: str,
     else:
         raise ValueError(
             f'unsupported kv_cache_dtype "{kv_cache_dtype}"; expected one of '
-            f"{_UNQUANTIZED_CACHE_DTYPES + _E4M3_CACHE_DTYPES + _E5M2_CACHE_DTYPES}")
+            f"{_UNQUANTIZED_CACHE_DTYPES + _E4M3_CACHE_DTYPES + _E5M2_CACHE_DTYPES}"
+        )
     if kv_cache.dtype == torch.uint8:
         kv_cache = kv_cache.view(default)
-    _require(kv_cache.dtype in family,
-             f'kv_cache_dtype "{kv_cache_dtype}" needs a uint8 cache or one of {family}, '
-             f"got {kv_cache.dtype}", TypeError)
+    _require(
+        kv_cache.dtype in family,
+        f'kv_cache_dtype "{kv_cache_dtype}" needs a uint8 cache or one of {family}, '
+        f"got {kv_cache.dtype}",
+        TypeError,
+    )
     return kv_cache, _FP8_MAX[kv_cache.dtype]
 
 
-def _check_common(q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
-                  kv_cache_dtype, k_scale):
+def _check_common(
+    q_pe,
+    kv_c,
+    k_pe,
+    kv_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    kv_cache_dtype,
+    k_scale,
+):
     """Validate the arguments both forms share; returns normalised views."""
     _check_tensor("q_pe", q_pe, 3)
     _check_tensor("kv_c", kv_c, 2)
@@ -408,50 +648,93 @@ def _check_common(q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_c
     _check_tensor("cos_sin_cache", cos_sin_cache, 2)
 
     device = q_pe.device
-    for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
-                    ("slot_mapping", slot_mapping), ("positions", positions),
-                    ("cos_sin_cache", cos_sin_cache)):
-        _require(t.device == device, f"{name} is on {t.device}, expected {device} (as q_pe)")
+    for name, t in (
+        ("kv_c", kv_c),
+        ("k_pe", k_pe),
+        ("kv_cache", kv_cache),
+        ("slot_mapping", slot_mapping),
+        ("positions", positions),
+        ("cos_sin_cache", cos_sin_cache),
+    ):
+        _require(
+            t.device == device, f"{name} is on {t.device}, expected {device} (as q_pe)"
+        )
 
     dtype = q_pe.dtype
-    _require(dtype in _MODEL_DTYPES, f"q_pe must be one of {_MODEL_DTYPES}, got {dtype}",
-             TypeError)
+    _require(
+        dtype in _MODEL_DTYPES,
+        f"q_pe must be one of {_MODEL_DTYPES}, got {dtype}",
+        TypeError,
+    )
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
-        _require(t.dtype == dtype, f"{name} dtype {t.dtype} differs from q_pe dtype {dtype}",
-                 TypeError)
-    _require(cos_sin_cache.dtype in _MODEL_DTYPES,
-             f"cos_sin_cache must be one of {_MODEL_DTYPES}, got {cos_sin_cache.dtype}",
-             TypeError)
+        _require(
+            t.dtype == dtype,
+            f"{name} dtype {t.dtype} differs from q_pe dtype {dtype}",
+            TypeError,
+        )
+    _require(
+        cos_sin_cache.dtype in _MODEL_DTYPES,
+        f"cos_sin_cache must be one of {_MODEL_DTYPES}, got {cos_sin_cache.dtype}",
+        TypeError,
+    )
     for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
-        _require(t.dtype in _INDEX_DTYPES, f"{name} must be int32 or int64, got {t.dtype}",
-                 TypeError)
+        _require(
+            t.dtype in _INDEX_DTYPES,
+            f"{name} must be int32 or int64, got {t.dtype}",
+            TypeError,
+        )
 
     if k_pe.dim() == 3:
-        _require(k_pe.shape[1] == 1, f"k_pe must be [T, R] or [T, 1, R], got {tuple(k_pe.shape)}")
+        _require(
+            k_pe.shape[1] == 1,
+            f"k_pe must be [T, R] or [T, 1, R], got {tuple(k_pe.shape)}",
+        )
         k_pe = k_pe.select(1, 0)  # a view: in-place rotation still reaches the caller
 
     num_tokens, _, rot_dim = q_pe.shape
     lora_rank = kv_c.shape[1]
-    _require(rot_dim > 0 and rot_dim % 2 == 0, f"rotary dim must be even, got {rot_dim}")
+    _require(
+        rot_dim > 0 and rot_dim % 2 == 0, f"rotary dim must be even, got {rot_dim}"
+    )
     _require(lora_rank > 0, "kv_c must have a non-empty last dim")
-    _require(k_pe.shape == (num_tokens, rot_dim),
-             f"k_pe must be [T={num_tokens}, R={rot_dim}], got {tuple(k_pe.shape)}")
-    _require(kv_c.shape[0] == num_tokens,
-             f"kv_c has {kv_c.shape[0]} tokens, q_pe has {num_tokens}")
-    _require(positions.shape[0] == num_tokens,
-             f"positions has {positions.shape[0]} tokens, q_pe has {num_tokens}")
-    _require(slot_mapping.shape[0] <= num_tokens,
-             f"slot_mapping has {slot_mapping.shape[0]} entries, more than the "
-             f"{num_tokens} tokens")
-    _require(kv_cache.shape[2] == lora_rank + rot_dim,
-             f"kv_cache rows are {kv_cache.shape[2]} wide, expected L + R = "
-             f"{lora_rank} + {rot_dim}")
-    _require(cos_sin_cache.shape[1] == rot_dim,
-             f"cos_sin_cache must be [max_pos, R={rot_dim}], got {tuple(cos_sin_cache.shape)}")
-    for name, t in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
-                    ("cos_sin_cache", cos_sin_cache)):
-        _require(t.stride(-1) == 1 or t.shape[-1] == 1,
-                 f"{name} must have a unit stride on its last dim, got strides {t.stride()}")
+    _require(
+        k_pe.shape == (num_tokens, rot_dim),
+        f"k_pe must be [T={num_tokens}, R={rot_dim}], got {tuple(k_pe.shape)}",
+    )
+    _require(
+        kv_c.shape[0] == num_tokens,
+        f"kv_c has {kv_c.shape[0]} tokens, q_pe has {num_tokens}",
+    )
+    _require(
+        positions.shape[0] == num_tokens,
+        f"positions has {positions.shape[0]} tokens, q_pe has {num_tokens}",
+    )
+    _require(
+        slot_mapping.shape[0] <= num_tokens,
+        f"slot_mapping has {slot_mapping.shape[0]} entries, more than the "
+        f"{num_tokens} tokens",
+    )
+    _require(
+        kv_cache.shape[2] == lora_rank + rot_dim,
+        f"kv_cache rows are {kv_cache.shape[2]} wide, expected L + R = "
+        f"{lora_rank} + {rot_dim}",
+    )
+    _require(
+        cos_sin_cache.shape[1] == rot_dim,
+        f"cos_sin_cache must be [max_pos, R={rot_dim}], "
+        f"got {tuple(cos_sin_cache.shape)}",
+    )
+    for name, t in (
+        ("q_pe", q_pe),
+        ("kv_c", kv_c),
+        ("k_pe", k_pe),
+        ("kv_cache", kv_cache),
+        ("cos_sin_cache", cos_sin_cache),
+    ):
+        _require(
+            t.stride(-1) == 1 or t.shape[-1] == 1,
+            f"{name} must have a unit stride on its last dim, got strides {t.stride()}",
+        )
     for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
         _require(t.stride(0) == 1 or t.shape[0] <= 1, f"{name} must be contiguous")
 
@@ -469,33 +752,83 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def _launch(*, ql_nope, q_pe, q_out, kv_c, k_pe, cache, slot_mapping, positions, cos_sin_cache,
-            is_neox, k_scale, q_scale, kv_fp8_max, q_fp8_max, decode):
+def _launch(
+    *,
+    ql_nope,
+    q_pe,
+    q_out,
+    kv_c,
+    k_pe,
+    cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    k_scale,
+    q_scale,
+    kv_fp8_max,
+    q_fp8_max,
+    decode,
+):
     num_tokens, num_heads, rot_dim = q_pe.shape
     lora_rank = kv_c.shape[1]
     block_l = _pow2(lora_rank)
     block_half = _pow2(rot_dim // 2)
     # Widest per-head row a q program tiles: the ql_nope copy (decode) or q_pe.
     row_elems = block_l if decode else 2 * block_half
-    block_h = min(_pow2(num_heads), _MAX_BLOCK_H, _pow2_floor(_Q_TILE_ELEMS // row_elems))
-    block_t = 1 if decode else min(_pow2_floor(_Q_TILE_ELEMS // (block_h * row_elems)),
-                                   _pow2_floor(max(1, num_tokens // _MIN_TOKEN_BLOCKS)))
+    block_h = min(
+        _pow2(num_heads), _MAX_BLOCK_H, _pow2_floor(_Q_TILE_ELEMS // row_elems)
+    )
+    block_t = (
+        1
+        if decode
+        else min(
+            _pow2_floor(_Q_TILE_ELEMS // (block_h * row_elems)),
+            _pow2_floor(max(1, num_tokens // _MIN_TOKEN_BLOCKS)),
+        )
+    )
     tile = max(block_t * block_h * row_elems, block_t * (block_l + 2 * block_half))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h) + 1)
     # Pointers the chosen form does not read still need a valid tensor.
     ql_nope = q_pe if ql_nope is None else ql_nope
     q_out = q_pe if q_out is None else q_out
     _mla_rope_cache_kernel[grid](
-        ql_nope, q_pe, q_out, kv_c, k_pe, cache, slot_mapping, positions, cos_sin_cache,
+        ql_nope,
+        q_pe,
+        q_out,
+        kv_c,
+        k_pe,
+        cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
         k_scale if k_scale is not None else positions,
         q_scale if q_scale is not None else positions,
-        num_tokens, slot_mapping.shape[0], num_heads, cache.shape[1],
-        ql_nope.stride(0), ql_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        q_out.stride(0), q_out.stride(1), kv_c.stride(0), k_pe.stride(0),
-        cache.stride(0), cache.stride(1), cos_sin_cache.stride(0),
-        L=lora_rank, HALF=rot_dim // 2, BLOCK_L=block_l, BLOCK_HALF=block_half,
-        BLOCK_T=block_t, BLOCK_H=block_h, IS_NEOX=bool(is_neox), DECODE=decode,
-        Q_FP8_MAX=q_fp8_max, KV_FP8_MAX=kv_fp8_max,
+        num_tokens,
+        slot_mapping.shape[0],
+        num_heads,
+        cache.shape[1],
+        ql_nope.stride(0),
+        ql_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        kv_c.stride(0),
+        k_pe.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        cos_sin_cache.stride(0),
+        L=lora_rank,
+        HALF=rot_dim // 2,
+        BLOCK_L=block_l,
+        BLOCK_HALF=block_half,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        IS_NEOX=bool(is_neox),
+        DECODE=decode,
+        Q_FP8_MAX=q_fp8_max,
+        KV_FP8_MAX=kv_fp8_max,
         num_warps=8 if tile >= _BIG_TILE_ELEMS else 4,
         # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32
         # RoPE, and both forms (separately compiled) write identical bytes.
@@ -526,50 +859,91 @@ def mla_rope_concat_and_cache(
     type divided by ``q_scale`` when ``q_scale`` is given).  Inputs are not
     modified; rows of padded tokens in ``q_out`` are computed all the same.
     """
-    k_pe, cache, kv_fp8_max = _check_common(q_pe, kv_c, k_pe, kv_cache, slot_mapping,
-                                            positions, cos_sin_cache, kv_cache_dtype, k_scale)
+    k_pe, cache, kv_fp8_max = _check_common(
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        kv_cache_dtype,
+        k_scale,
+    )
     _check_tensor("ql_nope", ql_nope, 3)
     num_tokens, num_heads, rot_dim = q_pe.shape
     lora_rank = kv_c.shape[1]
-    _require(ql_nope.device == q_pe.device, f"ql_nope is on {ql_nope.device}, expected "
-             f"{q_pe.device}")
-    _require(ql_nope.dtype == q_pe.dtype,
-             f"ql_nope dtype {ql_nope.dtype} differs from q_pe dtype {q_pe.dtype}", TypeError)
-    _require(ql_nope.shape == (num_tokens, num_heads, lora_rank),
-             f"ql_nope must be [T={num_tokens}, H={num_heads}, L={lora_rank}], "
-             f"got {tuple(ql_nope.shape)}")
+    _require(
+        ql_nope.device == q_pe.device,
+        f"ql_nope is on {ql_nope.device}, expected {q_pe.device}",
+    )
+    _require(
+        ql_nope.dtype == q_pe.dtype,
+        f"ql_nope dtype {ql_nope.dtype} differs from q_pe dtype {q_pe.dtype}",
+        TypeError,
+    )
+    _require(
+        ql_nope.shape == (num_tokens, num_heads, lora_rank),
+        f"ql_nope must be [T={num_tokens}, H={num_heads}, L={lora_rank}], "
+        f"got {tuple(ql_nope.shape)}",
+    )
     _require(ql_nope.stride(-1) == 1, "ql_nope must have a unit stride on its last dim")
 
     q_fp8_max = 0.0
     if q_scale is not None:
         _check_scale("q_scale", q_scale, q_pe.device)
     if q_out is None:
-        q_out = torch.empty(decode_q_out_shape(ql_nope, q_pe),
-                            dtype=decode_q_out_dtype(ql_nope, q_scale), device=q_pe.device)
+        q_out = torch.empty(
+            decode_q_out_shape(ql_nope, q_pe),
+            dtype=decode_q_out_dtype(ql_nope, q_scale),
+            device=q_pe.device,
+        )
     else:
         _check_tensor("q_out", q_out, 3)
-        _require(q_out.device == q_pe.device, f"q_out is on {q_out.device}, expected "
-                 f"{q_pe.device}")
-        _require(q_out.shape == (num_tokens, num_heads, lora_rank + rot_dim),
-                 f"q_out must be [T={num_tokens}, H={num_heads}, L+R={lora_rank + rot_dim}], "
-                 f"got {tuple(q_out.shape)}")
+        _require(
+            q_out.device == q_pe.device,
+            f"q_out is on {q_out.device}, expected {q_pe.device}",
+        )
+        _require(
+            q_out.shape == (num_tokens, num_heads, lora_rank + rot_dim),
+            f"q_out must be [T={num_tokens}, H={num_heads}, "
+            f"L+R={lora_rank + rot_dim}], "
+            f"got {tuple(q_out.shape)}",
+        )
         _require(q_out.stride(-1) == 1, "q_out must have a unit stride on its last dim")
         if q_scale is None:
-            _require(q_out.dtype == q_pe.dtype,
-                     f"q_out must be {q_pe.dtype} (or fp8 with q_scale), got {q_out.dtype}",
-                     TypeError)
+            _require(
+                q_out.dtype == q_pe.dtype,
+                f"q_out must be {q_pe.dtype} (or fp8 with q_scale), got {q_out.dtype}",
+                TypeError,
+            )
         else:
-            _require(q_out.dtype in _FP8_MAX,
-                     f"q_scale is given, so q_out must be an fp8 tensor, got {q_out.dtype}",
-                     TypeError)
+            _require(
+                q_out.dtype in _FP8_MAX,
+                f"q_scale is given, so q_out must be an fp8 tensor, got {q_out.dtype}",
+                TypeError,
+            )
     if q_scale is not None:
         q_fp8_max = _FP8_MAX[q_out.dtype]
     if num_tokens == 0 or num_heads == 0:
         return q_out
-    _launch(ql_nope=ql_nope, q_pe=q_pe, q_out=q_out, kv_c=kv_c, k_pe=k_pe, cache=cache,
-            slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache,
-            is_neox=is_neox, k_scale=k_scale, q_scale=q_scale, kv_fp8_max=kv_fp8_max,
-            q_fp8_max=q_fp8_max, decode=True)
+    _launch(
+        ql_nope=ql_nope,
+        q_pe=q_pe,
+        q_out=q_out,
+        kv_c=kv_c,
+        k_pe=k_pe,
+        cache=cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        is_neox=is_neox,
+        k_scale=k_scale,
+        q_scale=q_scale,
+        kv_fp8_max=kv_fp8_max,
+        q_fp8_max=q_fp8_max,
+        decode=True,
+    )
     return q_out
 
 
@@ -591,11 +965,33 @@ def mla_rope_and_cache(
     See the module docstring for layouts.  Every one of the ``T`` tokens is
     rotated; only tokens with a slot ``>= 0`` are written to the cache.
     """
-    k_pe, cache, kv_fp8_max = _check_common(q_pe, kv_c, k_pe, kv_cache, slot_mapping,
-                                            positions, cos_sin_cache, kv_cache_dtype, k_scale)
+    k_pe, cache, kv_fp8_max = _check_common(
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        kv_cache_dtype,
+        k_scale,
+    )
     if q_pe.shape[0] == 0:
         return
-    _launch(ql_nope=None, q_pe=q_pe, q_out=None, kv_c=kv_c, k_pe=k_pe, cache=cache,
-            slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache,
-            is_neox=is_neox, k_scale=k_scale, q_scale=None, kv_fp8_max=kv_fp8_max,
-            q_fp8_max=0.0, decode=False)
+    _launch(
+        ql_nope=None,
+        q_pe=q_pe,
+        q_out=None,
+        kv_c=kv_c,
+        k_pe=k_pe,
+        cache=cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        is_neox=is_neox,
+        k_scale=k_scale,
+        q_scale=None,
+        kv_fp8_max=kv_fp8_max,
+        q_fp8_max=0.0,
+        decode=False,
+    )

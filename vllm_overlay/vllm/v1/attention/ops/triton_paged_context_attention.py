@@ -290,7 +290,9 @@ def _paged_context_attention_kernel(
     head = kv_head * GROUP + head_in_group
     q_pos = context_len + local  # absolute position of each row's token
 
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = (
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    )
     if HEAD_DIM_PAD != HEAD_DIM:
         q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     else:
@@ -322,17 +324,61 @@ def _paged_context_attention_kernel(
     v_head_off = kv_head.to(tl.int64) * stride_vh
     for t in range(t_begin, tl.minimum(t_end, num_full)):
         acc, l_i, m_i = _attend_context_tile(
-            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_row_ptr, t * BLOCK_N,
-            context_len, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
-            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, False, USE_WINDOW, DOT_IEEE,
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_row_ptr,
+            t * BLOCK_N,
+            context_len,
+            q_pos,
+            k_head_off,
+            v_head_off,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            qk_scale,
+            window_left,
+            offs_n,
+            offs_d,
+            PAGE_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            False,
+            USE_WINDOW,
+            DOT_IEEE,
         )
     if (num_full < t_end) & (num_full >= t_begin):
         acc, l_i, m_i = _attend_context_tile(
-            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_row_ptr, num_full * BLOCK_N,
-            context_len, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
-            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW, DOT_IEEE,
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_row_ptr,
+            num_full * BLOCK_N,
+            context_len,
+            q_pos,
+            k_head_off,
+            v_head_off,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            qk_scale,
+            window_left,
+            offs_n,
+            offs_d,
+            PAGE_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            True,
+            USE_WINDOW,
+            DOT_IEEE,
         )
 
     seen = l_i > 0.0
@@ -340,14 +386,27 @@ def _paged_context_attention_kernel(
     if FP8:
         inv_l = inv_l * tl.load(v_scale_ptr)
     out = acc * inv_l[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    lse = tl.where(
+        seen,
+        (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+        float("-inf"),
+    )
 
     split64 = split.to(tl.int64)
-    o_ptrs = (out_ptr + split64 * stride_os + token[:, None] * stride_ot
-              + head[:, None] * stride_oh + offs_d[None, :])
+    o_ptrs = (
+        out_ptr
+        + split64 * stride_os
+        + token[:, None] * stride_ot
+        + head[:, None] * stride_oh
+        + offs_d[None, :]
+    )
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    l_ptrs = lse_ptr + split64 * stride_ls + head.to(tl.int64) * stride_lh + token * stride_lt
+    l_ptrs = (
+        lse_ptr
+        + split64 * stride_ls
+        + head.to(tl.int64) * stride_lh
+        + token * stride_lt
+    )
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
@@ -383,24 +442,40 @@ def _combine_splits_kernel(
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
 
-    lse_s = tl.load(part_lse_ptr + offs_s.to(tl.int64) * stride_pls + head * stride_plh
-                    + token * stride_plt, mask=s_ok, other=float("-inf"))
+    lse_s = tl.load(
+        part_lse_ptr
+        + offs_s.to(tl.int64) * stride_pls
+        + head * stride_plh
+        + token * stride_plt,
+        mask=s_ok,
+        other=float("-inf"),
+    )
     m = tl.max(lse_s, axis=0)
     m_shift = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse_s - m_shift)  # 0 for empty splits
     total = tl.sum(w, axis=0)
-    parts = tl.load(part_out_ptr + offs_s.to(tl.int64)[:, None] * stride_ps + token * stride_pt
-                    + head * stride_ph + offs_d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    parts = tl.load(
+        part_out_ptr
+        + offs_s.to(tl.int64)[:, None] * stride_ps
+        + token * stride_pt
+        + head * stride_ph
+        + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     merged = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
-             merged.to(out_ptr.dtype.element_ty), mask=d_ok)
-    lse = tl.where(total > 0.0, m_shift + tl.log(tl.where(total > 0.0, total, 1.0)),
-                   float("-inf"))
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+    lse = tl.where(
+        total > 0.0, m_shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
+    )
     tl.store(lse_ptr + head * stride_lh + token * stride_lt, lse)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -415,13 +490,24 @@ def _check(cond: bool, msg, exc: type[Exception] = ValueError) -> None:
 def _check_scale(name: str, scale, device: torch.device) -> torch.Tensor:
     if isinstance(scale, (int, float)):
         return torch.full((1,), float(scale), dtype=torch.float32, device=device)
-    _check(isinstance(scale, torch.Tensor),
-           lambda: f"{name} must be a float or a one-element float32 tensor, got {type(scale)}",
-           TypeError)
-    _check(scale.numel() == 1 and scale.dtype == torch.float32,
-           lambda: f"{name} must be a one-element float32 tensor, got shape "
-           f"{tuple(scale.shape)} dtype {scale.dtype}")
-    _check(scale.device == device, lambda: f"{name} is on {scale.device}, the cache on {device}")
+    _check(
+        isinstance(scale, torch.Tensor),
+        lambda: (
+            f"{name} must be a float or a one-element float32 tensor, got {type(scale)}"
+        ),
+        TypeError,
+    )
+    _check(
+        scale.numel() == 1 and scale.dtype == torch.float32,
+        lambda: (
+            f"{name} must be a one-element float32 tensor, got shape "
+            f"{tuple(scale.shape)} dtype {scale.dtype}"
+        ),
+    )
+    _check(
+        scale.device == device,
+        lambda: f"{name} is on {scale.device}, the cache on {device}",
+    )
     return scale
 
 
@@ -446,9 +532,10 @@ def paged_context_attention(
 
     Args:
         query: ``[T, Hq, D]`` fp16/bf16/fp32 new-token queries.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` views of
-            the paged cache (module docstring); same dtype: the query dtype, or
-            fp8 with ``k_scale`` / ``v_scale`` given.
+        key_cache: ``[num_blocks, block_size, Hkv, D]`` view of the paged
+            cache's keys (module docstring): the query dtype, or fp8 with
+            ``k_scale`` given.
+        value_cache: the values, same shape and dtype as ``key_cache``.
         block_table: ``[>= B, max_blocks]`` int32/int64 block ids per request.
         cu_seqlens_q: ``[B + 1]`` int32/int64 offsets of each request's tokens
             in ``query`` (``cu_seqlens_q[0] == 0``).
@@ -456,8 +543,9 @@ def paged_context_attention(
         scale: softmax scale.
         sliding_window: ``None`` (full context) or the window ``W >= 1`` in
             tokens: the token at position ``p`` sees positions ``> p - W``.
-        k_scale, v_scale: per-tensor dequantisation scales (one-element float32
-            tensors or floats), required for fp8 caches, ignored otherwise.
+        k_scale: per-tensor key dequantisation scale (one-element float32
+            tensor or float), required for fp8 caches, ignored otherwise.
+        v_scale: the same for values.
         out: optional ``[T, Hq, D]`` output in the query dtype.
         lse: optional ``[Hq, T]`` float32 log-sum-exp output (natural log).
         max_context_len: optional host upper bound on the context lengths;
@@ -467,89 +555,170 @@ def paged_context_attention(
 
     Returns:
         ``(out, lse)``.  Never reads device values on the host.
+
     """
-    _check(isinstance(query, torch.Tensor) and query.dim() == 3,
-           "query must be a [T, Hq, D] tensor", TypeError)
-    _check(query.dtype in _QUERY_DTYPES,
-           lambda: f"query dtype must be one of {_QUERY_DTYPES}, got {query.dtype}", TypeError)
+    _check(
+        isinstance(query, torch.Tensor) and query.dim() == 3,
+        "query must be a [T, Hq, D] tensor",
+        TypeError,
+    )
+    _check(
+        query.dtype in _QUERY_DTYPES,
+        lambda: f"query dtype must be one of {_QUERY_DTYPES}, got {query.dtype}",
+        TypeError,
+    )
     num_tokens, num_heads, head_size = query.shape
     device = query.device
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(isinstance(cache, torch.Tensor) and cache.dim() == 4,
-               lambda name=name: f"{name} must be a [num_blocks, block_size, Hkv, D] tensor",
-               TypeError)
-        _check(cache.device == device,
-               lambda name=name, cache=cache: f"{name} is on {cache.device}, query on {device}")
-        _check(cache.stride(3) == 1,
-               lambda name=name: f"{name} must be contiguous in its last dim")
-    _check(key_cache.shape == value_cache.shape,
-           lambda: f"key_cache {tuple(key_cache.shape)} and value_cache "
-           f"{tuple(value_cache.shape)} shapes differ")
-    _check(key_cache.dtype == value_cache.dtype,
-           lambda: f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
-           "dtypes differ",
-           TypeError)
+        _check(
+            isinstance(cache, torch.Tensor) and cache.dim() == 4,
+            lambda name=name: (
+                f"{name} must be a [num_blocks, block_size, Hkv, D] tensor"
+            ),
+            TypeError,
+        )
+        _check(
+            cache.device == device,
+            lambda name=name, cache=cache: (
+                f"{name} is on {cache.device}, query on {device}"
+            ),
+        )
+        _check(
+            cache.stride(3) == 1,
+            lambda name=name: f"{name} must be contiguous in its last dim",
+        )
+    _check(
+        key_cache.shape == value_cache.shape,
+        lambda: (
+            f"key_cache {tuple(key_cache.shape)} and value_cache "
+            f"{tuple(value_cache.shape)} shapes differ"
+        ),
+    )
+    _check(
+        key_cache.dtype == value_cache.dtype,
+        lambda: (
+            f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
+            "dtypes differ"
+        ),
+        TypeError,
+    )
     num_blocks, page_size, num_kv_heads, cache_head_size = key_cache.shape
-    _check(cache_head_size == head_size,
-           lambda: f"cache head size {cache_head_size} != query head size {head_size}")
-    _check(16 <= head_size <= 256, lambda: f"head size must be in [16, 256], got {head_size}")
-    _check(num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
-           lambda: f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    _check(
+        cache_head_size == head_size,
+        lambda: f"cache head size {cache_head_size} != query head size {head_size}",
+    )
+    _check(
+        16 <= head_size <= 256,
+        lambda: f"head size must be in [16, 256], got {head_size}",
+    )
+    _check(
+        num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
+        lambda: (
+            f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+        ),
+    )
     _check(query.stride(2) == 1, "query must be contiguous in its last dim")
     fp8 = key_cache.dtype in _FP8_DTYPES
-    _check(fp8 or key_cache.dtype == query.dtype,
-           lambda: f"cache dtype {key_cache.dtype} must equal the query dtype {query.dtype} "
-           "or be fp8",
-           TypeError)
+    _check(
+        fp8 or key_cache.dtype == query.dtype,
+        lambda: (
+            f"cache dtype {key_cache.dtype} must equal the query dtype {query.dtype} "
+            "or be fp8"
+        ),
+        TypeError,
+    )
     if fp8:
-        _check(query.dtype != torch.float32, "an fp8 cache needs fp16/bf16 queries", TypeError)
-        _check(k_scale is not None and v_scale is not None,
-               "an fp8 cache needs k_scale and v_scale")
+        _check(
+            query.dtype != torch.float32,
+            "an fp8 cache needs fp16/bf16 queries",
+            TypeError,
+        )
+        _check(
+            k_scale is not None and v_scale is not None,
+            "an fp8 cache needs k_scale and v_scale",
+        )
         k_scale = _check_scale("k_scale", k_scale, device)
         v_scale = _check_scale("v_scale", v_scale, device)
 
-    for name, t, ndim in (("block_table", block_table, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
-                          ("seq_lens", seq_lens, 1)):
-        _check(isinstance(t, torch.Tensor) and t.dim() == ndim,
-               lambda name=name, ndim=ndim: f"{name} must be a {ndim}-d tensor", TypeError)
-        _check(t.dtype in _INDEX_DTYPES,
-               lambda name=name, t=t: f"{name} must be int32 or int64, got {t.dtype}",
-               TypeError)
-        _check(t.device == device,
-               lambda name=name, t=t: f"{name} is on {t.device}, query on {device}")
+    for name, t, ndim in (
+        ("block_table", block_table, 2),
+        ("cu_seqlens_q", cu_seqlens_q, 1),
+        ("seq_lens", seq_lens, 1),
+    ):
+        _check(
+            isinstance(t, torch.Tensor) and t.dim() == ndim,
+            lambda name=name, ndim=ndim: f"{name} must be a {ndim}-d tensor",
+            TypeError,
+        )
+        _check(
+            t.dtype in _INDEX_DTYPES,
+            lambda name=name, t=t: f"{name} must be int32 or int64, got {t.dtype}",
+            TypeError,
+        )
+        _check(
+            t.device == device,
+            lambda name=name, t=t: f"{name} is on {t.device}, query on {device}",
+        )
     num_reqs = seq_lens.shape[0]
-    _check(cu_seqlens_q.shape[0] == num_reqs + 1,
-           lambda: f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected {num_reqs + 1}")
-    _check(block_table.shape[0] >= num_reqs,
-           lambda: f"block_table has {block_table.shape[0]} rows for {num_reqs} requests")
+    _check(
+        cu_seqlens_q.shape[0] == num_reqs + 1,
+        lambda: (
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected {num_reqs + 1}"
+        ),
+    )
+    _check(
+        block_table.shape[0] >= num_reqs,
+        lambda: f"block_table has {block_table.shape[0]} rows for {num_reqs} requests",
+    )
     _check(block_table.stride(1) == 1, "block_table rows must be contiguous")
-    _check(cu_seqlens_q.stride(0) == 1 and seq_lens.stride(0) == 1,
-           "cu_seqlens_q and seq_lens must be contiguous")
+    _check(
+        cu_seqlens_q.stride(0) == 1 and seq_lens.stride(0) == 1,
+        "cu_seqlens_q and seq_lens must be contiguous",
+    )
 
     if sliding_window is not None:
-        _check(isinstance(sliding_window, int) and sliding_window >= 1,
-               lambda: f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+        _check(
+            isinstance(sliding_window, int) and sliding_window >= 1,
+            lambda: (
+                f"sliding_window must be None or an int >= 1, got {sliding_window!r}"
+            ),
+        )
     if max_context_len is not None:
-        _check(isinstance(max_context_len, int) and max_context_len >= 0,
-               lambda: f"max_context_len must be an int >= 0, got {max_context_len!r}")
+        _check(
+            isinstance(max_context_len, int) and max_context_len >= 0,
+            lambda: f"max_context_len must be an int >= 0, got {max_context_len!r}",
+        )
     if num_splits is not None:
-        _check(isinstance(num_splits, int) and 1 <= num_splits <= 256,
-               lambda: f"num_splits must be an int in [1, 256], got {num_splits!r}")
+        _check(
+            isinstance(num_splits, int) and 1 <= num_splits <= 256,
+            lambda: f"num_splits must be an int in [1, 256], got {num_splits!r}",
+        )
 
     if out is None:
         out = torch.empty_like(query)
     else:
-        _check(out.shape == query.shape and out.dtype == query.dtype and out.device == device,
-               lambda: f"out must be {tuple(query.shape)} {query.dtype} on {device}, got "
-               f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        _check(
+            out.shape == query.shape
+            and out.dtype == query.dtype
+            and out.device == device,
+            lambda: (
+                f"out must be {tuple(query.shape)} {query.dtype} on {device}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            ),
+        )
         _check(out.stride(2) == 1, "out must be contiguous in its last dim")
     if lse is None:
         lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
     else:
-        _check(lse.shape == (num_heads, num_tokens) and lse.dtype == torch.float32
-               and lse.device == device,
-               lambda: f"lse must be ({num_heads}, {num_tokens}) float32 on {device}, got "
-               f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
+        _check(
+            lse.shape == (num_heads, num_tokens)
+            and lse.dtype == torch.float32
+            and lse.device == device,
+            lambda: (
+                f"lse must be ({num_heads}, {num_tokens}) float32 on {device}, got "
+                f"{tuple(lse.shape)} {lse.dtype} on {lse.device}"
+            ),
+        )
     if num_reqs == 0 or num_tokens == 0:
         return out, lse
 
@@ -587,10 +756,14 @@ def paged_context_attention(
         o_strides = (0, *out.stride()[:2])
         l_strides = (0, *lse.stride())
     else:
-        dst_out = torch.empty((num_splits, num_tokens, num_heads, head_size),
-                              dtype=torch.float32, device=device)
-        dst_lse = torch.empty((num_splits, num_heads, num_tokens), dtype=torch.float32,
-                              device=device)
+        dst_out = torch.empty(
+            (num_splits, num_tokens, num_heads, head_size),
+            dtype=torch.float32,
+            device=device,
+        )
+        dst_lse = torch.empty(
+            (num_splits, num_heads, num_tokens), dtype=torch.float32, device=device
+        )
         o_strides = dst_out.stride()[:3]
         l_strides = dst_lse.stride()
 

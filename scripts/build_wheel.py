@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""make build: a wheel of the patched tree (build/vllm) into dist/.
+
+Two kinds, chosen by --device (default auto):
+
+  rocm   on a ROCm machine (/opt/rocm exists, or the build python's torch has
+         torch.version.hip): VLLM_TARGET_DEVICE=rocm, vLLM's HIP/C++ extensions
+         compiled by vLLM's own setup.py with that python (it needs ROCm torch
+         and vLLM's build requirements, as the ROCm base image has them).
+  empty  anywhere else: VLLM_TARGET_DEVICE=empty, a Python-only wheel.  Built
+         with the hash-checked sdist's tools venv (setuptools<81, setuptools-scm,
+         setuptools-rust) and the three-file stand-in torch of BRIEF §1, so no
+         real torch is needed; the optional Rust frontend (vllm-rs) is left out
+         (CARGO points at `false`).  About 15 s.
+
+The wheel is built from a ``git archive`` of the build tree's HEAD in a scratch
+directory: setup.py writes vllm/_version.py and build/ folders, and those must
+not land in build/vllm (make apply would then refuse to rebuild it).
+Its version is the pinned release plus a local label naming the series,
+``<VLLM_VERSION>+aiter.series.g<series commit>`` (``.dirty`` when patches/,
+vllm_overlay/ or pins.env have uncommitted changes; ``t<build-tree commit>``
+where the series has no git history, e.g. in a Docker build context);
+vLLM's setup.py appends its device suffix (``.empty``, ``.rocmNNN``) to the
+wheel's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from seriestool import SeriesError, gitrepo, sdist  # noqa: E402
+from seriestool.pins import load_pins  # noqa: E402
+
+ROCM_HOME = Path("/opt/rocm")
+
+
+def torch_hip(python: str) -> str | None:
+    """torch.version.hip of the given interpreter, or None (no torch, or not ROCm)."""
+    proc = subprocess.run([python, "-c", "import torch; print(torch.version.hip or '')"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        return None
+    return proc.stdout.strip() or None
+
+
+def detect_device(python: str) -> str:
+    return "rocm" if ROCM_HOME.exists() or torch_hip(python) else "empty"
+
+
+def series_label(root: Path, tree: Path) -> str:
+    commit = gitrepo.git(root, "rev-parse", "--short=9", "HEAD", check=False)
+    if commit.returncode == 0 and (root / ".git").exists():
+        dirty = gitrepo.git(root, "status", "--porcelain", "--", "patches", "vllm_overlay", "pins.env",
+                            check=False).stdout.strip()
+        return f"aiter.series.g{commit.stdout.strip()}" + (".dirty" if dirty else "")
+    return f"aiter.series.t{gitrepo.out(tree, 'rev-parse', '--short=9', 'HEAD')}"
+
+
+def export_tree(tree: Path, dest: Path) -> None:
+    """The committed content of tree's HEAD, without .git, into dest."""
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "-C", str(tree), "archive", "--format=tar", "HEAD"],
+                               stdout=subprocess.PIPE)
+    untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True)
+    archive.stdout.close()
+    if archive.wait() or untar.returncode:
+        raise SeriesError(f"could not export {tree} HEAD: {untar.stderr.decode().strip()}")
+
+
+def _standin_torch(where: Path) -> Path:
+    for rel, text in sdist._STANDIN_TORCH.items():
+        (where / rel).parent.mkdir(parents=True, exist_ok=True)
+        (where / rel).write_text(text)
+    return where
+
+
+def build(tree: Path, dist: Path, device: str, python: str | None) -> Path:
+    pins = load_pins(REPO)
+    if not gitrepo.is_repo(tree):
+        raise SeriesError(f"{tree} does not exist: run `make apply` first")
+    changes = gitrepo.dirty(tree)
+    if changes:
+        print(f"note: {tree} has {len(changes)} uncommitted change(s); the wheel is built from its HEAD "
+              "(the series), without them", file=sys.stderr)
+    python = python or sys.executable
+    if device == "auto":
+        device = detect_device(python)
+    version = f"{pins['VLLM_VERSION']}+{series_label(REPO, tree)}"
+    env = dict(os.environ, VLLM_TARGET_DEVICE=device, SETUPTOOLS_SCM_PRETEND_VERSION=version)
+    for key in ("VLLM_USE_PRECOMPILED", "VLLM_VERSION_OVERRIDE", "VLLM_SKIP_VERSION_SUFFIX"):
+        env.pop(key, None)
+
+    with tempfile.TemporaryDirectory(prefix="vllm-wheel-") as tmp:
+        scratch = Path(tmp)
+        if device == "rocm":
+            hip = torch_hip(python)
+            if not hip:
+                raise SeriesError(f"a ROCm build needs ROCm torch, but {python} has none "
+                                  f"(torch.version.hip is unset); use that machine's ROCm python "
+                                  f"(PYTHON=...), or DEVICE=empty for a Python-only wheel")
+            print(f"building a ROCm wheel (HIP {hip}) with {python}; this compiles vLLM's extensions",
+                  flush=True)
+        else:
+            python = str(sdist._tools_python(sdist.cache_dir()))
+            env["PYTHONPATH"] = str(_standin_torch(scratch / "standin"))
+            env["CARGO"] = shutil.which("false") or "/bin/false"  # the optional Rust frontend is skipped
+            print("building a Python-only wheel (VLLM_TARGET_DEVICE=empty)", flush=True)
+        source = scratch / "vllm"
+        export_tree(tree, source)
+        out = scratch / "out"
+        proc = subprocess.run([python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                               "--no-cache-dir", "-w", str(out), str(source)],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode:
+            tail = "\n".join(("  " + ln) for ln in (proc.stdout + proc.stderr).splitlines()[-40:])
+            raise SeriesError(f"pip wheel failed for {source} (VLLM_TARGET_DEVICE={device}):\n{tail}")
+        wheels = sorted(out.glob("vllm-*.whl"))
+        if len(wheels) != 1:
+            raise SeriesError(f"expected one vllm wheel in {out}, found {[w.name for w in wheels]}")
+        wheel = wheels[0]
+        expected = re.escape(version.replace("-", "_"))
+        if not re.match(rf"vllm-{expected}(\.[a-z0-9]+)?-", wheel.name):
+            raise SeriesError(f"{wheel.name}: version is not {version}[.<device>]")
+        dist.mkdir(parents=True, exist_ok=True)
+        for old in dist.glob("vllm-*.whl"):  # our own earlier outputs
+            old.unlink()
+        target = dist / wheel.name
+        shutil.move(str(wheel), target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", type=Path, default=REPO / "build" / "vllm")
+    parser.add_argument("--dist", type=Path, default=REPO / "dist")
+    parser.add_argument("--device", choices=("auto", "rocm", "empty"), default="auto")
+    parser.add_argument("--python", default=None,
+                        help="interpreter of a ROCm build (default: this one); unused for empty")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    try:
+        wheel = build(args.tree.resolve(), args.dist.resolve(), args.device, args.python)
+    except SeriesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{wheel} ({wheel.stat().st_size / 1e6:.1f} MB, {time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

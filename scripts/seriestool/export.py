@@ -1,0 +1,577 @@
+"""make pr TOPIC=...: one topic of the series as an upstream pull request.
+
+In the build tree (build/vllm) a branch ``pr/<topic>`` is made from the
+pristine root commit: one commit with the topic's overlay files, then one
+commit per patch of the topic (applied by the same code as ``make apply``),
+authored and signed off (DCO) by the configured git identity.  The branch is
+built in a scratch ``git worktree`` next to the build tree, so build/vllm's
+checked-out ``main``, its index and any uncommitted work are never touched.
+
+Before anything is written, the checks upstream CI runs that work here run on
+the changed files, inside the scratch checkout so that the pinned tree's own
+pyproject.toml configures ruff: ``ruff format --check``, ``ruff check`` and
+``python -m py_compile``.  Then ``dist/<topic>/`` gets ``git format-patch
+--signoff`` output and PR_DESCRIPTION.md, which follows the pinned tree's
+.github/PULL_REQUEST_TEMPLATE.md and is filled from the patch headers and the
+committed benchmark results of the topic's kernels.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from contextlib import contextmanager
+from pathlib import Path
+
+from . import SeriesError, buildtree, gitrepo, patchfile, topics
+from .pins import load_pins
+
+# Exported commits get the series' fixed date, so the same inputs and the same
+# identity give the same commit ids and byte-identical patch files.
+EXPORT_DATE = gitrepo.SERIES_IDENTITY["GIT_AUTHOR_DATE"]
+TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
+RESULTS_DIR = "benchmarks/results"
+_MAX_SHOWN = 60
+
+# Used when the pinned tree has no PR template: the classic vLLM sections.
+FALLBACK_TEMPLATE = """## Purpose
+
+## Test Plan
+
+## Test Result
+
+---
+
+<details>
+<summary> Essential checklist </summary>
+
+- [ ] The purpose of the PR, with links to the issues and PRs it relates to.
+- [ ] The test plan: the exact commands.
+- [ ] The test results: before/after numbers and the hardware they come from.
+- [ ] Documentation updated where user-facing behaviour changed.
+</details>
+"""
+
+
+# --- identity, tree, branch --------------------------------------------------
+
+def git_identity(repo: Path) -> dict[str, str]:
+    """The configured user.name/user.email as author and committer, fixed date."""
+    name = gitrepo.git(repo, "config", "--get", "user.name", check=False).stdout.strip()
+    email = gitrepo.git(repo, "config", "--get", "user.email", check=False).stdout.strip()
+    if not name or not email:
+        missing = " and ".join(k for k, v in (("user.name", name), ("user.email", email)) if not v)
+        raise SeriesError(
+            f"git {missing} not set: the exported commits carry a DCO 'Signed-off-by:' line "
+            f"(vLLM requires it) from your git identity.\n"
+            f"  git config --global user.name 'Your Name'\n"
+            f"  git config --global user.email you@example.com")
+    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": EXPORT_DATE,
+            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": EXPORT_DATE}
+
+
+def pristine_root(layout: buildtree.Layout, pins: dict[str, str]) -> str:
+    """The root commit of build/vllm, built by `make apply` if there is no tree yet."""
+    build = layout.build
+    if not gitrepo.is_repo(build):
+        if build.exists():
+            raise SeriesError(f"{build} exists but is not a tree made by `make apply` (no .git)")
+        buildtree.apply(layout)
+    root = gitrepo.root_commit(build)
+    subject = gitrepo.out(build, "log", "-1", "--format=%s", root)
+    expected = f"vLLM {pins['VLLM_VERSION']} pristine (upstream {pins['VLLM_COMMIT']})"
+    if subject != expected:
+        raise SeriesError(f"{build} starts from {subject!r}, not {expected!r} (pins.env changed?): "
+                          f"run `make apply` first")
+    return root
+
+
+def _remove_worktree(build: Path, path: Path) -> None:
+    if path.exists():
+        gitrepo.git(build, "worktree", "remove", "--force", str(path), check=False)
+    if path.exists():  # not registered (an interrupted run): our own scratch directory
+        shutil.rmtree(path)
+    gitrepo.git(build, "worktree", "prune", check=False)
+
+
+@contextmanager
+def scratch_worktree(build: Path, name: str, commit: str):
+    """A detached checkout of commit next to build/vllm; removed afterwards."""
+    path = build.parent / f".{name}.worktree"
+    _remove_worktree(build, path)
+    gitrepo.git(build, "worktree", "add", "--detach", str(path), commit)
+    try:
+        yield path
+    finally:
+        _remove_worktree(build, path)
+
+
+# --- topics applying alone -------------------------------------------------------
+
+def _dependency_hint(patch: patchfile.Patch, earlier: list[patchfile.Patch], topic: str) -> str:
+    files = set(patch.files())
+    others = [p for p in earlier if p.topic != topic and files & set(p.files())]
+    if not others:
+        return ""
+    listed = ", ".join(f"patches/{p.name} (topic {p.topic or '?'})" for p in others)
+    return (f"\n  It may depend on a hunk of {listed}, which changes the same file earlier in the series.\n"
+            f"  Remake it against pristine upstream (each topic must apply alone), or move it to that topic.")
+
+
+def topic_alone_problem(repo: Path, base: str, all_patches: list[patchfile.Patch],
+                        topic: str) -> str | None:
+    """Do the topic's patches apply, in series order, on base without the other topics?
+
+    Works on a temporary index, so it touches neither the checkout nor HEAD.
+    """
+    mine = [p for p in all_patches if p.topic == topic]
+    if not mine:
+        return None
+    with tempfile.TemporaryDirectory(prefix="series-topic-") as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        gitrepo.git(repo, "read-tree", base, env=env)
+        for patch in mine:
+            proc = gitrepo.git(repo, "apply", "--cached", "--whitespace=error-all", "-p1",
+                               str(patch.path), check=False, env=env)
+            if proc.returncode:
+                earlier = all_patches[:all_patches.index(patch)]
+                return (f"topic {topic}: patches/{patch.name} does not apply on pristine upstream "
+                        f"without the other topics: {buildtree._hunk_failure(patch, proc.stderr)}"
+                        + _dependency_hint(patch, earlier, topic))
+    return None
+
+
+# --- upstream CI checks -------------------------------------------------------------
+
+def find_ruff(root: Path, explicit: str | None) -> list[str]:
+    if explicit:  # resolved now: the checks run inside the scratch checkout
+        found = str(Path(explicit).resolve()) if os.sep in explicit else shutil.which(explicit)
+        if not found or not Path(found).is_file():
+            raise SeriesError(f"ruff not found at {explicit!r}")
+        return [found]
+    if importlib.util.find_spec("ruff") is not None:
+        return [sys.executable, "-m", "ruff"]
+    for candidate in (shutil.which("ruff"), root / ".venv" / "bin" / "ruff"):
+        if candidate and Path(candidate).exists():
+            return [str(candidate)]
+    raise SeriesError("ruff not found: `make venv` installs it (ci/requirements-test.txt), "
+                      "or pass RUFF=/path/to/ruff")
+
+
+def _shown(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    more = f"\n  ... {len(lines) - _MAX_SHOWN} more lines" if len(lines) > _MAX_SHOWN else ""
+    return "\n".join("  " + ln for ln in lines[:_MAX_SHOWN]) + more
+
+
+def upstream_pre_commit_ruff(tree: Path) -> str | None:
+    """The ruff version upstream's .pre-commit-config.yaml pins, if it says."""
+    config = tree / ".pre-commit-config.yaml"
+    if not config.exists():
+        return None
+    match = re.search(r"ruff-pre-commit\s*\n\s*rev:\s*(\S+)", config.read_text())
+    return match.group(1) if match else None
+
+
+def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str]) -> list[str]:
+    """ruff format --check, ruff check (tree's config), py_compile; report lines or raise."""
+    python = [f for f in files if f.endswith((".py", ".pyi")) and (tree / f).is_file()]
+    if not python:
+        return ["checks: no Python files changed"]
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+
+    version = run([*ruff, "--version"])
+    if version.returncode:
+        raise SeriesError(f"{' '.join(ruff)} --version failed: {_shown(version.stderr or version.stdout)}")
+    fmt = run([*ruff, "format", "--check", "--no-cache", "--force-exclude", "--", *python])
+    if fmt.returncode:
+        output = fmt.stdout + fmt.stderr
+        named = [f for f in python if f in output]
+        raise SeriesError(
+            f"ruff format --check failed (pinned tree's pyproject.toml): {', '.join(named) or 'see below'}\n"
+            + _shown(output) + "\nTo fix: format them with the pinned tree's configuration, e.g. "
+            f"(cd build/vllm && ruff format {' '.join(named)}), commit there and `make refresh`.")
+    lint = run([*ruff, "check", "--no-fix", "--no-cache", "--force-exclude",
+                "--output-format", "concise", "--", *python])
+    if lint.returncode:
+        raise SeriesError("ruff check failed (pinned tree's pyproject.toml):\n"
+                          + _shown(lint.stdout + lint.stderr))
+    for rel in python:
+        proc = run([sys.executable, "-m", "py_compile", rel])
+        if proc.returncode:
+            raise SeriesError(f"{rel}: python -m py_compile failed:\n" + _shown(proc.stderr + proc.stdout))
+    name = (version.stdout.strip().splitlines() or [" ".join(ruff)])[0]
+    report = [f"checks: {name} format --check + check, py_compile: {len(python)} file(s) OK"]
+    pinned = upstream_pre_commit_ruff(tree)
+    if pinned and pinned.lstrip("v") not in name:
+        report.append(f"note: upstream's .pre-commit-config.yaml pins ruff {pinned}; checked with {name}")
+    return report
+
+
+# --- commit messages ---------------------------------------------------------------
+
+def _fill(label: str, text: str) -> str:
+    return textwrap.fill(f"{label}: {text}", width=72, break_long_words=False, break_on_hyphens=False)
+
+
+def related(upstream: str) -> str | None:
+    """The Upstream field without its leading "none (not yet submitted);"."""
+    text = re.sub(r"^none\b(\s*\([^)]*\))?\s*[;:,.]?\s*", "", upstream.strip(), flags=re.I)
+    return text or None
+
+
+def upstream_message(patch: patchfile.Patch) -> str:
+    """Subject, Why, How and related PRs; the series-internal fields stay out."""
+    fields = patch.fields()
+    paragraphs = [_fill(k, fields[k]) for k in ("Why", "How") if fields.get(k)]
+    if related(fields.get("Upstream", "")):
+        paragraphs.append(_fill("Related", related(fields["Upstream"])))
+    return patch.subject + "\n\n" + "\n\n".join(paragraphs) + "\n"
+
+
+def overlay_message(topic: str, files: list[str]) -> str:
+    return (f"Add the new files of {topic}\n\n"
+            + textwrap.fill(topics.TOPIC_TITLES.get(topic, topic) + ".", width=72) + "\n\n"
+            + "\n".join(f"  {f}" for f in files) + "\n")
+
+
+# --- results and the PR description ------------------------------------------------------
+
+def committed_results(root: Path) -> list[tuple[str, dict]]:
+    """(path, parsed JSON) of every benchmarks/results/*.json in the series repo's HEAD."""
+    proc = gitrepo.git(root, "ls-tree", "-r", "--name-only", "HEAD", "--", RESULTS_DIR, check=False)
+    if proc.returncode:
+        return []
+    out = []
+    for path in sorted(proc.stdout.split("\n")):
+        if not path.endswith(".json"):
+            continue
+        blob = gitrepo.git(root, "show", f"HEAD:{path}", check=False).stdout
+        try:
+            data = json.loads(blob)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            out.append((path, data))
+    return out
+
+
+def _cases(data: dict, kernel: str) -> list[dict]:
+    return [b["extra_info"] for b in data.get("benchmarks", [])
+            if isinstance(b, dict) and isinstance(b.get("extra_info"), dict)
+            and b["extra_info"].get("kernel") == kernel]
+
+
+def _machine(data: dict) -> dict:
+    info = data.get("machine_info", {})
+    return info.get("series", info) if isinstance(info, dict) else {}
+
+
+def _is_rocm(data: dict) -> bool:
+    return bool(_machine(data).get("hip"))
+
+
+def _hardware(path: str, data: dict) -> str:
+    m = _machine(data)
+    if m.get("hip"):
+        runtime = f"ROCm/HIP {m['hip']}"
+    else:
+        runtime = f"CUDA {m['cuda']}" if m.get("cuda") else "no GPU runtime"
+    commit = str(m.get("commit", "unknown"))[:12]
+    dirty = " (uncommitted changes)" if m.get("dirty") is True else ""
+    return (f"{m.get('device', 'unknown device')}, {runtime}, torch {m.get('torch', '?')}, "
+            f"triton {m.get('triton', '?')}; series commit {commit}{dirty}; "
+            f"{data.get('datetime', 'date unknown')}; `{path}`")
+
+
+def _us(results: dict, impl: str) -> str:
+    value = results.get(impl, {})
+    return f"{value['us']:g}" if isinstance(value, dict) and "us" in value else "n/a"
+
+
+def results_for(root: Path, kernels: tuple[str, ...]) -> dict[str, tuple[str, dict] | None]:
+    """Per kernel, the latest committed results file that has cases of it."""
+    files = committed_results(root)
+    chosen: dict[str, tuple[str, dict] | None] = {}
+    for kernel in kernels:
+        having = [(p, d) for p, d in files if _cases(d, kernel)]
+        latest = max(having, key=lambda pd: (str(pd[1].get("datetime", "")), pd[0])) if having else None
+        chosen[kernel] = latest
+    return chosen
+
+
+def test_files_of(root: Path, topic: str, overlay: list[str], patches: list[patchfile.Patch]) -> list[str]:
+    """Tests of the series repo for the topic: named after it or its kernels, importing one of
+    its new modules, or named in its patch headers."""
+    names = set(topics.TOPIC_KERNELS.get(topic, ())) | {topic.replace("-", "_")}
+    stems = {Path(f).stem for f in overlay if f.endswith(".py") and not Path(f).stem.startswith("__")}
+    imports = re.compile(r"^\s*(?:from|import)\s+[\w.]*\b(?:" + "|".join(map(re.escape, sorted(stems)))
+                         + r")\b", re.M) if stems else None
+    headers = " ".join(" ".join(p.header) for p in patches)
+    found = []
+    tests = root / "tests"
+    for path in sorted(tests.rglob("test_*.py")) if tests.is_dir() else []:
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("tests/series/"):
+            continue
+        if (any(n in rel for n in names) or rel in headers
+                or (imports and imports.search(path.read_text(errors="replace")))):
+            found.append(rel)
+    return found
+
+
+def _docstring_line(path: Path) -> str:
+    """First sentence-line of a Python file's module docstring."""
+    if path.suffix != ".py":
+        return "new file."
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+    except (SyntaxError, ValueError):
+        doc = None
+    return doc.strip().splitlines()[0] if doc else "new module."
+
+
+def _benchmarked(root: Path, kernels: tuple[str, ...]) -> list[str]:
+    sources = "".join(p.read_text(errors="replace") for p in sorted((root / "benchmarks").glob("bench_*.py")))
+    return [k for k in kernels if f'kernel="{k}"' in sources or f"kernel='{k}'" in sources]
+
+
+def _sections(template: str) -> tuple[str, list[tuple[str, str]], str]:
+    """(preamble, [(heading line, body)], footer from the first '---' line on)."""
+    lines = template.splitlines()
+    footer_at = next((i for i, ln in enumerate(lines) if ln.strip() == "---"), len(lines))
+    preamble: list[str] = []
+    sections: list[tuple[str, list[str]]] = []
+    for line in lines[:footer_at]:
+        if line.startswith("## "):
+            sections.append((line, []))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            preamble.append(line)
+    return ("\n".join(preamble), [(h, "\n".join(b)) for h, b in sections],
+            "\n".join(lines[footer_at:]))
+
+
+def render_description(template: str, title: str, content: dict[str, str]) -> str:
+    """Fill the template's sections; purpose, test plan and test result always appear."""
+    slots = {"overview": ("purpose",), "purpose": ("purpose",), "summary": ("purpose",),
+             "claims": ("claims",), "validation": ("plan", "result"), "test plan": ("plan",),
+             "test result": ("result",), "test results": ("result",), "details": ("details",)}
+    headings = {"plan": "### Test Plan", "result": "### Test Result"}
+    preamble, sections, footer = _sections(template)
+    used: set[str] = set()
+    parts = [f"# {title}", ""]
+    if preamble.strip():
+        parts += [preamble.strip(), ""]
+    for heading, body in sections:
+        keys = slots.get(heading[3:].strip().lower())
+        parts.append(heading)
+        parts.append("")
+        if not keys:
+            parts += [body.strip(), ""] if body.strip() else []
+            continue
+        for key in keys:
+            if len(keys) > 1:
+                parts += [headings[key], ""]
+            parts += [content[key].strip(), ""]
+            used.add(key)
+    for key, heading in (("purpose", "## Purpose"), ("plan", "## Test Plan"), ("result", "## Test Result")):
+        if key not in used:
+            parts += [heading, "", content[key].strip(), ""]
+    if footer.strip():
+        parts.append(footer.strip())
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches: list[patchfile.Patch],
+             overlay: list[str], changed: list[str], template: str | None, series_commit: str) -> str:
+    root = layout.root
+    kernels = topics.TOPIC_KERNELS.get(topic, ())
+    title = f"[ROCm] {topics.TOPIC_TITLES.get(topic, topic)}"
+    fields = [p.fields() for p in patches]
+
+    why = [f["Why"] for f in fields if f.get("Why")]
+    links = list(dict.fromkeys(r for f in fields if (r := related(f.get("Upstream", "")))))
+    purpose = [f"**Purpose.** {topics.TOPIC_TITLES.get(topic, topic)}."]
+    purpose += [f"- {w}" for w in why]
+    purpose += [f"- New `{f}`: {_docstring_line(layout.overlay / f)}" for f in overlay]
+    purpose += ["", "**Related issues/PRs:** " + ("; ".join(links) if links else "none")]
+
+    chosen = results_for(root, kernels)
+    claims = [f"- {p.subject}" for p in patches]
+    if overlay:
+        claims.append(f"- New files: {', '.join(f'`{f}`' for f in overlay)}")
+    for kernel, found in chosen.items():
+        if not found:
+            continue
+        cases = _cases(found[1], kernel)
+        speedups = [c["speedup"] for c in cases if isinstance(c.get("speedup"), (int, float))]
+        if speedups:
+            device = _machine(found[1]).get("device", "unknown device")
+            claims.append(f"- `{kernel}`: {min(speedups):g}–{max(speedups):g}× the speed of upstream's "
+                          f"kernel (median {statistics.median(speedups):.2f}×) over {len(speedups)} "
+                          f"cases on {device} (table under Test Result)")
+
+    py = [f for f in changed if f.endswith((".py", ".pyi"))]
+    tests = test_files_of(root, topic, overlay, patches)
+    upstream_tests = [f for f in changed if f.startswith("tests/") and Path(f).name.startswith("test_")]
+    plan = ["Upstream CI's lint on the changed files, from the vLLM checkout (its pyproject.toml):", "",
+            "```sh"]
+    if py:
+        plan += [f"ruff format --check {' '.join(py)}", f"ruff check {' '.join(py)}",
+                 f"python -m py_compile {' '.join(py)}"]
+    if upstream_tests:
+        plan += [f"pytest -q {' '.join(upstream_tests)}"]
+    plan += ["```", "",
+             f"In the series repository (vLLM {pins['VLLM_VERSION']} + the AITER series; "
+             "`make pr TOPIC=" + topic + "` runs the lint above):", "", "```sh",
+             "make apply venv   # pinned sdist, build/vllm, CPU test environment"]
+    if tests:
+        plan += [f"PYTHONPATH=build/vllm .venv/bin/python -m pytest -q -p no:cacheprovider {' '.join(tests)}"
+                 "   # CPU tier (kernels under TRITON_INTERPRET=1)"]
+    else:
+        plan += ["make test   # no topic-specific tests: the whole CPU tier"]
+    gpu_tests = [t for t in tests if t.startswith("tests/kernels/")]
+    if gpu_tests:
+        plan += [f"PYTHONPATH=vllm_overlay:. python3 -m pytest -q -p no:cacheprovider {' '.join(gpu_tests)}"
+                 "   # GPU tier: compiled, real sizes"]
+    benched = _benchmarked(root, kernels)
+    if benched:
+        plan += ["make bench   # GPU: writes benchmarks/results/<date>-<device>-<commit>.json "
+                 f"(kernels {', '.join(benched)} among them)"]
+    plan += ["```"]
+
+    result: list[str] = []
+    for kernel in kernels:
+        found = chosen.get(kernel)
+        if not found:
+            result += [f"**`{kernel}`**: no committed benchmark results.", ""]
+            continue
+        path, data = found
+        result += [f"**`{kernel}`** on {_hardware(path, data)}", "",
+                   "| case | ours µs | upstream µs | same-bytes copy µs | speedup | fraction of copy |",
+                   "|---|---|---|---|---|---|"]
+        for case in _cases(data, kernel):
+            res = case.get("results", {}) if isinstance(case.get("results"), dict) else {}
+            speedup = case.get("speedup") if case.get("speedup") is not None else "n/a"
+            result.append(f"| {case.get('case', '?')} | {_us(res, 'ours')} | {_us(res, 'baseline')} | "
+                          f"{_us(res, 'copy')} | {speedup} | {case.get('frac_copy', 'n/a')} |")
+        result.append("")
+    if not kernels:
+        result += ["No benchmark kernels belong to this topic.", ""]
+    tested = [(p.name, p.fields().get("Tested on", "")) for p in patches]
+    if tested:
+        result += ["Tests, as each patch header records them:", ""]
+        result += [f"- `{name}`: {text or 'not recorded'}" for name, text in tested]
+        result.append("")
+    rocm = {k for k in kernels if any(_is_rocm(d) and _cases(d, k) for _, d in committed_results(root))}
+    not_rocm = [f"benchmarks of {', '.join(f'`{k}`' for k in kernels if k not in rocm)}"] \
+        if any(k not in rocm for k in kernels) else []
+    not_rocm.append("the AITER code paths (tests marked `rocm`): "
+                    "the series repository holds no ROCm test results")
+    result.append("Not run on ROCm hardware: " + "; ".join(not_rocm) + ".")
+
+    details = []
+    for patch, f in zip(patches, fields, strict=True):
+        details += [f"**{patch.subject}** (`{', '.join(patch.files())}`)", ""]
+        details += [f"- {k}: {f[k]}" for k in ("Why", "How", "Upstream", "Drop when") if f.get(k)]
+        details.append("")
+    if overlay:
+        details += ["New files (none replaces an upstream file):", ""] + [f"- `{f}`" for f in overlay] + [""]
+    details.append(f"Generated by `make pr TOPIC={topic}` from series commit {series_commit}; applies on "
+                   f"vLLM {pins['VLLM_VERSION']} (upstream {pins['VLLM_COMMIT']}) by itself, without the "
+                   f"series' other topics.")
+
+    content = {"purpose": "\n".join(purpose), "claims": "\n".join(claims), "plan": "\n".join(plan),
+               "result": "\n".join(result), "details": "\n".join(details)}
+    return render_description(template or FALLBACK_TEMPLATE, title, content)
+
+
+# --- the export -----------------------------------------------------------------------------
+
+def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | None = None) -> list[str]:
+    if topic not in patchfile.TOPICS:
+        raise SeriesError(f"unknown topic {topic!r}: make pr TOPIC=<{'|'.join(patchfile.TOPICS)}>")
+    pins = load_pins(layout.root)
+    build = layout.build
+    ident = git_identity(layout.root)
+    ruff_cmd = find_ruff(layout.root, ruff)
+    all_patches = buildtree.series_patches(layout)
+    mine = [p for p in all_patches if p.topic == topic]
+    files = buildtree.overlay_files(layout)
+    rules, _ = topics.read_rules(layout.patches)
+    untopiced = [problem for rel in files for problem in [topics.overlay_topic(rules, rel)[1]] if problem]
+    if untopiced:
+        raise SeriesError("overlay files without a valid topic (every file must go to one PR):\n"
+                          + "\n".join("  " + u for u in untopiced))
+    overlay = topics.overlay_files_of(layout.patches, files, topic)
+    if not mine and not overlay:
+        raise SeriesError(f"topic {topic} has no patches and no overlay files: nothing to export")
+    root = pristine_root(layout, pins)
+    problem = topic_alone_problem(build, root, all_patches, topic)
+    if problem:
+        raise SeriesError(problem + f"\nNothing was exported; {build} is untouched.")
+
+    branch = f"pr/{topic}"
+    report: list[str] = []
+    with scratch_worktree(build, f"pr-{topic}", root) as tree:
+        if overlay:
+            for rel in overlay:
+                dest = tree / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(layout.overlay / rel, dest)
+            gitrepo.git(tree, "add", "-f", "--", *overlay)
+            gitrepo.git(tree, "commit", "-q", "-s", "-F", "-", input_text=overlay_message(topic, overlay),
+                        env=ident)
+        for patch in mine:
+            try:
+                buildtree.apply_patch(tree, patch)
+            except SeriesError as exc:
+                raise SeriesError(f"{exc}\nNothing was exported; {build} is untouched.") from None
+            gitrepo.git(tree, "commit", "--amend", "-q", "--reset-author", "-s", "-F", "-",
+                        input_text=upstream_message(patch), env=ident)
+        changed = gitrepo.out(tree, "diff", "--name-only", "--no-renames", "--diff-filter=d",
+                              root, "HEAD").splitlines()
+        try:
+            report += upstream_ci_checks(tree, changed, ruff_cmd)
+        except SeriesError as exc:
+            raise SeriesError(f"{exc}\nThe export stopped: {branch} and dist/{topic}/ "
+                              "were not written.") from None
+        template = gitrepo.git(tree, "show", f"{root}:{TEMPLATE}", check=False)
+        head = gitrepo.head(tree)
+        moved = gitrepo.git(build, "branch", "-f", branch, head, check=False)
+        if moved.returncode:
+            raise SeriesError(f"cannot update {branch} in {build}: {moved.stderr.strip()}\n"
+                              f"(check out main there: git -C {build} checkout main)")
+
+    out = dist_root / topic
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    written = gitrepo.git(build, "format-patch", "--signoff", "--no-signature", "-o", str(out),
+                          f"{root}..{branch}", env=ident).stdout.splitlines()
+    commit = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip()
+    dirty = gitrepo.git(layout.root, "status", "--porcelain", "--", "patches", "vllm_overlay", "pins.env",
+                        check=False).stdout.strip()
+    series_commit = (commit or "(none)") + (" + uncommitted changes" if dirty else "")
+    text = describe(layout, topic, pins, mine, overlay, changed,
+                    template.stdout if template.returncode == 0 else None, series_commit)
+    (out / "PR_DESCRIPTION.md").write_text(text)
+    count = len(written)
+    report.insert(0, f"{branch} in {build}: {count} commit(s) on vLLM {pins['VLLM_VERSION']} pristine "
+                     f"({len(overlay)} overlay file(s), {len(mine)} patch(es)); main untouched")
+    report += [f"wrote {out / Path(w).name}" for w in written]
+    report.append(f"wrote {out / 'PR_DESCRIPTION.md'}")
+    return report

@@ -1,0 +1,121 @@
+"""Topics: which upstream PR each patch and each overlay file belongs to.
+
+A patch names its topic in its header (``Topic:``).  Overlay files have no
+header, so ``patches/overlay-topics`` maps them, one rule a line::
+
+    # comments and blank lines are ignored
+    vllm/v1/attention/ops/triton_fetch_kv.py   fetch-kv
+    vllm/v1/attention/ops/triton_mla_*.py      mla-fusion
+
+The glob is relative to ``vllm_overlay/``: ``*`` and ``?`` stay inside one
+path component, ``**`` spans any number of them.  Every overlay file must
+match rules of exactly one topic (``make check`` reports the rest).  The file
+is not a patch: ``make apply`` never reads it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .patchfile import TOPICS
+
+OVERLAY_TOPICS = "overlay-topics"
+
+# Titles for the exported PR, and the benchmark kernels whose committed
+# results (benchmarks/results/*.json, extra_info["kernel"]) are the topic's.
+TOPIC_TITLES = {
+    "order-contract": "AITER FA: split decode/extend/prefill correctly under Model Runner V2's batch order",
+    "fetch-kv": "AITER FA: faster KV-cache fetch for the extend path",
+    "mla-fusion": "MLA: fuse RoPE with the KV-cache write",
+}
+TOPIC_KERNELS = {
+    "order-contract": ("order_host",),
+    "fetch-kv": ("fetch_kv", "paged_context"),
+    "mla-fusion": ("mla_rope_cache",),
+}
+
+
+@dataclass
+class Rule:
+    lineno: int
+    glob: str
+    topic: str
+    regex: re.Pattern
+
+
+def glob_regex(glob: str) -> re.Pattern:
+    out = []
+    i = 0
+    while i < len(glob):
+        if glob.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif glob.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif glob[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif glob[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(glob[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def read_rules(patches_dir: Path) -> tuple[list[Rule], list[str]]:
+    """The rules of patches/overlay-topics, and findings about malformed lines."""
+    path = patches_dir / OVERLAY_TOPICS
+    rules: list[Rule] = []
+    findings: list[str] = []
+    if not path.exists():
+        return rules, findings
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        where = f"patches/{OVERLAY_TOPICS}:{lineno}"
+        if len(parts) != 2:
+            findings.append(f"{where}: expected '<glob> <topic>', got {raw.strip()!r}")
+            continue
+        glob, topic = parts
+        if topic not in TOPICS:
+            findings.append(f"{where}: unknown topic {topic!r} (one of {', '.join(TOPICS)})")
+        rules.append(Rule(lineno, glob.removeprefix("vllm_overlay/"), topic, glob_regex(
+            glob.removeprefix("vllm_overlay/"))))
+    return rules, findings
+
+
+def overlay_topic(rules: list[Rule], rel: str) -> tuple[str | None, str | None]:
+    """(topic, problem) of one overlay file; exactly one of them is None."""
+    topics = sorted({r.topic for r in rules if r.regex.match(rel)})
+    if not topics:
+        return None, f"vllm_overlay/{rel}: no topic (add a line '<glob> <topic>' to patches/{OVERLAY_TOPICS})"
+    if len(topics) > 1:
+        return None, f"vllm_overlay/{rel}: matches rules of several topics ({', '.join(topics)}) " \
+                     f"in patches/{OVERLAY_TOPICS}"
+    if topics[0] not in TOPICS:
+        return None, f"vllm_overlay/{rel}: unknown topic {topics[0]!r} from patches/{OVERLAY_TOPICS}"
+    return topics[0], None
+
+
+def lint_overlay_topics(patches_dir: Path, files: list[str]) -> list[str]:
+    rules, findings = read_rules(patches_dir)
+    for rel in files:
+        _, problem = overlay_topic(rules, rel)
+        if problem:
+            findings.append(problem)
+    for rule in rules:
+        if not any(rule.regex.match(rel) for rel in files):
+            findings.append(f"patches/{OVERLAY_TOPICS}:{rule.lineno}: {rule.glob!r} matches no overlay file")
+    return findings
+
+
+def overlay_files_of(patches_dir: Path, files: list[str], topic: str) -> list[str]:
+    rules, _ = read_rules(patches_dir)
+    return [rel for rel in files if overlay_topic(rules, rel)[0] == topic]

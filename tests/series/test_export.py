@@ -1,0 +1,303 @@
+"""make pr TOPIC=... and patches/overlay-topics, on the fake upstream (fast, offline)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+
+from conftest import ENVS_PY, UPSTREAM, _tarball, envs_edit_1, envs_edit_2, make_patch
+
+ADA = "Ada Lovelace <ada@example.com>"
+
+TEMPLATE = """<!-- markdownlint-disable -->
+
+## Overview
+
+<!-- Summarize the change. -->
+
+## Claims
+
+<!-- State the accomplishments. -->
+
+## Validation
+
+<!-- Show evidence. -->
+
+## Details
+
+<!-- Explain motivation. -->
+
+---
+
+<details>
+<summary> Pull Request Checklist </summary>
+
+- [ ] **Testing and Validation:** the fake checklist item.
+</details>
+"""
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def _identity(tmp_path, name: str | None = "Ada Lovelace", email: str | None = "ada@example.com") -> dict:
+    config = tmp_path / "gitconfig"
+    lines = ["[user]"] + ([f"\tname = {name}"] if name else []) + ([f"\temail = {email}"] if email else [])
+    config.write_text("\n".join(lines) + "\n")
+    return {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def _add_patch(fs, name: str, text: str) -> None:
+    (fs.patches / name).write_text(text)
+    with open(fs.patches / "series", "a") as f:
+        f.write(name + "\n")
+
+
+def _repack(fs, extra: dict[str, str]) -> None:
+    """Give the fake upstream more files (a pyproject.toml, a PR template) and re-pin it."""
+    _tarball(fs.sdist, {**UPSTREAM, **extra})
+    sha = hashlib.sha256(fs.sdist.read_bytes()).hexdigest()
+    pins = fs.root / "pins.env"
+    lines = [f"VLLM_SDIST_SHA256={sha}" if ln.startswith("VLLM_SDIST_SHA256=") else ln
+             for ln in pins.read_text().splitlines()]
+    pins.write_text("\n".join(lines) + "\n")
+
+
+def _branches(fs) -> list[str]:
+    return fs.git("branch", "--format=%(refname:short)").splitlines()
+
+
+def _worktrees(fs) -> int:
+    return len(fs.git("worktree", "list", "--porcelain").split("\n\n"))
+
+
+def _root(fs) -> str:
+    return fs.git("rev-list", "--max-parents=0", "HEAD")
+
+
+def _git_am_on_pristine(fs, tmp_path, topic: str, env: dict) -> str:
+    clone = tmp_path / f"am-{topic}"
+    subprocess.run(["git", "clone", "-q", str(fs.build), str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "checkout", "-q", _root(fs)], check=True)
+    patches = sorted(str(p) for p in (fs.root / "dist" / topic).glob("*.patch"))
+    proc = subprocess.run(["git", "-C", str(clone), "am", "-q", *patches], capture_output=True, text=True,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    return (clone / "vllm/envs.py").read_text()
+
+
+def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, tmp_path):
+    """Two topics edit vllm/envs.py at distant places; each becomes its own PR on pristine upstream."""
+    fs = fake_series
+    _add_patch(fs, "0003-other-flag.patch",
+               make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY), topic="fetch-kv"))
+    env = _identity(tmp_path)
+    _ok(fs.run("apply"))
+    main_head = fs.git("rev-parse", "HEAD")
+    edited = fs.build / "vllm/utils.py"
+    original = edited.read_text()
+    edited.write_text(original + "# my local work\n")
+
+    report = _ok(fs.run("pr", "--topic", "fetch-kv", env=env)).stdout
+    assert "pr/fetch-kv" in report and "main untouched" in report and "py_compile: 3 file(s) OK" in report
+    # build/vllm: same branch, same HEAD, uncommitted work intact, no scratch worktree left.
+    assert fs.git("symbolic-ref", "--short", "HEAD") == "main"
+    assert fs.git("rev-parse", "HEAD") == main_head
+    assert edited.read_text() == original + "# my local work\n"
+    assert _worktrees(fs) == 1
+    subjects = fs.git("log", "--reverse", "--format=%s", f"{_root(fs)}..pr/fetch-kv").splitlines()
+    assert subjects == ["Add the new files of fetch-kv", "Comment sub", "Add OTHER_FLAG"]
+    envs = fs.git("show", "pr/fetch-kv:vllm/envs.py")
+    assert "OTHER_FLAG = 1" in envs and "SERIES_FLAG" not in envs
+    message = fs.git("log", "-1", "--format=%an <%ae>%n%B", "pr/fetch-kv")
+    assert message.startswith(ADA)
+    assert f"Signed-off-by: {ADA}" in message
+    assert "Why: because the test says so, on two lines." in message
+    assert "Series-Patch" not in message and "Topic:" not in message and "Drop when" not in message
+
+    dist = fs.root / "dist" / "fetch-kv"
+    files = sorted(p.name for p in dist.iterdir())
+    assert files == ["0001-Add-the-new-files-of-fetch-kv.patch", "0002-Comment-sub.patch",
+                     "0003-Add-OTHER_FLAG.patch", "PR_DESCRIPTION.md"]
+    for name in files[:3]:
+        text = (dist / name).read_text()
+        assert text.count(f"Signed-off-by: {ADA}") == 1 and f"From: {ADA}" in text
+
+    # No PR template in this fake upstream: the classic sections.
+    description = (dist / "PR_DESCRIPTION.md").read_text()
+    for heading in ("## Purpose", "## Test Plan", "## Test Result"):
+        assert heading in description
+    assert "because the test says so, on two lines." in description
+    assert "ruff format --check vllm/envs.py vllm/ops/new_kernel.py vllm/utils.py" in description
+    assert "Not run on ROCm hardware: benchmarks of `fetch_kv`, `paged_context`" in description
+
+    # The other topic alone: one commit, no overlay (its file is fetch-kv's).
+    _ok(fs.run("pr", "--topic", "mla-fusion", env=env))
+    assert fs.git("log", "--format=%s", f"{_root(fs)}..pr/mla-fusion").splitlines() == ["Add SERIES_FLAG"]
+    envs = fs.git("show", "pr/mla-fusion:vllm/envs.py")
+    assert "SERIES_FLAG = True" in envs and "OTHER_FLAG" not in envs
+    assert sorted(_branches(fs)) == ["main", "pr/fetch-kv", "pr/mla-fusion"]
+
+    # The mailed patches apply with `git am` on pristine upstream, each set without the other.
+    assert "OTHER_FLAG = 1" in _git_am_on_pristine(fs, tmp_path, "fetch-kv", env)
+    assert "OTHER_FLAG" not in _git_am_on_pristine(fs, tmp_path, "mla-fusion", env)
+
+    # Exporting again gives the same commits and byte-identical files.
+    first = {p.name: p.read_bytes() for p in dist.iterdir()}
+    tip = fs.git("rev-parse", "pr/fetch-kv")
+    _ok(fs.run("pr", "--topic", "fetch-kv", env=env))
+    assert {p.name: p.read_bytes() for p in dist.iterdir()} == first
+    assert fs.git("rev-parse", "pr/fetch-kv") == tip
+
+    # The build tree is still the series: once the edit is undone, apply has nothing to do.
+    edited.write_text(original)
+    assert "up to date" in _ok(fs.run("apply")).stdout
+
+
+def test_a_topic_that_needs_another_topics_hunk_fails_clearly(fake_series, tmp_path):
+    fs = fake_series
+    base = envs_edit_1(ENVS_PY)  # made on top of 0001 (mla-fusion), not on pristine upstream
+    _add_patch(fs, "0003-use-series-flag.patch",
+               make_patch("Use SERIES_FLAG", "vllm/envs.py", base,
+                          base.replace("VALUE_4 = 4\n", "VALUE_4 = 4\nUSES = SERIES_FLAG\n"),
+                          topic="order-contract"))
+    _ok(fs.run("apply"))  # the whole series applies; the topic alone does not
+    proc = fs.run("pr", "--topic", "order-contract", env=_identity(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert ("topic order-contract: patches/0003-use-series-flag.patch does not apply on pristine upstream "
+            "without the other topics: hunk #1 of vllm/envs.py") in err
+    assert "depend on a hunk of patches/0001-add-series-flag.patch (topic mla-fusion)" in err
+    assert "Traceback" not in err
+    assert "pr/order-contract" not in _branches(fs)
+    assert not (fs.root / "dist" / "order-contract").exists()
+    assert _worktrees(fs) == 1 and fs.git("status", "--porcelain") == ""
+    lint = fs.run("check")
+    assert lint.returncode == 1
+    assert "topic order-contract: patches/0003-use-series-flag.patch does not apply" in lint.stdout
+
+
+def test_export_needs_a_git_identity_for_the_sign_off(fake_series, tmp_path):
+    fs = fake_series
+    proc = fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path, name="Ada Lovelace", email=None))
+    assert proc.returncode == 2
+    assert "git user.email not set" in proc.stderr and "Signed-off-by" in proc.stderr
+    assert "git config --global user.email" in proc.stderr
+    assert not fs.build.exists() and not (fs.root / "dist").exists()
+
+
+def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
+    """ruff runs with the pinned tree's pyproject.toml; py_compile catches what ruff does not."""
+    fs = fake_series
+    env = _identity(tmp_path)
+    long_line = ENVS_PY.replace("VALUE_15 = 15\n", "VALUE_15 = 15  # fifteen, explained at some length\n")
+    _add_patch(fs, "0003-document-fifteen.patch",
+               make_patch("Document VALUE_15", "vllm/envs.py", ENVS_PY, long_line, topic="fetch-kv"))
+    _ok(fs.run("pr", "--topic", "fetch-kv", env=env))  # ruff's defaults allow 88 columns
+
+    _repack(fs, {"pyproject.toml": '[tool.ruff]\nline-length = 40\n\n[tool.ruff.lint]\nselect = ["E501"]\n'})
+    _ok(fs.run("apply", "--force"))  # a rebuilt tree: earlier pr/ branches are gone with it
+    proc = fs.run("pr", "--topic", "fetch-kv", env=env)
+    assert proc.returncode == 2
+    assert "ruff check failed (pinned tree's pyproject.toml)" in proc.stderr
+    assert "vllm/envs.py:30:41: E501" in proc.stderr and "E501" in proc.stderr
+    assert "The export stopped: pr/fetch-kv and dist/fetch-kv/ were not written." in proc.stderr
+    assert "pr/fetch-kv" not in _branches(fs) and _worktrees(fs) == 1
+
+    (fs.patches / "series").write_text("0001-add-series-flag.patch\n0002-check-sub.patch\n")
+    (fs.patches / "0003-document-fifteen.patch").unlink()
+    kernel = fs.root / "vllm_overlay/vllm/ops/new_kernel.py"
+    kernel.write_text("def kernel():\n    return   42\n")
+    proc = fs.run("pr", "--topic", "fetch-kv", env=env)
+    assert proc.returncode == 2
+    assert "ruff format --check failed" in proc.stderr and "vllm/ops/new_kernel.py" in proc.stderr
+
+    kernel.write_text("return 42\n")  # ruff (E501 only) accepts it; Python does not
+    proc = fs.run("pr", "--topic", "fetch-kv", env=env)
+    assert proc.returncode == 2
+    assert "vllm/ops/new_kernel.py: python -m py_compile failed" in proc.stderr
+    assert "'return' outside function" in proc.stderr
+
+
+def test_pr_description_follows_the_pinned_template_with_committed_results(fake_series, tmp_path):
+    fs = fake_series
+    _repack(fs, {".github/PULL_REQUEST_TEMPLATE.md": TEMPLATE})
+    patch = (fs.patches / "0002-check-sub.patch").read_text()
+    (fs.patches / "0002-check-sub.patch").write_text(
+        patch.replace("Upstream: none", "Upstream: vllm#25763 (merged)"))
+    results = fs.root / "benchmarks" / "results"
+    results.mkdir(parents=True)
+
+    def result(device: str, speedups: list[float], when: str, hip=None) -> dict:
+        cases = [{"kernel": "fetch_kv", "case": f"case_{i}", "speedup": s, "frac_copy": 0.9,
+                  "results": {"ours": {"us": 10.0}, "baseline": {"us": 10.0 * s}, "copy": {"us": 9.0}}}
+                 for i, s in enumerate(speedups)]
+        return {"datetime": when, "benchmarks": [{"extra_info": c} for c in cases],
+                "machine_info": {"series": {"device": device, "cuda": None if hip else "13.0", "hip": hip,
+                                            "torch": "2.11.0", "triton": "3.6.0", "commit": "abc123"}}}
+
+    (results / "2026-11-01-old.json").write_text(json.dumps(result("OLD GPU", [1.1], "2026-11-01T00:00:00")))
+    (results / "2026-11-20-h200.json").write_text(
+        json.dumps(result("NVIDIA H200", [2.0, 2.5, 3.0], "2026-11-20T00:00:00")))
+    fs.git("add", "-A", cwd=fs.root)
+    fs.git("commit", "-qm", "series with results", cwd=fs.root)
+    # Newer, but not committed: not a result the PR may quote.
+    (results / "2026-11-29-mi300.json").write_text(
+        json.dumps(result("AMD Instinct MI300X", [9.0], "2026-11-29T00:00:00", hip="7.0")))
+
+    _ok(fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path)))
+    text = (fs.root / "dist" / "fetch-kv" / "PR_DESCRIPTION.md").read_text()
+    assert text.startswith("# [ROCm] AITER FA: faster KV-cache fetch")
+    headings = [ln for ln in text.splitlines() if ln.startswith("## ") or ln.startswith("### ")]
+    assert headings == ["## Overview", "## Claims", "## Validation", "### Test Plan", "### Test Result",
+                        "## Details"]
+    assert "**Related issues/PRs:** vllm#25763 (merged)" in text
+    assert "- because the test says so, on two lines." in text
+    assert ("`fetch_kv`: 2–3× the speed of upstream's kernel (median 2.50×) over 3 cases "
+            "on NVIDIA H200") in text
+    assert "**`fetch_kv`** on NVIDIA H200, CUDA 13.0, torch 2.11.0" in text
+    assert "`benchmarks/results/2026-11-20-h200.json`" in text
+    assert "| case_2 | 10 | 30 | 9 | 3.0 | 0.9 |" in text
+    assert "OLD GPU" not in text and "MI300X" not in text
+    assert "**`paged_context`**: no committed benchmark results." in text
+    assert ("Not run on ROCm hardware: benchmarks of `fetch_kv`, `paged_context`; the AITER code paths "
+            "(tests marked `rocm`)") in text
+    assert "- `0002-check-sub.patch`: CPU (fake tree)" in text
+    assert "- [ ] **Testing and Validation:** the fake checklist item." in text
+    assert "<!-- Summarize the change. -->" not in text
+
+
+# --- patches/overlay-topics ---------------------------------------------------------
+
+def test_overlay_topics_are_linted(fake_series):
+    fs = fake_series
+    topics = fs.patches / "overlay-topics"
+    topics.unlink()
+    out = fs.run("check").stdout
+    assert "vllm_overlay/vllm/ops/new_kernel.py: no topic" in out
+    topics.write_text("vllm/ops/*.py misc\n")
+    out = fs.run("check").stdout
+    assert "patches/overlay-topics:1: unknown topic 'misc'" in out
+    assert "vllm_overlay/vllm/ops/new_kernel.py: unknown topic 'misc'" in out
+    topics.write_text("vllm/**/*.py fetch-kv\nvllm/ops/new_kernel.py mla-fusion\nvllm/gone.py fetch-kv\n")
+    out = fs.run("check").stdout
+    assert "new_kernel.py: matches rules of several topics (fetch-kv, mla-fusion)" in out
+    assert "patches/overlay-topics:3: 'vllm/gone.py' matches no overlay file" in out
+    proc = fs.run("pr", "--topic", "fetch-kv")
+    assert proc.returncode == 2 and "overlay files without a valid topic" in proc.stderr
+
+
+def test_apply_ignores_overlay_topics(fake_series):
+    fs = fake_series
+    _ok(fs.run("apply"))
+    head, tree = fs.git("rev-parse", "HEAD"), fs.tree()
+    (fs.patches / "overlay-topics").write_text("# nothing here is a patch\nvllm/ops/** mla-fusion\n")
+    assert "up to date" in _ok(fs.run("apply")).stdout
+    _ok(fs.run("apply", "--force"))
+    assert (fs.git("rev-parse", "HEAD"), fs.tree()) == (head, tree)
+    assert "overlay-topics" not in fs.git("log", "--format=%B")
+    assert "series OK (2 patches, 1 overlay files)" in _ok(fs.run("check")).stdout

@@ -1,0 +1,350 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fused RoPE + KV-cache write for ``MLAAttention``: custom ops and runner.
+
+``MLAAttention.forward_impl`` calls, when its layer fuses (``rope_kv_fusion``
+is an ``MLARopeKVFusion``; the path is chosen in ``mla_rope_fusion.py``):
+
+  * ``begin()`` once per forward, with the positions ``MLAAttention.forward``
+    received from the wrapper and the layer's slot mapping;
+  * ``prefill()`` on the prefill rows before ``forward_mha``: RoPE of
+    ``q_pe`` / ``k_pe`` in place and their cache rows
+    (``torch.ops.vllm.mla_rope_and_cache``);
+  * ``decode()`` on the decode rows, after the W_UK bmm, instead of the
+    ``[ql_nope | q_pe]`` concat / fp8 quant: returns the MQA query and writes
+    their cache rows (``torch.ops.vllm.mla_rope_concat_and_cache``, AITER's
+    ``fused_qk_rope_concat_and_cache_mla`` or the Triton kernel).
+
+Every token of the batch goes through exactly one of the two ops, so the
+separate ``unified_mla_kv_cache_update`` is not called for these layers.
+
+Both ops are registered with ``direct_register_custom_op`` and have fake
+implementations, so ``torch.compile`` traces them wherever ``forward_impl``
+is traced; the tensors they read (positions, slots, scales) are arguments,
+never captured host values.
+"""
+
+import torch
+
+from vllm._aiter_ops import rocm_aiter_ops
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_rope_fusion import (
+    RopeKVDecision,
+    RopeKVFacts,
+    RopeKVPath,
+    decide_rope_kv_path,
+    log_rope_kv_decision,
+    rope_fusion_problem,
+)
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backend import MLAAttentionImpl
+
+logger = init_logger(__name__)
+
+__all__ = ["MLARopeKVFusion", "rope_kv_facts"]
+
+# One-element fp32 ones per device: AITER's op takes a q_scale tensor also
+# when q_out is not fp8.
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    scale = _UNIT_SCALES.get(device)
+    if scale is None:
+        scale = _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return scale
+
+
+def _rope_concat_and_cache_impl(
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    use_aiter: bool,
+    all_q_rope: bool,
+) -> None:
+    """Decode form: q_out = [ql_nope | rope(q_pe)] (fp8 / q_scale when q_scale
+    is given) and the cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched."""
+    if use_aiter:
+        rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
+            ql_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            kv_cache,
+            q_out,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            k_scale,
+            q_scale if q_scale is not None else _unit_scale(q_out.device),
+            all_q_rope,
+        )
+        return
+    # Imported here: importing this module (and MLAAttention) needs no Triton.
+    from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_concat_and_cache
+
+    mla_rope_concat_and_cache(
+        ql_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
+        q_out=q_out,
+        q_scale=q_scale,
+    )
+
+
+def _rope_concat_and_cache_fake(
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    use_aiter: bool,
+    all_q_rope: bool,
+) -> None:
+    return None
+
+
+def _rope_and_cache_impl(
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+) -> None:
+    """Prefill form: rotate q_pe and k_pe in place, write [kv_c | k_pe] rows."""
+    from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_and_cache
+
+    mla_rope_and_cache(
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
+    )
+
+
+def _rope_and_cache_fake(
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    op_name="mla_rope_concat_and_cache",
+    op_func=_rope_concat_and_cache_impl,
+    mutates_args=["kv_cache", "q_out"],
+    fake_impl=_rope_concat_and_cache_fake,
+)
+direct_register_custom_op(
+    op_name="mla_rope_and_cache",
+    op_func=_rope_and_cache_impl,
+    mutates_args=["q_pe", "k_pe", "kv_cache"],
+    fake_impl=_rope_and_cache_fake,
+)
+
+
+def rope_kv_facts(layer, rotary_emb) -> RopeKVFacts:
+    """What decide_rope_kv_path() needs to know about an MLAAttention layer."""
+    impl = layer.impl
+    aiter_requested = bool(rocm_aiter_ops.is_mla_rope_kv_fusion_enabled())
+    op_problem, op_all_q_rope = (
+        rocm_aiter_ops.mla_rope_kv_op_support() if aiter_requested else (None, False)
+    )
+    writer = getattr(type(impl), "do_kv_cache_update", None)
+    return RopeKVFacts(
+        triton_requested=rocm_aiter_ops.is_mla_triton_rope_kv_fusion_enabled(),
+        aiter_requested=aiter_requested,
+        aiter_op_problem=op_problem,
+        aiter_op_all_q_rope=op_all_q_rope,
+        gpu=current_platform.is_cuda_alike(),
+        rope_problem=rope_fusion_problem(rotary_emb, layer.qk_rope_head_dim),
+        model_dtype=str(torch.get_default_dtype()).removeprefix("torch."),
+        kv_cache_dtype=layer.kv_cache_dtype,
+        sparse=bool(layer.use_sparse or getattr(impl, "is_sparse", False)),
+        hisparse=layer.hisparse_cache is not None,
+        dcp_world_size=impl.dcp_world_size,
+        dcp_q_replicate=bool(layer.dcp_q_replicate),
+        pcp=bool(layer.use_pcp),
+        q_pad_num_heads=layer.q_pad_num_heads,
+        backend_cache_writer=writer is not MLAAttentionImpl.do_kv_cache_update,
+    )
+
+
+class MLARopeKVFusion:
+    """RoPE + KV-cache write of one MLAAttention layer, fused in forward_impl."""
+
+    def __init__(self, decision: RopeKVDecision, rotary_emb: torch.nn.Module, layer):
+        assert decision.fused, decision
+        self.decision = decision
+        # A plain attribute, not a submodule: the wrapper owns the module.
+        self.rotary_emb = rotary_emb
+        self.is_neox = bool(rotary_emb.is_neox_style)
+        self.use_aiter = decision.path is RopeKVPath.AITER
+        self.kv_cache_dtype = layer.kv_cache_dtype
+        self.nope_dim = layer.qk_nope_head_dim
+        self.kv_lora_rank = layer.kv_lora_rank
+        self.rope_dim = layer.qk_rope_head_dim
+        # current_platform.fp8_dtype() is a host query on ROCm: ask once.
+        self.fp8_dtype = current_platform.fp8_dtype()
+        self._converted_caches: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def for_layer(cls, layer, rotary_emb) -> "MLARopeKVFusion | None":
+        """Decide, log the path once, and return the runner (None: upstream path)."""
+        decision = decide_rope_kv_path(rope_kv_facts(layer, rotary_emb))
+        log_rope_kv_decision(logger, decision)
+        return cls(decision, rotary_emb, layer) if decision.fused else None
+
+    def cos_sin_cache(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The rotary embedding's cos/sin cache on ``device``; in ``dtype`` for
+        AITER (the Triton kernel reads any float type).  A converted copy is
+        made once, as RotaryEmbedding does for its own forward."""
+        cache = self.rotary_emb.cos_sin_cache
+        if cache.device == device and (not self.use_aiter or cache.dtype == dtype):
+            return cache
+        key = (cache.data_ptr(), device, dtype if self.use_aiter else cache.dtype)
+        converted = self._converted_caches.get(key)
+        if converted is None:
+            converted = cache.to(device=device, dtype=key[2])
+            self._converted_caches = {key: converted}  # keep only the latest
+        return converted
+
+    def begin(
+        self,
+        layer,
+        q: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+    ) -> "tuple[_RopeKVStep | None, torch.Tensor]":
+        """Start one forward over ``q.shape[0]`` tokens: (step, k_pe).
+
+        The step is None when there is no cache to write this time (no slot
+        mapping, cache not allocated): RoPE is then applied here, exactly as
+        the wrapper would have, and forward_impl continues on upstream's path.
+        """
+        num_tokens = q.shape[0]
+        positions = positions[:num_tokens]
+        if slot_mapping is None or kv_cache.numel() == 0:
+            nope = self.nope_dim
+            q[..., nope:], k_pe = self.rotary_emb(positions, q[..., nope:], k_pe)
+            return None, k_pe
+        step = _RopeKVStep(self, layer, kv_cache, positions, slot_mapping, q.dtype)
+        return step, k_pe
+
+
+class _RopeKVStep:
+    """One forward of a fused layer: the batch's cache, positions and slots."""
+
+    def __init__(
+        self, fusion: MLARopeKVFusion, layer, kv_cache, positions, slots, dtype
+    ):
+        self.fusion = fusion
+        self.kv_cache = kv_cache
+        self.positions = positions
+        self.slot_mapping = slots
+        self.k_scale = layer._k_scale
+        self.cos_sin_cache = fusion.cos_sin_cache(kv_cache.device, dtype)
+
+    def prefill(
+        self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, start: int
+    ) -> None:
+        """Rows ``start:start + len(q)``: rotate q[..., P:] and k_pe in place
+        and write their cache rows."""
+        end = start + q.shape[0]
+        f = self.fusion
+        torch.ops.vllm.mla_rope_and_cache(
+            q[..., f.nope_dim :],
+            kv_c,
+            k_pe,
+            self.kv_cache,
+            self.slot_mapping[start:end],
+            self.positions[start:end],
+            self.cos_sin_cache,
+            f.is_neox,
+            f.kv_cache_dtype,
+            self.k_scale,
+        )
+
+    def decode(
+        self,
+        ql_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        q_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The first ``len(ql_nope)`` rows: the MQA query [ql_nope | rope(q_pe)]
+        (fp8, / q_scale, when q_scale is given) and their cache rows."""
+        f = self.fusion
+        num_tokens, num_heads, _ = ql_nope.shape
+        q_out = ql_nope.new_empty(
+            (num_tokens, num_heads, f.kv_lora_rank + f.rope_dim),
+            dtype=ql_nope.dtype if q_scale is None else f.fp8_dtype,
+        )
+        torch.ops.vllm.mla_rope_concat_and_cache(
+            ql_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            self.kv_cache,
+            q_out,
+            self.slot_mapping[:num_tokens],
+            self.positions[:num_tokens],
+            self.cos_sin_cache,
+            f.is_neox,
+            f.kv_cache_dtype,
+            self.k_scale,
+            q_scale,
+            f.use_aiter,
+            f.decision.aiter_all_q_rope,
+        )
+        return q_out

@@ -32,7 +32,7 @@ import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import SeriesError, buildtree, gitrepo, patchfile, topics
+from . import SeriesError, benchmeta, buildtree, gitrepo, patchfile, topics
 from .pins import load_pins
 
 # Exported commits get the series' fixed date, so the same inputs and the same
@@ -295,11 +295,6 @@ def _hardware(path: str, data: dict) -> str:
             f"{data.get('datetime', 'date unknown')}; `{path}`")
 
 
-def _us(results: dict, impl: str) -> str:
-    value = results.get(impl, {})
-    return f"{value['us']:g}" if isinstance(value, dict) and "us" in value else "n/a"
-
-
 def results_for(root: Path, kernels: tuple[str, ...]) -> dict[str, tuple[str, dict] | None]:
     """Per kernel, the latest committed results file that has cases of it."""
     files = committed_results(root)
@@ -420,9 +415,9 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
         speedups = [c["speedup"] for c in cases if isinstance(c.get("speedup"), (int, float))]
         if speedups:
             device = _machine(found[1]).get("device", "unknown device")
-            claims.append(f"- `{kernel}`: {min(speedups):g}–{max(speedups):g}× the speed of upstream's "
-                          f"kernel (median {statistics.median(speedups):.2f}×) over {len(speedups)} "
-                          f"cases on {device} (table under Test Result)")
+            claims.append(f"- `{kernel}`: {min(speedups):g}–{max(speedups):g}× the speed of its baseline "
+                          f"(median {statistics.median(speedups):.2f}×) over {len(speedups)} "
+                          f"cases on {device} (baseline and table under Test Result)")
 
     py = [f for f in changed if f.endswith((".py", ".pyi"))]
     tests = test_files_of(root, topic, overlay, patches)
@@ -460,15 +455,12 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
             result += [f"**`{kernel}`**: no committed benchmark results.", ""]
             continue
         path, data = found
-        result += [f"**`{kernel}`** on {_hardware(path, data)}", "",
-                   "| case | ours µs | upstream µs | same-bytes copy µs | speedup | fraction of copy |",
-                   "|---|---|---|---|---|---|"]
-        for case in _cases(data, kernel):
-            res = case.get("results", {}) if isinstance(case.get("results"), dict) else {}
-            speedup = case.get("speedup") if case.get("speedup") is not None else "n/a"
-            result.append(f"| {case.get('case', '?')} | {_us(res, 'ours')} | {_us(res, 'baseline')} | "
-                          f"{_us(res, 'copy')} | {speedup} | {case.get('frac_copy', 'n/a')} |")
-        result.append("")
+        cases = _cases(data, kernel)
+        baseline = benchmeta.baseline_of(root, kernel, cases)
+        result += [f"**`{kernel}`** on {_hardware(path, data)}", ""]
+        if baseline:
+            result += [f"Baseline: {baseline}. `copy` is a same-bytes device copy in the same run.", ""]
+        result += [benchmeta.case_table(cases), ""]
     if not kernels:
         result += ["No benchmark kernels belong to this topic.", ""]
     tested = [(p.name, p.fields().get("Tested on", "")) for p in patches]

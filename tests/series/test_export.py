@@ -257,11 +257,11 @@ def test_pr_description_follows_the_pinned_template_with_committed_results(fake_
                         "## Details"]
     assert "**Related issues/PRs:** vllm#25763 (merged)" in text
     assert "- because the test says so, on two lines." in text
-    assert ("`fetch_kv`: 2–3× the speed of upstream's kernel (median 2.50×) over 3 cases "
+    assert ("`fetch_kv`: 2–3× the speed of its baseline (median 2.50×) over 3 cases "
             "on NVIDIA H200") in text
     assert "**`fetch_kv`** on NVIDIA H200, CUDA 13.0, torch 2.11.0" in text
     assert "`benchmarks/results/2026-11-20-h200.json`" in text
-    assert "| case_2 | 10 | 30 | 9 | 3.0 | 0.9 |" in text
+    assert "| case_2 | 10.0 | 30.0 | 9.0 | 3.00× |" in text
     assert "OLD GPU" not in text and "MI300X" not in text
     assert "**`paged_context`**: no committed benchmark results." in text
     assert ("Not run on ROCm hardware: benchmarks of `fetch_kv`, `paged_context`; the AITER code paths "

@@ -1,0 +1,60 @@
+"""What a benchmark case means: its baseline, and its per-case table.
+
+Shared by ``make report`` (scripts/bench_report.py) and ``make pr``
+(seriestool/export.py), so both say the same thing about the same JSON.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+
+def suite_baseline(root: Path, kernel: str) -> str | None:
+    """The ``BASELINE`` string a suite declares (benchmarks/bench_<kernel>.py)."""
+    path = root / "benchmarks" / f"bench_{kernel}.py"
+    if not path.is_file():
+        return None
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "BASELINE" for t in node.targets):
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return None
+    return None
+
+
+def baseline_of(root: Path, kernel: str, cases: list[dict]) -> str | None:
+    """What "baseline" was in these results: as recorded, else as the suite declares it now."""
+    recorded = next((c["baseline_desc"] for c in cases if c.get("baseline_desc")), None)
+    return recorded or suite_baseline(root, kernel)
+
+
+def _us(case: dict, impl: str) -> str:
+    value = case.get("results", {}).get(impl, {})
+    return f"{value['us']:.1f}" if isinstance(value, dict) and "us" in value else "n/a"
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+
+def case_table(cases: list[dict]) -> str:
+    """Markdown: every measured variant of every case, speedup and fraction of copy."""
+    extra = sorted({impl for case in cases for impl in case.get("results", {})}
+                   - {"ours", "baseline", "copy"})
+    head = "| case | ours µs | baseline µs | " + "".join(f"{impl} µs | " for impl in extra)
+    rows = [head + "copy µs | speedup vs baseline | ours GB/s | of copy BW |",
+            "|---|" + "---:|" * (len(extra) + 6)]
+    for case in cases:
+        ours = case.get("results", {}).get("ours", {})
+        frac = case.get("frac_copy")
+        rows.append(
+            f"| {case.get('case', '?')}{' (graph)' if case.get('graph') else ''} | "
+            f"{_us(case, 'ours')} | {_us(case, 'baseline')} | "
+            + "".join(f"{_us(case, impl)} | " for impl in extra)
+            + f"{_us(case, 'copy')} | {_fmt(case.get('speedup'))}× | "
+            f"{_fmt(ours.get('gbps'), '.0f')} | "
+            f"{_fmt(100 * frac if isinstance(frac, (int, float)) else None, '.0f')}% |")
+    return "\n".join(rows)

@@ -21,10 +21,10 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh fetch readme venv test test-gpu bench report sweep sweep-report e2e clean
+.PHONY: help apply check refresh fetch readme venv test test-gpu bench bench-host report sweep sweep-report e2e clean
 
 help: ## List the verbs
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
 	@$(SERIES) fetch
@@ -52,6 +52,9 @@ test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + t
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
+
+bench-host: apply venv ## Host-side (CPU) benchmarks, e.g. the batch-order cost per step; JSON like make bench
+	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) --suite order_host $(PYTEST_ARGS)
 
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py

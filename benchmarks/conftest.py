@@ -67,6 +67,10 @@ def series_state() -> dict:
     }
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm GPU")
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
     import triton
 
@@ -81,8 +85,12 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         props = torch.cuda.get_device_properties(0)
         info["device"] = props.name
         info["sm_count"] = props.multi_processor_count
-    else:
-        info["device"] = "cpu"
+    else:  # host-side suites: name the processor they ran on
+        model = next((line.split(":", 1)[1].strip() for line in
+                      open("/proc/cpuinfo", encoding="utf-8") if line.startswith("model name")),
+                     platform.processor() or "unknown") if os.path.exists("/proc/cpuinfo") \
+            else (platform.processor() or "unknown")
+        info["device"] = f"CPU {model} ({os.cpu_count()} cores)"
     machine_info["series"] = {**series_state(), **info}
 
 

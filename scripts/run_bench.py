@@ -5,7 +5,8 @@ Writes ``<out>/<YYYYmmdd-HHMM>-<device>-<commit>.json`` (pytest-benchmark's
 format; per-case numbers in ``extra_info``, device/versions/commit in
 ``machine_info.series``).  ``--out`` defaults to benchmarks/results/.  Needs only
 torch, triton, pytest and pytest-benchmark; run it with the overlay on
-PYTHONPATH (the Makefile does).  Extra arguments go to pytest (e.g. ``-k fetch_kv``).
+PYTHONPATH (the Makefile does).  ``--suite NAME`` (repeatable) runs only
+benchmarks/bench_NAME.py; other arguments go to pytest (e.g. ``-k fetch_kv``).
 
 On a machine that gets a copy of the tree without .git, pass the commit:
 ``SERIES_COMMIT=$(git rev-parse HEAD) make bench``.
@@ -44,14 +45,19 @@ def _commit() -> str:
 
 def main(argv: list[str]) -> int:
     out = ROOT / "benchmarks" / "results"
-    if argv[:1] == ["--out"]:
-        out, argv = Path(argv[1]), argv[2:]
+    suites: list[str] = []
+    while argv[:1] in (["--out"], ["--suite"]):
+        if argv[0] == "--out":
+            out = Path(argv[1])
+        else:
+            suites.append(str(ROOT / "benchmarks" / f"bench_{argv[1]}.py"))
+        argv = argv[2:]
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     slug = re.sub(r"[^a-z0-9]+", "-", _device().lower()).strip("-")
     path = out / f"{stamp}-{slug}-{_commit()}.json"
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-           str(ROOT / "benchmarks"), f"--benchmark-json={path}", "--benchmark-columns=median,rounds",
+           *(suites or [str(ROOT / "benchmarks")]), f"--benchmark-json={path}", "--benchmark-columns=median,rounds",
            *argv]
     print(f"[bench] device: {_device()}; results -> {path}", flush=True)
     rc = subprocess.run(cmd, cwd=ROOT).returncode

@@ -58,3 +58,33 @@ def case_table(cases: list[dict]) -> str:
             f"{_fmt(ours.get('gbps'), '.0f')} | "
             f"{_fmt(100 * frac if isinstance(frac, (int, float)) else None, '.0f')}% |")
     return "\n".join(rows)
+
+
+def host_cases(data: dict, kernel: str) -> list[dict]:
+    """Host-side (CPU) benchmarks of a kernel: pytest-benchmark's own timing, before vs after.
+
+    Each row: case, before/after median µs, and before/after as the speedup.
+    """
+    by_case: dict[str, dict] = {}
+    for bench in data.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if info.get("kernel") != kernel or "variant" not in info or "results" in info:
+            continue
+        median = bench.get("stats", {}).get("median")
+        if isinstance(median, (int, float)):
+            by_case.setdefault(info.get("case", "?"), {})[info["variant"]] = median * 1e6
+    rows = []
+    for case, values in by_case.items():
+        before, after = values.get("before"), values.get("after")
+        rows.append({"case": case, "before_us": before, "after_us": after,
+                     "speedup": before / after if before and after else None})
+    return rows
+
+
+def host_table(rows: list[dict]) -> str:
+    out = ["| case | before µs (median) | after µs (median) | before / after |",
+           "|---|---:|---:|---:|"]
+    for row in rows:
+        out.append(f"| {row['case']} | {_fmt(row['before_us'], '.1f')} | "
+                   f"{_fmt(row['after_us'], '.1f')} | {_fmt(row['speedup'])}× |")
+    return "\n".join(out)

@@ -413,6 +413,8 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
             continue
         cases = _cases(found[1], kernel)
         speedups = [c["speedup"] for c in cases if isinstance(c.get("speedup"), (int, float))]
+        speedups = speedups or [r["speedup"] for r in benchmeta.host_cases(found[1], kernel)
+                                if isinstance(r.get("speedup"), (int, float))]
         if speedups:
             device = _machine(found[1]).get("device", "unknown device")
             claims.append(f"- `{kernel}`: {min(speedups):g}–{max(speedups):g}× the speed of its baseline "
@@ -456,8 +458,13 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
             continue
         path, data = found
         cases = _cases(data, kernel)
-        baseline = benchmeta.baseline_of(root, kernel, cases)
+        host = benchmeta.host_cases(data, kernel)
         result += [f"**`{kernel}`** on {_hardware(path, data)}", ""]
+        if host and not any("results" in c for c in cases):
+            result += ["Host (CPU) cost per step, the unpatched functions (before) vs this PR "
+                       "(after), timed by pytest-benchmark:", "", benchmeta.host_table(host), ""]
+            continue
+        baseline = benchmeta.baseline_of(root, kernel, cases)
         if baseline:
             result += [f"Baseline: {baseline}. `copy` is a same-bytes device copy in the same run.", ""]
         result += [benchmeta.case_table(cases), ""]

@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from seriestool import patchfile  # noqa: E402
 from seriestool.buildtree import Layout, overlay_files  # noqa: E402
+from seriestool.pins import load_pins  # noqa: E402
 
 ENTRY_POINTS = [
     "vllm.envs",
@@ -61,6 +62,4 @@ def test_series_module_imports_from_the_patched_tree(module):
 def test_patched_tree_is_the_pinned_release():
     import vllm
 
-    pins = dict(line.split("=", 1) for line in (REPO / "pins.env").read_text().splitlines()
-                if line and not line.startswith("#"))
-    assert vllm.__version__.startswith(pins["VLLM_VERSION"])
+    assert vllm.__version__.startswith(load_pins(REPO)["VLLM_VERSION"])

@@ -20,6 +20,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TREE = Path(os.environ.get("VLLM_BUILD_TREE", REPO / "build" / "vllm")).resolve()
+sys.path.insert(0, str(REPO / "scripts"))
+
+from seriestool.pins import load_pins  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,8 +52,7 @@ def _added_files(dest: Path) -> Path:
 
 
 def test_python_only_wheel_installs_and_imports(tmp_path):
-    pins = dict(line.split("=", 1) for line in (REPO / "pins.env").read_text().splitlines()
-                if line and not line.startswith("#"))
+    pins = load_pins(REPO)
     timings = {}
     start = time.monotonic()
     _run([sys.executable, REPO / "scripts/build_wheel.py", "--device", "empty", "--tree", TREE,

@@ -61,8 +61,7 @@ def detect_device(python: str) -> str:
 def series_label(root: Path, tree: Path) -> str:
     commit = gitrepo.git(root, "rev-parse", "--short=9", "HEAD", check=False)
     if commit.returncode == 0 and (root / ".git").exists():
-        dirty = gitrepo.git(root, "status", "--porcelain", "--", "patches", "vllm_overlay", "pins.env",
-                            check=False).stdout.strip()
+        dirty = gitrepo.series_inputs_dirty(root)
         return f"aiter.series.g{commit.stdout.strip()}" + (".dirty" if dirty else "")
     return f"aiter.series.t{gitrepo.out(tree, 'rev-parse', '--short=9', 'HEAD')}"
 

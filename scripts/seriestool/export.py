@@ -562,8 +562,7 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
     written = gitrepo.git(build, "format-patch", "--signoff", "--no-signature", "-o", str(out),
                           f"{root}..{branch}", env=ident).stdout.splitlines()
     commit = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip()
-    dirty = gitrepo.git(layout.root, "status", "--porcelain", "--", "patches", "vllm_overlay", "pins.env",
-                        check=False).stdout.strip()
+    dirty = gitrepo.series_inputs_dirty(layout.root)
     series_commit = (commit or "(none)") + (" + uncommitted changes" if dirty else "")
     text = describe(layout, topic, pins, mine, overlay, changed,
                     template.stdout if template.returncode == 0 else None, series_commit)

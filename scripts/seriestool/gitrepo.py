@@ -83,3 +83,12 @@ def diff(repo: Path, a: str, b: str, paths: list[str]) -> str:
     return git(repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
                "--diff-algorithm=myers", "-U3", "--src-prefix=a/", "--dst-prefix=b/",
                a, b, "--", *paths).stdout
+
+
+# What the series is made of; uncommitted changes here make a build or export "dirty".
+SERIES_INPUTS = ("patches", "vllm_overlay", "pins.env")
+
+
+def series_inputs_dirty(root: Path) -> bool:
+    """Whether the series repository has uncommitted changes to what the series is made of."""
+    return bool(git(root, "status", "--porcelain", "--", *SERIES_INPUTS, check=False).stdout.strip())

@@ -65,7 +65,7 @@ BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 SCALE = HEAD_SIZE**-0.5
 CONTEXTS = [8 * 1024, 32 * 1024, 128 * 1024]
-NEW_TOKENS = [128, 512, 2048, 8192]
+NEW_TOKENS = [128, 256, 512, 1024, 2048, 8192]
 REQUESTS = [1, 4]
 MAX_CONTEXT_TOKENS = max(CONTEXTS) * max(REQUESTS) + max(NEW_TOKENS) * max(REQUESTS)
 
@@ -325,8 +325,86 @@ def pick_tile(path: str) -> None:
         f.write(",".join(map(str, best)))
 
 
+def sweep(path: str) -> None:
+    """Context attention alone (no new-token part, no merge): every kernel
+    variant (tile, rescale slack, forced single split) against FA2 varlen over
+    the already gathered context, per shape; JSON with TFLOP/s to ``path``."""
+    import json
+
+    varlen, varlen_name = _pick_varlen()
+    shapes = [(1, 8192, 128), (4, 8192, 128), (1, 8192, 512), (1, 32768, 512),
+              (4, 32768, 512), (1, 32768, 2048), (1, 131072, 128)]
+    tiles = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+             (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
+    slacks = [0.0, 8.0]
+    max_tokens = max(r * (c + n) for r, c, n in shapes)
+    num_blocks = max_tokens // BLOCK_SIZE + 64
+    cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="cuda",
+                        dtype=DTYPE)
+    key_cache, value_cache = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    rows = []
+    saved = (pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES, pca._RESCALE_SLACK)
+    for reqs, context, new in shapes:
+        pages = (context + new) // BLOCK_SIZE
+        table = (torch.randperm(num_blocks - 1)[: reqs * pages] + 1).view(reqs, pages)
+        table = table.to(torch.int32).cuda()
+        q = torch.randn(reqs * new, NUM_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
+        cu_q = torch.arange(reqs + 1, dtype=torch.int32, device="cuda") * new
+        cu_ctx = torch.arange(reqs + 1, dtype=torch.int32, device="cuda") * context
+        seq_lens = torch.full((reqs,), context + new, dtype=torch.int32, device="cuda")
+        flops = 4 * reqs * new * NUM_HEADS * context * HEAD_SIZE
+        pos = torch.arange(context, device="cuda")
+        blk = table[:, pos // BLOCK_SIZE].reshape(-1).long()
+        slot = (pos % BLOCK_SIZE).repeat(reqs)
+        kv = cache.permute(0, 2, 1, 3)[blk, slot]
+        k_ws, v_ws = kv[..., :HEAD_SIZE].contiguous(), kv[..., HEAD_SIZE:].contiguous()
+        del kv
+        shape = f"r{reqs}_ctx{context // 1024}k_new{new}"
+
+        def record(variant, fn, shape=shape, flops=flops):
+            try:
+                fn()
+                torch.cuda.synchronize()
+                from benchmarks.conftest import time_graph_us
+
+                us = (time_graph_us(fn) if flops <= GRAPH_MAX_FLOPS else
+                      triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+                      * 1e3)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                rows.append(dict(shape=shape, variant=variant, error=str(exc)[:200]))
+                print(shape, variant, "failed:", str(exc)[:200], flush=True)
+                return
+            rows.append(dict(shape=shape, variant=variant, us=round(us, 2),
+                             tflops=round(flops / us / 1e6, 1)))
+            print(f"{shape} {variant}: {us:.1f} us {flops / us / 1e6:.0f} TFLOP/s", flush=True)
+
+        if varlen_name == "fa2":
+            record("fa2_dense_context", lambda: varlen(q, k_ws, v_ws, cu_q, cu_ctx, new,
+                                                       context, False))
+        variants = [(t, s, sp) for t in tiles for s in slacks for sp in (None, 1)]
+        for tile, slack, splits in variants:
+            def fn(q=q, table=table, cu_q=cu_q, seq_lens=seq_lens, context=context,
+                   tile=tile, slack=slack, splits=splits):
+                pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES = tile
+                pca._RESCALE_SLACK = slack
+                paged_context_attention(q, key_cache, value_cache, table, cu_q, seq_lens,
+                                        SCALE, max_context_len=context, num_splits=splits)
+            name = (f"tile{'x'.join(map(str, tile))}_slack{slack:g}"
+                    f"_{'auto' if splits is None else 'one'}split")
+            record(name, fn)
+        (pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES,
+         pca._RESCALE_SLACK) = saved
+        del k_ws, v_ws
+        torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--pick-tile":
         pick_tile(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--sweep":
+        sweep(sys.argv[2])
     else:
         print(__doc__)

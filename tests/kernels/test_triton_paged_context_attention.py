@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from vllm.v1.attention.ops import triton_paged_context_attention as pca
 from vllm.v1.attention.ops.triton_paged_context_attention import (
     paged_context_attention,
     use_paged_context,
@@ -48,6 +49,10 @@ class Case:
     num_blocks: int | None = None  # None: just enough (plus block 0 and spares)
     min_block_id: int = 1  # place the context at or above this block id
     query_view: bool = False  # query as a strided view of a wider tensor
+    # "ramp": key norms grow along the context (row maxima keep rising a
+    # little, tile after tile); "spike": the last quarter of the context has
+    # 8x larger keys (maxima jump by far more than the lazy-rescale slack).
+    key_profile: str | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -76,6 +81,10 @@ def build(case: Case, device: str, seed: int = 0) -> dict:
         used += pages[b]
         k = torch.randn(ctx, hkv, d, generator=gen)
         v = torch.randn(ctx, hkv, d, generator=gen)
+        if case.key_profile == "ramp":
+            k *= (1 + 3 * torch.arange(ctx) / max(ctx, 1))[:, None, None]
+        elif case.key_profile == "spike":
+            k[ctx - ctx // 4 :] *= 8
         k = (k / k_scale).to(device=device, dtype=cache_dtype)
         v = (v / v_scale).to(device=device, dtype=cache_dtype)
         for p0 in range(0, ctx, bs):  # write page by page through the table
@@ -192,6 +201,8 @@ CPU_CASES = [
     Case("fp8_e5m2_cache_fp16_query_gqa8", [19], [6], num_kv_heads=1, group=8,
          dtype=torch.float16, cache_dtype=FP8_E5M2),
     Case("query_strided_view", [26, 11], [4, 3], query_view=True),
+    Case("keys_ramp", [90, 47], [3, 5], key_profile="ramp"),
+    Case("keys_spike_fp16", [90, 61], [4, 2], dtype=torch.float16, key_profile="spike"),
 ]
 
 GPU_CASES = [
@@ -207,6 +218,10 @@ GPU_CASES = [
          head_size=128, dtype=torch.bfloat16, cache_dtype=FP8_E4M3),
     Case("gpu_long_chunk_block32", [1500, 2100], [2048, 700], num_kv_heads=4, group=8,
          head_size=128, block_size=32, dtype=torch.bfloat16),
+    Case("gpu_keys_ramp_gqa8", [6000, 2222], [300, 45], num_kv_heads=4, group=8,
+         head_size=128, dtype=torch.bfloat16, key_profile="ramp"),
+    Case("gpu_keys_spike_fp16", [5000, 999], [128, 64], num_kv_heads=4, group=8,
+         head_size=128, dtype=torch.float16, key_profile="spike"),
     Case("gpu_forced_splits_fp16", [3100, 77], [40, 3], num_kv_heads=2, group=4,
          head_size=128, dtype=torch.float16, num_splits=7),
     # Element offsets of the used blocks pass 2**31: Hkv 8, D 128 -> 32768
@@ -229,6 +244,20 @@ def test_matches_dense_reference(case, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_matches_dense_reference_gpu(case, device):
+    data = build(case, device)
+    out, lse = run_kernel(case, data)
+    assert_close_to_reference(case, data, out, lse)
+
+
+RESCALE_CASES = [c for c in CPU_CASES if c.key_profile or c.sliding_window == 20]
+
+
+@pytest.mark.parametrize("slack", [0.0, 3.0], ids=["rescale_every_tile", "slack_3"])
+@pytest.mark.parametrize("case", RESCALE_CASES, ids=lambda c: c.name)
+def test_rescale_slack_variants_match_reference(case, slack, device, monkeypatch):
+    """The classic online softmax and another lazy-rescale slack than the
+    default are both exact up to rounding (the default runs in every case)."""
+    monkeypatch.setattr(pca, "_RESCALE_SLACK", slack)
     data = build(case, device)
     out, lse = run_kernel(case, data)
     assert_close_to_reference(case, data, out, lse)

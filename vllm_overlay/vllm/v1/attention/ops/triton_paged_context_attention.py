@@ -53,7 +53,10 @@ Design (flash-attention forward, one program per tile):
   * It walks the context in ``BLOCK_N``-token tiles, looking up each token's
     block in the block table (so ``BLOCK_N`` need not equal the page size), with
     ``tl.dot`` for ``Q K^T`` and ``P V``, an fp32 accumulator and an online
-    softmax in base 2.  fp8 tiles are widened to the query dtype for the dots;
+    softmax in base 2 that rescales lazily: a row's running max is replaced
+    only when a tile's max exceeds it by more than ``_RESCALE_SLACK`` (log2
+    units), so the accumulator is rescaled on few iterations (1.12-1.16x on
+    an H200).  fp8 tiles are widened to the query dtype for the dots;
     ``k_scale`` folds into the softmax scale and ``v_scale`` into the final
     normalisation, so dequantisation costs no extra pass.
   * Tiles are numbered in closed form: request ``b`` owns tiles
@@ -79,11 +82,10 @@ __all__ = ["paged_context_attention", "use_paged_context"]
 # Tile shape (query rows x context tokens per iteration, warps, pipeline
 # stages).  Query rows = tokens x heads of one GQA group; every K/V element a
 # program loads is used by BLOCK_M rows, so 128 rows halve the K/V traffic
-# from L2 against 64.  On the H200 this tile ran the compute-bound case at
-# 294 TFLOP/s; 64-row tiles were 5% slower, 8 warps 13% (2% with 3 stages),
-# and a 128 x 128 / 8-warp tile 6% faster but not yet correctness-checked on
-# a GPU (benchmarks/notes/paged_context.md).  BLOCK_N is a multiple of the
-# 16-token page.
+# from L2 against 64.  On the H200, with lazy rescaling, this tile ran the
+# context part at 288-343 TFLOP/s and no other tile of a 7-tile sweep was
+# more than 4% faster on any shape (benchmarks/notes/paged_context.md).
+# BLOCK_N is a multiple of the 16-token page.
 _BLOCK_M = 128
 _BLOCK_N = 64
 _NUM_WARPS = 4
@@ -111,6 +113,13 @@ _INTERP_BLOCK_M = 16
 _INTERP_BLOCK_N = 16
 
 _LOG2E = 1.4426950408889634
+
+# Lazy rescaling slack in log2 units (see _attend_context_tile); 0 rescales
+# the accumulator on every context tile.
+_RESCALE_SLACK = 8.0
+# Running max of a row that has seen no score yet: finite, so that
+# exp2(-inf - _NO_SCORE) is 0 and exp2(_NO_SCORE - m) is 0 without NaNs.
+_NO_SCORE = tl.constexpr(-1.0e30)
 
 _FP8_DTYPES = tuple(
     getattr(torch, name)
@@ -172,6 +181,7 @@ def _attend_context_tile(
     TAIL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with one context tile.
 
@@ -205,21 +215,33 @@ def _attend_context_tile(
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
 
+    # Raw scores; the softmax scale (log2 units) is applied inside the exp2
+    # argument, where it fuses with the max subtraction into one FMA.
     s = _dot(q, k.to(q.dtype), tl.zeros([q.shape[0], k.shape[1]], tl.float32), DOT_IEEE)
-    s = s * qk_scale  # [M, N], log2 units
     if TAIL:
         s = tl.where(in_ctx[None, :], s, float("-inf"))
     if USE_WINDOW:
         s = tl.where(pos[None, :] >= q_pos[:, None] - window_left, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp2 gives
-    # 0 rather than NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
+    m_tile = tl.max(s, axis=1) * qk_scale
+    if RESCALE_SLACK > 0:
+        # Lazy rescaling: keep a row's running max until the tile's max exceeds
+        # it by more than RESCALE_SLACK (log2 units), so p <= 2**RESCALE_SLACK
+        # (exact in every dtype used) and, once the maxima settle, the
+        # [BLOCK_M, D] accumulator is not rescaled at all.
+        m_new = tl.where(m_tile > m_i + RESCALE_SLACK, m_tile, m_i)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+    # m_i starts at a finite _NO_SCORE, so a fully masked row gives
+    # exp2(-inf) = 0 here, never NaN.
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
+    if RESCALE_SLACK > 0:
+        if tl.max(m_new - m_i, axis=0) > 0:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
     acc = _dot(p.to(q.dtype), v.to(q.dtype), acc, DOT_IEEE)
     return acc, l_i, m_new
 
@@ -266,6 +288,7 @@ def _paged_context_attention_kernel(
     USE_WINDOW: tl.constexpr,
     FP8: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,  # 0: rescale every tile (classic online softmax)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -317,7 +340,7 @@ def _paged_context_attention_kernel(
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NO_SCORE, dtype=tl.float32)
 
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
     k_head_off = kv_head.to(tl.int64) * stride_kh
@@ -350,6 +373,7 @@ def _paged_context_attention_kernel(
             False,
             USE_WINDOW,
             DOT_IEEE,
+            RESCALE_SLACK,
         )
     if (num_full < t_end) & (num_full >= t_begin):
         acc, l_i, m_i = _attend_context_tile(
@@ -379,6 +403,7 @@ def _paged_context_attention_kernel(
             True,
             USE_WINDOW,
             DOT_IEEE,
+            RESCALE_SLACK,
         )
 
     seen = l_i > 0.0
@@ -800,6 +825,7 @@ def paged_context_attention(
         USE_WINDOW=sliding_window is not None,
         FP8=fp8,
         DOT_IEEE=query.dtype == torch.float32,
+        RESCALE_SLACK=_RESCALE_SLACK,
         num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
         num_stages=_NUM_STAGES,
     )

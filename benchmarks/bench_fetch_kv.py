@@ -5,7 +5,11 @@ unaligned starts; lengths not multiples of the block size) from a cache of
 randomly permuted blocks into a dense ``[tokens, H_kv, D]`` workspace, the job
 AITER FA's extend path does per 32K-token chunk.
 
-  ours      vllm/v1/attention/ops/triton_fetch_kv.fetch_kv
+  ours      vllm/v1/attention/ops/triton_fetch_kv.fetch_kv (no plan: each
+            program looks up its request and pages)
+  ours_plan the same call with a fetch_kv_plan built once outside the timed
+            region, as AITER FA's metadata builder builds it once per step for
+            all layers
   baseline  upstream vLLM 0.33.0 ``cp_mha_gather_cache`` (one program per
             (token, head)), loaded at run time from the pinned tree by
             benchmarks/upstream_kernels.py; its token_to_batch map is built
@@ -17,6 +21,12 @@ fetched tokens only.  Times are CUDA-graph replays (``graph=True``): kernel
 time without host launch overhead.  ``FETCH_KV_BENCH_TILE_BYTES=4096,16384``
 adds ``ours_tile<N>k`` variants run with another ``_TILE_BYTES`` (tuning).
 
+``test_fetch_kv_plan`` (kernel ``fetch_kv_plan``) times the plan builder itself
+(graph replays), its per-step cost: ``ours`` builds the plan into a persistent
+buffer; it has no upstream counterpart (no baseline), and ``nbytes`` counts the
+metadata it reads and the plan it writes, so its ``frac_copy`` is not a
+bandwidth figure.
+
 Run: PYTHONPATH=vllm_overlay:. VLLM_PINNED_TREE=<vllm 0.33.0 tree> \
      python -m pytest -q benchmarks/bench_fetch_kv.py --benchmark-json=out.json
 """
@@ -26,7 +36,7 @@ import os
 import pytest
 import torch
 import vllm.v1.attention.ops.triton_fetch_kv as _fetch_kv_mod
-from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv
+from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv, fetch_kv_plan
 
 from benchmarks.upstream_kernels import UpstreamUnavailable, load_cp_mha_gather_cache
 
@@ -113,7 +123,14 @@ def _setup(layout, cache_dtype, out_dtype, h, d, bs, tokens):
         fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
                  kv_cache_layout=layout, **scales)
 
-    variants = {}
+    plan = fetch_kv_plan(table, cu, seq_starts, num_tokens=tokens, block_size=bs, head_size=d,
+                         cache_dtype=cache_dtype, out_dtype=out_dtype, kv_cache_layout=layout)
+
+    def ours_plan():
+        fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
+                 kv_cache_layout=layout, max_num_tokens=tokens, plan=plan, **scales)
+
+    variants = {"ours_plan": ours_plan}
     for tile in [int(t) for t in os.environ.get("FETCH_KV_BENCH_TILE_BYTES", "").split(",") if t]:
         def variant(tile=tile):
             saved, _fetch_kv_mod._TILE_BYTES = _fetch_kv_mod._TILE_BYTES, tile
@@ -134,6 +151,7 @@ def _setup(layout, cache_dtype, out_dtype, h, d, bs, tokens):
         "layout": layout, "cache_dtype": str(cache_dtype), "out_dtype": str(out_dtype),
         "num_kv_heads": h, "head_size": d, "block_size": bs, "tokens": tokens,
         "req_lens": lens, "seq_starts": list(REQ_STARTS), "num_blocks": num_blocks,
+        "pages_per_program": plan.pages_per_program,
     }
     return ours, baseline, variants, nbytes, shapes
 
@@ -144,3 +162,38 @@ def test_fetch_kv(kernel_bench, case):
     kernel_bench(kernel="fetch_kv", case=_name(*case), shapes=shapes, nbytes=nbytes,
                  impls={"ours": ours, "baseline": baseline, **variants}, graph=True,
                  notes=_UPSTREAM_MISSING)
+
+
+# The plan builder: (num_reqs, block_size, tokens); bf16 NHD, D 128.
+PLAN_CASES = [(4, 16, 32768), (4, 32, 32768), (64, 16, 32768), (256, 16, 32768),
+              (4, 16, 4096)]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES,
+                         ids=lambda c: f"reqs{c[0]}_b{c[1]}_{c[2] // 1024}k")
+def test_fetch_kv_plan(kernel_bench, case):
+    num_reqs, bs, tokens = case
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.randperm(tokens - 1, generator=gen)[: num_reqs - 1].sort().values + 1
+    lens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])]))
+    starts = torch.randint(0, 4096, (num_reqs,), generator=gen)
+    max_pages = int(((starts + lens + bs - 1) // bs).max())
+    table = torch.randint(1, 1 << 20, (num_reqs, max_pages), generator=gen, dtype=torch.int32)
+    table, starts = table.to(_DEVICE), starts.to(torch.int32).to(_DEVICE)
+    cu = torch.cat([torch.tensor([0]), lens.cumsum(0)]).to(torch.int32).to(_DEVICE)
+    kwargs = {"num_tokens": tokens, "block_size": bs, "head_size": 128, "cache_dtype": BF16}
+    plan = fetch_kv_plan(table, cu, starts, **kwargs)
+    buffer = plan.table
+
+    def ours():
+        fetch_kv_plan(table, cu, starts, out=buffer, **kwargs)
+
+    pages = int(((starts + lens.to(_DEVICE) + bs - 1) // bs - starts // bs).sum())
+    nbytes = buffer.numel() * 4 + pages * 4 + (2 * num_reqs + 1) * 4
+    shapes = {"num_reqs": num_reqs, "block_size": bs, "tokens": tokens, "head_size": 128,
+              "dtype": "bf16", "layout": "NHD", "num_items": plan.num_items,
+              "plan_width": buffer.shape[1], "pages_per_program": plan.pages_per_program}
+    kernel_bench(kernel="fetch_kv_plan", case=f"reqs{num_reqs}_b{bs}_{tokens // 1024}k",
+                 shapes=shapes, nbytes=nbytes, impls={"ours": ours, "baseline": None},
+                 graph=True, notes="no upstream counterpart: upstream builds token_to_batch "
+                 "on the host")

@@ -11,19 +11,27 @@ logical K/V ``[num_blocks, block_size, H, D]`` first, derives each cache
 layout's storage from that with torch reshapes, and gathers with torch
 indexing per request.
 
+Every data case runs through both of fetch_kv's paths: ``lookup`` (each
+program finds its request and pages) and ``plan`` (a fetch_kv_plan built from
+the same metadata first).  The plan's own tests: one plan reused by two caches
+(two layers), every row covered once with the block-table entries of its
+pages, refusal of a plan built for other rows, and (GPU) the builder captured
+in a CUDA graph.
+
 CPU tier: small shapes under TRITON_INTERPRET=1 (fp16/fp32/fp8 only: bf16 math
 is wrong in the interpreter).  GPU tier (``gpu`` marker): the same cases
 compiled, plus real sizes in bf16 and fp8 e4m3fn, caches whose element offsets
-pass 2**31, and a CUDA-graph replay with new lengths.
+pass 2**31, and CUDA-graph replays with new lengths.
 """
 
 from dataclasses import dataclass
 
 import pytest
 import torch
-from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv
+from vllm.v1.attention.ops.triton_fetch_kv import FetchKVPlan, fetch_kv, fetch_kv_plan
 
 FP8 = torch.float8_e4m3fn
+PATHS = ["lookup", "plan"]
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -135,7 +143,13 @@ def reference(k_logical, v_logical, key_out, value_out, table, cu, starts, k_sca
     return ko, vo
 
 
-def run_case(case: Case, device: str, *, check=True):
+def make_plan(case: Case, table, cu, starts, num_tokens, **kwargs) -> FetchKVPlan:
+    return fetch_kv_plan(table, cu, starts, num_tokens=num_tokens, block_size=case.block_size,
+                         head_size=case.head_size, cache_dtype=case.cache_dtype,
+                         out_dtype=case.out_dtype, kv_cache_layout=case.layout, **kwargs)
+
+
+def run_case(case: Case, device: str, *, path: str = "lookup", check=True):
     gen = torch.Generator().manual_seed(case.seed)
     table, num_blocks = make_block_table(case.lens, case.starts, case.block_size,
                                          case.extra_blocks, gen)
@@ -161,12 +175,16 @@ def run_case(case: Case, device: str, *, check=True):
     table, cu, starts = (t.to(device, case.index_dtype) for t in (table, cu, starts))
     expected = reference(k_logical, v_logical, key_out, value_out, table, cu, starts,
                          case.k_scale, case.v_scale)
+    max_num_tokens = total if case.pass_max_num_tokens else None
+    if path == "plan":
+        scales["plan"] = make_plan(case, table, cu, starts, max_num_tokens or out_shape[0])
+    else:
+        assert path == "lookup"
     fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, starts,
-             kv_cache_layout=case.layout,
-             max_num_tokens=total if case.pass_max_num_tokens else None, **scales)
+             kv_cache_layout=case.layout, max_num_tokens=max_num_tokens, **scales)
     if check:
-        assert_bitwise_equal(key_out, expected[0], f"{case.name} key_out")
-        assert_bitwise_equal(value_out, expected[1], f"{case.name} value_out")
+        assert_bitwise_equal(key_out, expected[0], f"{case.name} [{path}] key_out")
+        assert_bitwise_equal(value_out, expected[1], f"{case.name} [{path}] value_out")
     return key_out, value_out
 
 
@@ -200,9 +218,10 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
-def test_fetch_kv_matches_reference(case, device):
-    run_case(case, device)
+def test_fetch_kv_matches_reference(case, path, device):
+    run_case(case, device, path=path)
 
 
 TUNING_CASES = [
@@ -221,25 +240,194 @@ TUNING_CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("constants,case", [c[1:] for c in TUNING_CASES],
                          ids=[c[0] for c in TUNING_CASES])
-def test_fetch_kv_tuning_paths_match_reference(constants, case, device, monkeypatch):
+def test_fetch_kv_tuning_paths_match_reference(constants, case, path, device, monkeypatch):
     import vllm.v1.attention.ops.triton_fetch_kv as module
 
     for name, value in constants.items():
         assert hasattr(module, name)
         monkeypatch.setattr(module, name, value)
-    run_case(case, device)
+    run_case(case, device, path=path)
 
 
-def test_fetch_kv_zero_requests_is_a_no_op(device):
+@pytest.mark.parametrize("path", PATHS)
+def test_fetch_kv_zero_requests_is_a_no_op(path, device):
     kc = torch.zeros(4, 16, 1, 64, device=device)
     out = poisoned((5, 1, 64), torch.float32, device)
     before = out.clone()
-    fetch_kv(kc, kc, out, out.clone(), torch.zeros(0, 2, dtype=torch.int32, device=device),
-             torch.zeros(1, dtype=torch.int32, device=device),
-             torch.zeros(0, dtype=torch.int32, device=device))
+    meta = (torch.zeros(0, 2, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros(0, dtype=torch.int32, device=device))
+    kwargs = {}
+    if path == "plan":
+        kwargs["plan"] = fetch_kv_plan(*meta, num_tokens=5, block_size=16, head_size=64,
+                                       cache_dtype=torch.float32)
+        assert kwargs["plan"].num_items == 0
+    fetch_kv(kc, kc, out, out.clone(), *meta, **kwargs)
     assert_bitwise_equal(out, before, "untouched output")
+
+
+# ---------------------------------------------------------------- the plan
+
+def test_fetch_kv_plan_reused_by_two_caches(device):
+    """One plan, two layers: a packed fp16 cache and a dense fp8 cache dequantised to fp16.
+
+    Both need the same rows per item (2-byte outputs), so the plan of the step
+    serves both; each output must match its own reference.
+    """
+    lens, starts, h, d, bs = [37, 0, 70, 5], [5, 9, 16, 60], 2, 64, 16
+    gen = torch.Generator().manual_seed(21)
+    table, num_blocks = make_block_table(lens, starts, bs, 2, gen)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    table, cu = table.to(device), cu.to(device)
+    seq_starts = torch.tensor(starts, dtype=torch.int32, device=device)
+    plan = fetch_kv_plan(table, cu, seq_starts, num_tokens=total, block_size=bs, head_size=d,
+                         cache_dtype=F16)
+    shape = (num_blocks, bs, h, d)
+    value_gen = torch.Generator(device=device).manual_seed(22)
+    for layer, (kind, cache_dtype, scales) in enumerate([("packed", F16, (1.0, 1.0)),
+                                                         ("dense", FP8, (0.5, 3.0))]):
+        k_logical = _random_values(shape, cache_dtype, value_gen)
+        v_logical = _random_values(shape, cache_dtype, value_gen)
+        k_logical[0] = poisoned(shape[1:], cache_dtype, device)
+        v_logical[0] = poisoned(shape[1:], cache_dtype, device)
+        key_cache, value_cache = build_cache(kind, k_logical, v_logical)
+        key_out = poisoned((total + 2, h, d), F16, device)
+        value_out = poisoned((total + 2, h, d), F16, device)
+        expected = reference(k_logical, v_logical, key_out, value_out, table, cu, seq_starts,
+                             *scales)
+        kwargs = {}
+        if cache_dtype != F16:
+            kwargs = {"k_scale": torch.tensor([scales[0]], device=device),
+                      "v_scale": torch.tensor([scales[1]], device=device)}
+        fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
+                 max_num_tokens=total, plan=plan, **kwargs)
+        assert_bitwise_equal(key_out, expected[0], f"layer {layer} key_out")
+        assert_bitwise_equal(value_out, expected[1], f"layer {layer} value_out")
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 1], ids=["default_tile", "one_page_per_item"])
+def test_fetch_kv_plan_rows_cover_every_token_once(tile_bytes, device, monkeypatch):
+    """Plan rows, read back: each fetched row exactly once, blocks from the block table.
+
+    Row format (fetch_kv_plan): [out_first, lo, hi, 0, block per page ...]; tile
+    rows lo .. hi - 1 go to output rows out_first ..; idle items are all zero.
+    """
+    import vllm.v1.attention.ops.triton_fetch_kv as module
+
+    if tile_bytes is not None:
+        monkeypatch.setattr(module, "_TILE_BYTES", tile_bytes)
+    lens, starts, bs, offset = [9, 0, 50, 0, 31, 64], [40, 7, 1, 0, 32, 16], 16, 4
+    gen = torch.Generator().manual_seed(23)
+    table, _ = make_block_table(lens, starts, bs, 2, gen)
+    cu = torch.tensor([0] + lens).cumsum(0) + offset
+    plan = fetch_kv_plan(table.to(device), cu.to(device, torch.int32),
+                         torch.tensor(starts, dtype=torch.int32, device=device),
+                         num_tokens=int(cu[-1]) + 7, block_size=bs, head_size=64,
+                         cache_dtype=F16)
+    ppp = plan.pages_per_program
+    assert ppp == (1 if tile_bytes else 4) and plan.rows_per_item == ppp * bs
+    rows = plan.table.cpu().long()
+    assert rows.shape == (int(cu[-1] + 7) // (ppp * bs) + 2 * len(lens), 8)
+    seen = []
+    for row in rows.tolist():
+        out_first, lo, hi, pad, blocks = row[0], row[1], row[2], row[3], row[4:]
+        assert pad == 0 and all(b == 0 for b in blocks[ppp:])
+        if hi <= lo:
+            assert row == [0] * len(row), "idle item not zeroed"
+            continue
+        assert 0 <= lo < hi <= ppp * bs
+        b = int(torch.searchsorted(cu, out_first, right=True)) - 1
+        pos0 = starts[b] + out_first - int(cu[b])  # position of tile row lo
+        first_page, rem = divmod(pos0 - lo, bs)
+        assert rem == 0, "tile not page-aligned"
+        end_page = -(-(starts[b] + lens[b]) // bs)
+        for j in range(ppp):
+            want = int(table[b, first_page + j]) if first_page + j < end_page else 0
+            assert blocks[j] == want, (row, b, j)
+        seen.extend(range(out_first, out_first + hi - lo))
+    assert sorted(seen) == list(range(offset, int(cu[-1])))
+
+
+def _plan_for(device, **overrides):
+    kwargs = {"num_tokens": 8, "block_size": 16, "head_size": 64, "cache_dtype": F16}
+    kwargs.update(overrides)
+    return fetch_kv_plan(torch.ones(1, 2, dtype=torch.int32, device=device),
+                         torch.tensor([0, 8], dtype=torch.int32, device=device),
+                         torch.zeros(1, dtype=torch.int32, device=device), **kwargs)
+
+
+PLAN_MISMATCHES = [
+    # (id, plan builder overrides, fetch_kv argument edits, exception, match)
+    ("other_block_size", {"block_size": 32}, {}, ValueError, "built for block_size 32"),
+    ("other_pages_per_program_dtype", {"cache_dtype": F32}, {}, ValueError,
+     "2 pages per program.*needs block_size 16 and 4"),
+    ("other_pages_per_program_head_size", {"head_size": 128}, {}, ValueError,
+     "pages per program"),
+    ("plan_for_nhd_used_with_shuffle", {}, {"kv_cache_layout": lambda a: "SHUFFLE"},
+     ValueError, "needs block_size 16 and 1"),
+    ("other_num_reqs", {}, {"cu_seqlens_kv": lambda a: a["seq_starts"].new_tensor([0, 4, 8]),
+                            "seq_starts": lambda a: a["seq_starts"].new_zeros(2),
+                            "block_table": lambda a: a["block_table"].new_ones(2, 2)},
+     ValueError, "built for 1 requests"),
+    ("max_num_tokens_differs", {}, {"max_num_tokens": lambda a: 7}, ValueError,
+     r"max_num_tokens \(7\) differs"),
+    ("plan_bound_past_outputs", {"num_tokens": 9}, {}, ValueError, "covers up to 9 tokens"),
+    ("not_a_plan", None, {}, TypeError, "FetchKVPlan"),
+]
+
+
+@pytest.mark.parametrize("overrides,edits,exc,match", [c[1:] for c in PLAN_MISMATCHES],
+                         ids=[c[0] for c in PLAN_MISMATCHES])
+def test_fetch_kv_refuses_a_plan_built_for_another_call(overrides, edits, exc, match, device):
+    """A plan fixes the rows per item (block size x pages per program) and the batch."""
+    plan = "plan" if overrides is None else _plan_for(device, **overrides)
+    args = _valid_args(device)
+    for key, fn in edits.items():
+        args[key] = fn(args)
+    out = args["key_out"].clone()
+    with pytest.raises(exc, match=match):
+        fetch_kv(**args, plan=plan)
+    assert_bitwise_equal(args["key_out"], out, "untouched output")
+
+
+def test_fetch_kv_plan_writes_into_out_buffer(device):
+    big = _plan_for(device, num_tokens=200)
+    plan = _plan_for(device, out=big.table)
+    assert plan.table.data_ptr() == big.table.data_ptr() and plan.num_items == 2
+    assert torch.equal(plan.table, _plan_for(device).table)
+
+
+PLAN_INVALID = [
+    ("unknown_layout", {"kv_cache_layout": "HND"}, ValueError, "kv_cache_layout"),
+    ("block_size_not_pow2", {"block_size": 12}, ValueError, "power of two"),
+    ("negative_num_tokens", {"num_tokens": -1}, ValueError, "num_tokens"),
+    ("num_tokens_past_int32", {"num_tokens": 2**31}, ValueError, "num_tokens"),
+    ("dtype_not_a_dtype", {"cache_dtype": "float16"}, TypeError, "cache_dtype"),
+    ("out_wrong_width", {"out": torch.zeros(4, 16, dtype=torch.int32)}, ValueError,
+     r"out must be an int32 \[>= 2, 8\]"),
+    ("out_too_few_rows", {"out": torch.zeros(1, 8, dtype=torch.int32)}, ValueError,
+     "out must be"),
+    ("out_int64", {"out": torch.zeros(4, 8, dtype=torch.int64)}, ValueError, "out must be"),
+    ("cu_seqlens_wrong_length", {"cu_seqlens_kv": torch.tensor([0, 4, 8], dtype=torch.int32)},
+     ValueError, r"num_reqs \+ 1"),
+    ("float_block_table", {"block_table": torch.ones(1, 2)}, TypeError, "int32 or int64"),
+]
+
+
+@pytest.mark.parametrize("edits,exc,match", [c[1:] for c in PLAN_INVALID],
+                         ids=[c[0] for c in PLAN_INVALID])
+def test_fetch_kv_plan_rejects_bad_arguments(edits, exc, match):
+    kwargs = {"block_table": torch.ones(1, 2, dtype=torch.int32),
+              "cu_seqlens_kv": torch.tensor([0, 8], dtype=torch.int32),
+              "seq_starts": torch.zeros(1, dtype=torch.int32),
+              "num_tokens": 8, "block_size": 16, "head_size": 64, "cache_dtype": F16}
+    kwargs.update(edits)
+    with pytest.raises(exc, match=match):
+        fetch_kv_plan(**kwargs)
 
 
 # ---------------------------------------------------------------- validation
@@ -375,15 +563,17 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
-def test_fetch_kv_real_sizes(case, device):
-    run_case(case, device)
+def test_fetch_kv_real_sizes(case, path, device):
+    run_case(case, device, path=path)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("cache_dtype,out_dtype", [(BF16, BF16), (FP8, BF16)],
                          ids=["bf16", "fp8_to_bf16"])
-def test_fetch_kv_cache_past_2pow31_elements(cache_dtype, out_dtype, device):
+def test_fetch_kv_cache_past_2pow31_elements(cache_dtype, out_dtype, path, device):
     """Packed cache of 40,000 blocks x 65,536 elements: block offsets pass 2**31 elements."""
     num_blocks, bs, h, d = 40_000, 16, 8, 256
     gen = torch.Generator(device=device).manual_seed(11)
@@ -417,6 +607,10 @@ def test_fetch_kv_cache_past_2pow31_elements(cache_dtype, out_dtype, device):
                   "v_scale": torch.tensor([1.25], device=device)}
     expected = reference(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
                          0.75, 1.25)
+    if path == "plan":
+        scales["plan"] = fetch_kv_plan(table, cu, seq_starts, num_tokens=total + 5,
+                                       block_size=bs, head_size=d, cache_dtype=cache_dtype,
+                                       out_dtype=out_dtype)
     fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts, **scales)
     torch.cuda.synchronize()
     assert_bitwise_equal(key_out, expected[0], "key_out")
@@ -457,3 +651,48 @@ def test_fetch_kv_cuda_graph_replay_sees_new_lengths(device):
         torch.cuda.synchronize()
         assert_bitwise_equal(key_out, expected[0], f"key_out lens={lens}")
         assert_bitwise_equal(value_out, expected[1], f"value_out lens={lens}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent_out", [False, True], ids=["allocated", "out_buffer"])
+def test_fetch_kv_plan_built_inside_cuda_graph(persistent_out, device):
+    """The builder is capturable: a graph of plan + two fetches follows new metadata."""
+    gen = torch.Generator().manual_seed(13)
+    bs, h, d, nb = 16, 1, 128, 2048
+    packed = torch.randn(nb, h, bs, 2 * d, generator=gen).to(BF16).to(device)
+    key_cache, value_cache = packed.transpose(1, 2).split(d, dim=-1)
+    dense_k = torch.randn(nb, bs, h, d, generator=gen).to(BF16).to(device)
+    dense_v = torch.randn(nb, bs, h, d, generator=gen).to(BF16).to(device)
+    table = (torch.randperm(nb - 1, generator=gen)[: 4 * 400] + 1).view(4, 400)
+    table = table.to(torch.int32).to(device)
+    cu = torch.zeros(5, dtype=torch.int32, device=device)
+    seq_starts = torch.zeros(4, dtype=torch.int32, device=device)
+    outs = [torch.empty(8192, h, d, dtype=BF16, device=device) for _ in range(4)]
+    plan_kwargs = {"num_tokens": 8192, "block_size": bs, "head_size": d, "cache_dtype": BF16}
+    buffer = fetch_kv_plan(table, cu, seq_starts, **plan_kwargs).table.clone()
+
+    def call():
+        plan = fetch_kv_plan(table, cu, seq_starts, **plan_kwargs,
+                             out=buffer if persistent_out else None)
+        for kc, vc, ko, vo in ((key_cache, value_cache, *outs[:2]),
+                               (dense_k, dense_v, *outs[2:])):
+            fetch_kv(kc, vc, ko, vo, table, cu, seq_starts, max_num_tokens=8192, plan=plan)
+
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for lens, starts in (([100, 0, 2000, 37], [5, 0, 16, 300]),
+                         ([4000, 3000, 1, 1191], [0, 17, 6000, 31])):
+        cu.copy_(torch.tensor([0] + lens).cumsum(0))
+        seq_starts.copy_(torch.tensor(starts))
+        for o in outs:
+            o.fill_(float("nan"))
+        expected = [reference(kc, vc, ko, vo, table, cu, seq_starts, 1.0, 1.0)
+                    for kc, vc, ko, vo in ((key_cache, value_cache, *outs[:2]),
+                                           (dense_k, dense_v, *outs[2:]))]
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (o, e) in enumerate(zip(outs, [t for pair in expected for t in pair])):
+            assert_bitwise_equal(o, e, f"output {i} lens={lens}")

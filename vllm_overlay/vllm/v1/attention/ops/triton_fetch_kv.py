@@ -48,13 +48,30 @@ consecutive requests never collide and at most two per request stay idle; a
 program finds its request by counting the ``W(b)`` not above its item number,
 in the same vector loads that fetch the request's row range and start.  All
 cache and output offsets are computed in 64 bits.
+
+Plan path: that lookup and the block-table loads of a program's pages are two
+dependent memory round trips before its first data load, and a launch that
+fits in one wave has nothing to hide them behind (a copy has none).
+``fetch_kv_plan`` does both once per batch, in a small kernel with one program
+per work item (same numbering, same lookup code), and writes one int32 row per
+item: the output row of its first wanted slot, the wanted rows ``lo .. hi - 1``
+of its tile (``lo == hi``: idle) and the block id of each of its pages (0 past
+the request).  With ``fetch_kv(..., plan=)`` a program loads its row (header
+and block ids are independent loads of one row: one round trip) and goes
+straight to the data.  A plan depends only on the request metadata and the
+rows per item (block size x pages per program), not on the cache, its heads
+or its dtypes beyond their sizes, so one plan per step serves every layer;
+``fetch_kv`` refuses a plan built for other rows or another batch size.  Both
+paths move the same pages and write the same bytes.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fetch_kv"]
+__all__ = ["FetchKVPlan", "fetch_kv", "fetch_kv_plan"]
 
 # Size of a vector access in bytes; the SHUFFLE layout interleaves in units of
 # 16 bytes (x = 16 // element size), and both layouts are moved in 16-byte
@@ -76,6 +93,12 @@ _TILE_BYTES = 8192
 _MAX_PAGES_PER_PROGRAM = 8
 _NUM_WARPS = 4
 
+# A plan row: out_first, lo, hi, 0, then the block id of each page of the
+# item; int32, padded to a power of two (see fetch_kv_plan).
+_PLAN_HEADER = 4
+_PLAN_NUM_WARPS = 1
+_INT32_MAX = 2**31 - 1
+
 _FP8_DTYPES = tuple(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
@@ -86,51 +109,52 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _LAYOUTS = ("NHD", "SHUFFLE")
 
 
+@dataclass(frozen=True, eq=False)
+class FetchKVPlan:
+    """A work plan for ``fetch_kv``, made by ``fetch_kv_plan``.
+
+    ``table`` is int32 ``[num_items, width]`` on the device, one row per work
+    item; the other fields are the host values it was built for, which
+    ``fetch_kv`` checks against its call.  Compared by identity.
+    """
+
+    table: torch.Tensor
+    block_size: int
+    pages_per_program: int
+    num_tokens: int  # upper bound on cu_seqlens_kv[-1] the plan covers
+    num_reqs: int
+
+    @property
+    def rows_per_item(self) -> int:
+        return self.block_size * self.pages_per_program
+
+    @property
+    def num_items(self) -> int:
+        return self.table.shape[0]
+
+
 @triton.jit
-def _fetch_kv_kernel(
-    key_cache_ptr,  # [num_blocks, PAGE, H, D] (NHD) / shuffled blocks
-    value_cache_ptr,
-    key_out_ptr,  # [num_tokens, H, D]
-    value_out_ptr,
-    block_table_ptr,  # [num_reqs, max_blocks]
-    cu_seqlens_ptr,  # [num_reqs + 1]
-    seq_starts_ptr,  # [num_reqs]
-    k_scale_ptr,  # [1] (read only when DEQUANT)
-    v_scale_ptr,
+def _locate_item(
+    item,
+    cu_seqlens_ptr,
+    seq_starts_ptr,
     num_reqs,
-    num_kv_heads,
-    stride_bt_req,
-    stride_bt_blk,
     stride_cu,
     stride_ss,
-    stride_kc_blk,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_kc_dim,
-    stride_vc_blk,
-    stride_vc_slot,
-    stride_vc_head,
-    stride_vc_dim,
-    stride_ko_tok,
-    stride_ko_head,
-    stride_ko_dim,
-    stride_vo_tok,
-    stride_vo_head,
-    stride_vo_dim,
-    HEAD_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_SIZE
-    PAGE: tl.constexpr,  # cache block size (tokens per page)
+    PAGE: tl.constexpr,
     PAGES_PER_PROGRAM: tl.constexpr,
-    SHUFFLE: tl.constexpr,
-    X: tl.constexpr,  # SHUFFLE vector width in elements
-    DEQUANT: tl.constexpr,
-    REQ_STEP: tl.constexpr,  # requests scanned per lookup step
+    REQ_STEP: tl.constexpr,
 ):
-    ROWS: tl.constexpr = PAGES_PER_PROGRAM * PAGE
-    pid = tl.program_id(0)
-    item = pid // num_kv_heads
-    head = (pid % num_kv_heads).to(tl.int64)
+    """Find what work item ``item`` covers.
 
+    Returns ``(req, out_start, pos_start, pos_end, first_page, end_page)``:
+    the item is pages ``first_page .. first_page + PAGES_PER_PROGRAM - 1`` of
+    request ``req``, whose positions ``pos_start .. pos_end - 1`` go to
+    output rows from ``out_start``; pages from ``end_page`` on are past the
+    request.  The item is idle when ``req < 0``, ``pos_end <= pos_start`` or
+    ``first_page >= end_page``.
+    """
+    ROWS: tl.constexpr = PAGES_PER_PROGRAM * PAGE
     # Which request owns this item: req = #{b : W(b) <= item} - 1 with
     # W(b) = cu[b] // ROWS + 2 b (strictly increasing).  The same vector loads
     # also yield the request's cu[req], cu[req + 1] and seq_starts[req], so
@@ -168,26 +192,160 @@ def _fetch_kv_kernel(
             found_next, tl.sum(tl.where(is_next, cu, 0), axis=0), out_end
         )
     req = count - 1
-    seq_len = out_end - out_start
-    pos_end = pos_start + seq_len
+    pos_end = pos_start + (out_end - out_start)
     end_page = (pos_end + PAGE - 1) // PAGE
     first_page = (
         pos_start // PAGE + (item - (out_start // ROWS + 2 * req)) * PAGES_PER_PROGRAM
     )
-    if (req < 0) | (seq_len <= 0) | (first_page >= end_page):
-        return
+    return req, out_start, pos_start, pos_end, first_page, end_page
 
+
+@triton.jit
+def _fetch_kv_plan_kernel(
+    plan_ptr,  # [num_items, PLAN_WIDTH] int32
+    block_table_ptr,  # [num_reqs, max_blocks]
+    cu_seqlens_ptr,  # [num_reqs + 1]
+    seq_starts_ptr,  # [num_reqs]
+    num_reqs,
+    stride_bt_req,
+    stride_bt_blk,
+    stride_cu,
+    stride_ss,
+    PAGE: tl.constexpr,
+    PAGES_PER_PROGRAM: tl.constexpr,
+    PLAN_WIDTH: tl.constexpr,  # power of two >= PLAN_HEADER + PAGES_PER_PROGRAM
+    PLAN_HEADER: tl.constexpr,
+    REQ_STEP: tl.constexpr,
+):
+    ROWS: tl.constexpr = PAGES_PER_PROGRAM * PAGE
+    item = tl.program_id(0)
+    req, out_start, pos_start, pos_end, first_page, end_page = _locate_item(
+        item,
+        cu_seqlens_ptr,
+        seq_starts_ptr,
+        num_reqs,
+        stride_cu,
+        stride_ss,
+        PAGE,
+        PAGES_PER_PROGRAM,
+        REQ_STEP,
+    )
+    valid = (req >= 0) & (pos_end > pos_start) & (first_page < end_page)
+    # Row: [out_first, lo, hi, 0, block of each page (0 past the request), 0...]
+    # Tile rows lo .. hi - 1 are positions first_page * PAGE + lo .. and go to
+    # output rows out_first ..; an idle item has lo == hi == 0.
+    cols = tl.arange(0, PLAN_WIDTH)
+    page = first_page + (cols - PLAN_HEADER)  # int64
+    is_page = (cols >= PLAN_HEADER) & (cols < PLAN_HEADER + PAGES_PER_PROGRAM)
+    block = tl.load(
+        block_table_ptr + req.to(tl.int64) * stride_bt_req + page * stride_bt_blk,
+        mask=valid & is_page & (page < end_page),
+        other=0,
+    ).to(tl.int64)
+    tile_start = first_page * PAGE
+    lo = tl.maximum(pos_start - tile_start, 0)
+    hi = tl.minimum(pos_end - tile_start, ROWS)
+    out_first = out_start + (tile_start + lo - pos_start)
+    lo = tl.where(valid, lo, 0)
+    hi = tl.where(valid, hi, 0)
+    out_first = tl.where(valid, out_first, 0)
+    row = tl.where(
+        cols == 0,
+        out_first,
+        tl.where(cols == 1, lo, tl.where(cols == 2, hi, block)),
+    )
+    tl.store(plan_ptr + item.to(tl.int64) * PLAN_WIDTH + cols, row.to(tl.int32))
+
+
+@triton.jit
+def _fetch_kv_kernel(
+    key_cache_ptr,  # [num_blocks, PAGE, H, D] (NHD) / shuffled blocks
+    value_cache_ptr,
+    key_out_ptr,  # [num_tokens, H, D]
+    value_out_ptr,
+    block_table_ptr,  # [num_reqs, max_blocks]
+    cu_seqlens_ptr,  # [num_reqs + 1]
+    seq_starts_ptr,  # [num_reqs]
+    plan_ptr,  # [num_items, PLAN_WIDTH] int32 (read only when PLAN)
+    k_scale_ptr,  # [1] (read only when DEQUANT)
+    v_scale_ptr,
+    num_reqs,
+    num_kv_heads,
+    stride_bt_req,
+    stride_bt_blk,
+    stride_cu,
+    stride_ss,
+    stride_kc_blk,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_blk,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
+    stride_ko_tok,
+    stride_ko_head,
+    stride_ko_dim,
+    stride_vo_tok,
+    stride_vo_head,
+    stride_vo_dim,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_SIZE
+    PAGE: tl.constexpr,  # cache block size (tokens per page)
+    PAGES_PER_PROGRAM: tl.constexpr,
+    SHUFFLE: tl.constexpr,
+    X: tl.constexpr,  # SHUFFLE vector width in elements
+    DEQUANT: tl.constexpr,
+    PLAN: tl.constexpr,  # read the item from a fetch_kv_plan row
+    PLAN_WIDTH: tl.constexpr,
+    PLAN_HEADER: tl.constexpr,
+    REQ_STEP: tl.constexpr,  # requests scanned per lookup step
+):
+    ROWS: tl.constexpr = PAGES_PER_PROGRAM * PAGE
+    pid = tl.program_id(0)
+    item = pid // num_kv_heads
+    head = (pid % num_kv_heads).to(tl.int64)
     rows = tl.arange(0, ROWS)
     slots = rows % PAGE
-    page = first_page + rows // PAGE  # int64
-    bt_ptrs = block_table_ptr + req.to(tl.int64) * stride_bt_req + page * stride_bt_blk
-    if PAGES_PER_PROGRAM == 1:
-        block = tl.load(bt_ptrs).to(tl.int64)
+
+    if PLAN:
+        # One round trip before the data: the header fields and the page
+        # blocks are independent loads of the item's plan row (32 or 64
+        # aligned bytes).
+        plan_row = plan_ptr + item.to(tl.int64) * PLAN_WIDTH
+        out_first = tl.load(plan_row).to(tl.int64)
+        lo = tl.load(plan_row + 1)
+        hi = tl.load(plan_row + 2)
+        block = tl.load(plan_row + PLAN_HEADER + rows // PAGE).to(tl.int64)
+        if hi <= lo:
+            return
+        row_ok = (rows >= lo) & (rows < hi)
+        out_rows = out_first + (rows - lo)  # int64
     else:
-        block = tl.load(bt_ptrs, mask=page < end_page, other=0).to(tl.int64)
-    pos = page * PAGE + slots
-    row_ok = (pos >= pos_start) & (pos < pos_end)
-    out_rows = out_start + (pos - pos_start)  # int64
+        req, out_start, pos_start, pos_end, first_page, end_page = _locate_item(
+            item,
+            cu_seqlens_ptr,
+            seq_starts_ptr,
+            num_reqs,
+            stride_cu,
+            stride_ss,
+            PAGE,
+            PAGES_PER_PROGRAM,
+            REQ_STEP,
+        )
+        if (req < 0) | (pos_end <= pos_start) | (first_page >= end_page):
+            return
+        page = first_page + rows // PAGE  # int64
+        bt_ptrs = (
+            block_table_ptr + req.to(tl.int64) * stride_bt_req + page * stride_bt_blk
+        )
+        if PAGES_PER_PROGRAM == 1:
+            block = tl.load(bt_ptrs).to(tl.int64)
+        else:
+            block = tl.load(bt_ptrs, mask=page < end_page, other=0).to(tl.int64)
+        pos = page * PAGE + slots
+        row_ok = (pos >= pos_start) & (pos < pos_end)
+        out_rows = out_start + (pos - pos_start)  # int64
 
     dims = tl.arange(0, BLOCK_D)
     if SHUFFLE:
@@ -226,7 +384,8 @@ def _fetch_kv_kernel(
         )
 
     # Pages are loaded whole: they are allocated, and rows of pages past the
-    # request's last one read block 0 (their table entry is masked to 0), so
+    # request's last one read block 0 (their table entry is masked to 0, or
+    # their plan entry is 0), so
     # loads need no row mask and stay 16-byte vectors in both layouts; the
     # stores are masked to the wanted slots.
     if BLOCK_D == HEAD_SIZE:
@@ -260,15 +419,73 @@ def _fetch_kv_kernel(
     tl.store(v_dst, v, mask=store_mask)
 
 
-def _check_tensor(name: str, t, ndim: int) -> None:
+def _check_tensor(name: str, t, ndim: int, fn: str = "fetch_kv") -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(
-            f"fetch_kv: {name} must be a torch.Tensor, got {type(t).__name__}"
-        )
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(
-            f"fetch_kv: {name} must have {ndim} dims, got shape {tuple(t.shape)}"
+            f"{fn}: {name} must have {ndim} dims, got shape {tuple(t.shape)}"
         )
+
+
+def _check_index_args(
+    block_table: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    seq_starts: torch.Tensor,
+    fn: str,
+) -> None:
+    """Dtypes and shapes of the request metadata (dims already checked)."""
+    for name, t in (
+        ("block_table", block_table),
+        ("cu_seqlens_kv", cu_seqlens_kv),
+        ("seq_starts", seq_starts),
+    ):
+        if t.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"{fn}: {name} must be int32 or int64, got {t.dtype}")
+    num_reqs = seq_starts.shape[0]
+    if cu_seqlens_kv.shape[0] != num_reqs + 1:
+        raise ValueError(
+            f"{fn}: cu_seqlens_kv must have num_reqs + 1 = {num_reqs + 1} entries "
+            f"(seq_starts has {num_reqs}), got {cu_seqlens_kv.shape[0]}"
+        )
+    if block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"{fn}: block_table has {block_table.shape[0]} rows for {num_reqs} requests"
+        )
+
+
+def _pages_per_program(
+    block_size: int,
+    head_size: int,
+    cache_element_size: int,
+    out_element_size: int,
+    shuffle: bool,
+) -> int:
+    """Pages one program moves: about _TILE_BYTES per side (see the docstring)."""
+    if shuffle:
+        # With several pages per program Triton 3.6 no longer sees that the
+        # SHUFFLE V rows are contiguous in groups of x and falls back to scalar
+        # loads; one page per program keeps them 16-byte vectors.
+        return 1
+    side_bytes = block_size * head_size * max(cache_element_size, out_element_size)
+    return min(
+        _MAX_PAGES_PER_PROGRAM,
+        1 << (max(1, _TILE_BYTES // side_bytes).bit_length() - 1),
+    )
+
+
+def _num_items(num_tokens: int, rows: int, num_reqs: int) -> int:
+    # A request of len tokens needs at most len // rows + 2 items, so its
+    # items lie below W(b + 1) <= cu[-1] // rows + 2 (b + 1).
+    return num_tokens // rows + 2 * num_reqs
+
+
+def _plan_width(pages_per_program: int) -> int:
+    return triton.next_power_of_2(_PLAN_HEADER + pages_per_program)
+
+
+def _req_step(num_reqs: int) -> int:
+    return max(16, min(triton.next_power_of_2(num_reqs + 1), _MAX_REQ_STEP))
 
 
 def _check_scale(name: str, scale, device: torch.device) -> None:
@@ -292,7 +509,7 @@ def _check_scale(name: str, scale, device: torch.device) -> None:
         )
 
 
-def _plan(
+def _check_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     key_out: torch.Tensor,
@@ -382,24 +599,8 @@ def _plan(
                     f"{dense[0]}, {dense[1]}, 1]), got strides {tuple(t.stride())}"
                 )
 
-    for name, t in (
-        ("block_table", block_table),
-        ("cu_seqlens_kv", cu_seqlens_kv),
-        ("seq_starts", seq_starts),
-    ):
-        if t.dtype not in _INDEX_DTYPES:
-            raise TypeError(f"fetch_kv: {name} must be int32 or int64, got {t.dtype}")
+    _check_index_args(block_table, cu_seqlens_kv, seq_starts, "fetch_kv")
     num_reqs = seq_starts.shape[0]
-    if cu_seqlens_kv.shape[0] != num_reqs + 1:
-        raise ValueError(
-            f"fetch_kv: cu_seqlens_kv must have num_reqs + 1 = {num_reqs + 1} entries "
-            f"(seq_starts has {num_reqs}), got {cu_seqlens_kv.shape[0]}"
-        )
-    if block_table.shape[0] < num_reqs:
-        raise ValueError(
-            f"fetch_kv: block_table has {block_table.shape[0]} rows for "
-            f"{num_reqs} requests"
-        )
 
     num_tokens = key_out.shape[0]
     if max_num_tokens is not None:
@@ -410,6 +611,211 @@ def _plan(
             )
         num_tokens = max_num_tokens
     return dequant, (num_tokens if num_reqs else 0)
+
+
+def _check_plan(
+    plan,
+    key_cache: torch.Tensor,
+    key_out: torch.Tensor,
+    num_reqs: int,
+    pages_per_program: int,
+    kv_cache_layout: str,
+    max_num_tokens,
+) -> int:
+    """Check that ``plan`` was built for this call; return its token bound."""
+    if not isinstance(plan, FetchKVPlan):
+        raise TypeError(
+            "fetch_kv: plan must be a FetchKVPlan made by fetch_kv_plan, got "
+            f"{type(plan).__name__}"
+        )
+    _, page, _, head_size = key_cache.shape
+    if (plan.block_size, plan.pages_per_program) != (page, pages_per_program):
+        raise ValueError(
+            f"fetch_kv: the plan was built for block_size {plan.block_size} and "
+            f"{plan.pages_per_program} pages per program; this call (head_size "
+            f"{head_size}, {key_cache.element_size()}-byte cache, "
+            f"{key_out.element_size()}-byte outputs, {kv_cache_layout}) needs "
+            f"block_size {page} and {pages_per_program}: build the plan with the "
+            "call's block_size, head_size, dtypes and layout"
+        )
+    if plan.num_reqs != num_reqs:
+        raise ValueError(
+            f"fetch_kv: the plan was built for {plan.num_reqs} requests, the call "
+            f"has {num_reqs}"
+        )
+    width = _plan_width(pages_per_program)
+    items = _num_items(plan.num_tokens, plan.rows_per_item, num_reqs)
+    table = plan.table
+    if (
+        not isinstance(table, torch.Tensor)
+        or table.dtype != torch.int32
+        or tuple(table.shape) != (items, width)
+        or (items > 0 and table.stride() != (width, 1))
+    ):
+        raise ValueError(
+            f"fetch_kv: plan.table must be an int32 [{items}, {width}] tensor with "
+            "contiguous rows (as fetch_kv_plan makes it)"
+        )
+    if table.device != key_cache.device:
+        raise ValueError(
+            f"fetch_kv: the plan is on {table.device}, key_cache on {key_cache.device}"
+        )
+    if plan.num_tokens > key_out.shape[0]:
+        raise ValueError(
+            f"fetch_kv: the plan covers up to {plan.num_tokens} tokens, the outputs "
+            f"have {key_out.shape[0]} rows"
+        )
+    if max_num_tokens is not None and max_num_tokens != plan.num_tokens:
+        raise ValueError(
+            f"fetch_kv: max_num_tokens ({max_num_tokens}) differs from the plan's "
+            f"num_tokens ({plan.num_tokens})"
+        )
+    if key_cache.shape[0] > _INT32_MAX:
+        raise ValueError(
+            f"fetch_kv: a plan holds int32 block ids; the cache has "
+            f"{key_cache.shape[0]} blocks"
+        )
+    return plan.num_tokens if num_reqs else 0
+
+
+def fetch_kv_plan(
+    block_table: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    seq_starts: torch.Tensor,
+    *,
+    num_tokens: int,
+    block_size: int,
+    head_size: int,
+    cache_dtype: torch.dtype,
+    out_dtype: torch.dtype | None = None,
+    kv_cache_layout: str = "NHD",
+    out: torch.Tensor | None = None,
+) -> FetchKVPlan:
+    """Precompute ``fetch_kv``'s work items for one batch of requests.
+
+    Runs one small kernel on the device (never reads device values on the
+    host, so it may be captured in a CUDA graph) that does, once, what every
+    ``fetch_kv`` program otherwise does first: find its request and look up
+    the block ids of its pages.  Pass the result as ``fetch_kv(..., plan=)``
+    to every call that fetches this batch -- typically all layers of a step
+    -- with the same ``block_table``, ``cu_seqlens_kv`` and ``seq_starts``
+    values: the plan holds what it read from them, and ``fetch_kv`` cannot
+    check values without a host synchronisation.
+
+    Args:
+        block_table: ``[>= num_reqs, max_blocks]`` int32/int64 physical block
+            ids per request, as for ``fetch_kv``.
+        cu_seqlens_kv: ``[num_reqs + 1]`` output row offsets, as for
+            ``fetch_kv``.
+        seq_starts: ``[num_reqs]`` first logical position fetched per request,
+            as for ``fetch_kv``.
+        num_tokens: host upper bound on ``cu_seqlens_kv[-1]``; the plan has
+            one row per work item of a batch of up to this many tokens, and
+            ``fetch_kv`` launches that many items (as for its
+            ``max_num_tokens``).
+        block_size: block size of the caches the plan will be used with.
+        head_size: head size of those caches.
+        cache_dtype: dtype of those caches; only its element size matters, so
+            an fp8 cache may be given as ``torch.uint8``.
+        out_dtype: dtype of the outputs (default ``cache_dtype``); only its
+            element size matters.
+        kv_cache_layout: ``"NHD"`` or ``"SHUFFLE"``.  With ``block_size``,
+            ``head_size`` and the element sizes it fixes the rows each work
+            item covers; ``fetch_kv`` refuses a plan built for other rows.
+        out: optional int32 buffer for the plan, e.g. the ``table`` of a plan
+            built for a larger ``num_tokens`` (a persistent buffer): at least
+            as many rows, the same width, contiguous rows; the plan uses its
+            first rows.
+
+    """
+    fn = "fetch_kv_plan"
+    if kv_cache_layout not in _LAYOUTS:
+        raise ValueError(
+            f"{fn}: kv_cache_layout must be one of {_LAYOUTS}, got {kv_cache_layout!r}"
+        )
+    for name, t, ndim in (
+        ("block_table", block_table, 2),
+        ("cu_seqlens_kv", cu_seqlens_kv, 1),
+        ("seq_starts", seq_starts, 1),
+    ):
+        _check_tensor(name, t, ndim, fn)
+        if t.device != block_table.device:
+            raise ValueError(
+                f"{fn}: {name} is on {t.device}, block_table on {block_table.device}"
+            )
+    _check_index_args(block_table, cu_seqlens_kv, seq_starts, fn)
+    for name, value in (("block_size", block_size), ("head_size", head_size)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"{fn}: block_size must be a power of two, got {block_size}")
+    if out_dtype is None:
+        out_dtype = cache_dtype
+    for name, dtype in (("cache_dtype", cache_dtype), ("out_dtype", out_dtype)):
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{fn}: {name} must be a torch.dtype, got {dtype!r}")
+    if not isinstance(num_tokens, int) or not 0 <= num_tokens <= _INT32_MAX:
+        raise ValueError(
+            f"{fn}: num_tokens must be an int in [0, {_INT32_MAX}] (an upper bound "
+            f"on cu_seqlens_kv[-1]), got {num_tokens!r}"
+        )
+
+    pages_per_program = _pages_per_program(
+        block_size,
+        head_size,
+        cache_dtype.itemsize,
+        out_dtype.itemsize,
+        kv_cache_layout == "SHUFFLE",
+    )
+    num_reqs = seq_starts.shape[0]
+    num_items = _num_items(num_tokens, pages_per_program * block_size, num_reqs)
+    width = _plan_width(pages_per_program)
+    if out is None:
+        table = torch.empty(
+            (num_items, width), dtype=torch.int32, device=block_table.device
+        )
+    else:
+        _check_tensor("out", out, 2, fn)
+        if (
+            out.dtype != torch.int32
+            or out.shape[0] < num_items
+            or out.shape[1] != width
+            or out.stride() != (width, 1)
+        ):
+            raise ValueError(
+                f"{fn}: out must be an int32 [>= {num_items}, {width}] tensor with "
+                f"contiguous rows, got {out.dtype} shape {tuple(out.shape)} strides "
+                f"{tuple(out.stride())}"
+            )
+        if out.device != block_table.device:
+            raise ValueError(
+                f"{fn}: out is on {out.device}, block_table on {block_table.device}"
+            )
+        table = out[:num_items]
+    if num_items > 0:
+        _fetch_kv_plan_kernel[(num_items,)](
+            table,
+            block_table,
+            cu_seqlens_kv,
+            seq_starts,
+            num_reqs,
+            *block_table.stride(),
+            cu_seqlens_kv.stride(0),
+            seq_starts.stride(0),
+            PAGE=block_size,
+            PAGES_PER_PROGRAM=pages_per_program,
+            PLAN_WIDTH=width,
+            PLAN_HEADER=_PLAN_HEADER,
+            REQ_STEP=_req_step(num_reqs),
+            num_warps=_PLAN_NUM_WARPS,
+        )
+    return FetchKVPlan(
+        table=table,
+        block_size=block_size,
+        pages_per_program=pages_per_program,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+    )
 
 
 def fetch_kv(
@@ -425,6 +831,7 @@ def fetch_kv(
     v_scale: torch.Tensor | None = None,
     kv_cache_layout: str = "NHD",
     max_num_tokens: int | None = None,
+    plan: FetchKVPlan | None = None,
 ) -> None:
     """Gather each request's cached K/V into ``key_out`` / ``value_out``.
 
@@ -446,13 +853,19 @@ def fetch_kv(
         max_num_tokens: optional host upper bound on ``cu_seqlens_kv[-1]``
             (default ``key_out.shape[0]``); only sizes the launch grid, so a
             caller that knows the fetched total avoids launching idle programs
-            into a large workspace.
+            into a large workspace.  With a plan, the plan's ``num_tokens`` is
+            the bound, and ``max_num_tokens`` (if given) must equal it.
+        plan: optional ``fetch_kv_plan`` of the same ``block_table``,
+            ``cu_seqlens_kv`` and ``seq_starts``, built for this call's block
+            size, head size, dtypes and layout (checked); the kernel then reads
+            each item from it instead of looking the item up.  The outputs are
+            the same with or without it.
 
     Never reads device values on the host, so it may be captured in a CUDA
     graph.
 
     """
-    dequant, num_tokens = _plan(
+    dequant, num_tokens = _check_args(
         key_cache,
         value_cache,
         key_out,
@@ -465,26 +878,30 @@ def fetch_kv(
         kv_cache_layout,
         max_num_tokens,
     )
-    if num_tokens == 0:
-        return
     _, page, num_kv_heads, head_size = key_cache.shape
     num_reqs = seq_starts.shape[0]
     shuffle = kv_cache_layout == "SHUFFLE"
-    side_bytes = (
-        page * head_size * max(key_cache.element_size(), key_out.element_size())
+    pages_per_program = _pages_per_program(
+        page, head_size, key_cache.element_size(), key_out.element_size(), shuffle
     )
-    pages_per_program = min(
-        _MAX_PAGES_PER_PROGRAM,
-        1 << (max(1, _TILE_BYTES // side_bytes).bit_length() - 1),
-    )
-    if shuffle:
-        # With several pages per program Triton 3.6 no longer sees that the
-        # SHUFFLE V rows are contiguous in groups of x and falls back to scalar
-        # loads; one page per program keeps them 16-byte vectors.
-        pages_per_program = 1
-    # A request of len tokens needs at most len // rows + 2 items, so its
-    # items lie below W(b + 1) <= cu[-1] // rows + 2 (b + 1).
-    num_items = num_tokens // (pages_per_program * page) + 2 * num_reqs
+    if plan is not None:
+        num_tokens = _check_plan(
+            plan,
+            key_cache,
+            key_out,
+            num_reqs,
+            pages_per_program,
+            kv_cache_layout,
+            max_num_tokens,
+        )
+    if num_tokens == 0:
+        return
+    if plan is None:
+        num_items = _num_items(num_tokens, pages_per_program * page, num_reqs)
+        plan_table = cu_seqlens_kv  # never read
+    else:
+        num_items = plan.num_items
+        plan_table = plan.table
     if not dequant:  # the kernel never reads the scales then
         k_scale = v_scale = cu_seqlens_kv
     _fetch_kv_kernel[(num_items * num_kv_heads,)](
@@ -495,6 +912,7 @@ def fetch_kv(
         block_table,
         cu_seqlens_kv,
         seq_starts,
+        plan_table,
         k_scale,
         v_scale,
         num_reqs,
@@ -513,6 +931,9 @@ def fetch_kv(
         SHUFFLE=shuffle,
         X=_VECTOR_BYTES // key_cache.element_size() if shuffle else 1,
         DEQUANT=dequant,
-        REQ_STEP=max(16, min(triton.next_power_of_2(num_reqs + 1), _MAX_REQ_STEP)),
+        PLAN=plan is not None,
+        PLAN_WIDTH=_plan_width(pages_per_program),
+        PLAN_HEADER=_PLAN_HEADER,
+        REQ_STEP=_req_step(num_reqs),
         num_warps=_NUM_WARPS,
     )

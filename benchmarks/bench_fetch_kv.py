@@ -5,11 +5,13 @@ unaligned starts; lengths not multiples of the block size) from a cache of
 randomly permuted blocks into a dense ``[tokens, H_kv, D]`` workspace, the job
 AITER FA's extend path does per 32K-token chunk.
 
-  ours      vllm/v1/attention/ops/triton_fetch_kv.fetch_kv (no plan: each
-            program looks up its request and pages)
-  ours_plan the same call with a fetch_kv_plan built once outside the timed
-            region, as AITER FA's metadata builder builds it once per step for
-            all layers
+  ours      vllm/v1/attention/ops/triton_fetch_kv.fetch_kv with a
+            fetch_kv_plan built once outside the timed region: what AITER FA's
+            extend path runs per layer (its metadata builder builds the plan
+            once per step for all layers; the builder's own cost is the
+            ``fetch_kv_plan`` kernel below)
+  ours_noplan the same call without a plan (each program looks up its
+            request and pages itself): the standalone API
   baseline  upstream vLLM 0.33.0 ``cp_mha_gather_cache`` (one program per
             (token, head)), loaded at run time from the pinned tree by
             benchmarks/upstream_kernels.py; its token_to_batch map is built
@@ -19,7 +21,8 @@ AITER FA's extend path does per 32K-token chunk.
 ``nbytes`` = K+V bytes read from the cache + K+V bytes written, for the
 fetched tokens only.  Times are CUDA-graph replays (``graph=True``): kernel
 time without host launch overhead.  ``FETCH_KV_BENCH_TILE_BYTES=4096,16384``
-adds ``ours_tile<N>k`` variants run with another ``_TILE_BYTES`` (tuning).
+adds ``ours_tile<N>k`` variants (no plan) run with another ``_TILE_BYTES``
+(tuning).
 
 ``test_fetch_kv_plan`` (kernel ``fetch_kv_plan``) times the plan builder itself
 (graph replays), its per-step cost: ``ours`` builds the plan into a persistent
@@ -119,23 +122,23 @@ def _setup(layout, cache_dtype, out_dtype, h, d, bs, tokens):
     dequant = cache_dtype != out_dtype
     scales = {"k_scale": k_scale, "v_scale": v_scale} if dequant else {}
 
-    def ours():
+    def ours_noplan():
         fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
                  kv_cache_layout=layout, **scales)
 
     plan = fetch_kv_plan(table, cu, seq_starts, num_tokens=tokens, block_size=bs, head_size=d,
                          cache_dtype=cache_dtype, out_dtype=out_dtype, kv_cache_layout=layout)
 
-    def ours_plan():
+    def ours():
         fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
                  kv_cache_layout=layout, max_num_tokens=tokens, plan=plan, **scales)
 
-    variants = {"ours_plan": ours_plan}
+    variants = {"ours_noplan": ours_noplan}
     for tile in [int(t) for t in os.environ.get("FETCH_KV_BENCH_TILE_BYTES", "").split(",") if t]:
         def variant(tile=tile):
             saved, _fetch_kv_mod._TILE_BYTES = _fetch_kv_mod._TILE_BYTES, tile
             try:
-                ours()
+                ours_noplan()
             finally:
                 _fetch_kv_mod._TILE_BYTES = saved
         variants[f"ours_tile{tile // 1024}k"] = variant

@@ -56,15 +56,16 @@ def _git(*args: str) -> str | None:
 def series_state() -> dict:
     """Commit and state of what was benchmarked.
 
-    A copy of the working tree without .git (the GPU machine gets one) takes
-    them from SERIES_COMMIT / SERIES_DIRTY, which scripts/run_bench.py passes on.
+    SERIES_COMMIT / SERIES_DIRTY, when set (scripts/run_bench.py passes them
+    on), win over git: the GPU machine gets a copy of the working tree whose
+    .git, if any, can be an older snapshot than the files beside it.
     """
-    commit = _git("rev-parse", "HEAD") or os.environ.get("SERIES_COMMIT", "unknown")
+    commit = os.environ.get("SERIES_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
+    if os.environ.get("SERIES_COMMIT"):
+        dirty = os.environ.get("SERIES_DIRTY", "unknown")
+        return {"commit": commit, "dirty": {"0": False, "1": True}.get(dirty, dirty)}
     dirty = _git("status", "--porcelain", "--", "patches", "vllm_overlay", "benchmarks")
-    return {
-        "commit": commit,
-        "dirty": bool(dirty) if dirty is not None else os.environ.get("SERIES_DIRTY", "unknown"),
-    }
+    return {"commit": commit, "dirty": bool(dirty) if dirty is not None else "unknown"}
 
 
 def pytest_configure(config):
@@ -152,11 +153,12 @@ def kernel_bench(benchmark, request):
 
     def run(*, kernel: str, case: str, shapes: dict, nbytes: int,
             impls: dict[str, Callable[[], object] | None], graph: bool = False,
-            notes: str = "") -> dict:
+            notes: str = "", copy_ceiling: bool = True) -> dict:
         if "ours" not in impls or impls["ours"] is None:
             raise ValueError("kernel_bench needs an 'ours' implementation")
         candidates = dict(impls)
-        candidates["copy"] = same_bytes_copy(nbytes)
+        if copy_ceiling:  # else: not a data-movement op, a copy bounds nothing
+            candidates["copy"] = same_bytes_copy(nbytes)
         results: dict[str, dict] = {}
         for name, fn in candidates.items():
             if fn is None:
@@ -182,8 +184,10 @@ def kernel_bench(benchmark, request):
             "graph": graph,
             "results": results,
             "speedup": round(base["us"] / ours_us, 3) if "us" in base else None,
-            "frac_copy": round(results["copy"]["us"] / ours_us, 3),
+            "frac_copy": round(results["copy"]["us"] / ours_us, 3) if copy_ceiling else None,
         }
+        if not copy_ceiling:
+            extra["copy_ceiling"] = False
         if notes:
             extra["notes"] = notes
         baseline_desc = getattr(request.module, "BASELINE", None)

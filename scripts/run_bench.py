@@ -8,8 +8,8 @@ torch, triton, pytest and pytest-benchmark; run it with the overlay on
 PYTHONPATH (the Makefile does).  ``--suite NAME`` (repeatable) runs only
 benchmarks/bench_NAME.py; other arguments go to pytest (e.g. ``-k fetch_kv``).
 
-On a machine that gets a copy of the tree without .git, pass the commit:
-``SERIES_COMMIT=$(git rev-parse HEAD) make bench``.
+On a machine that gets a copy of the tree (without .git, or with a stale one),
+pass the commit: ``SERIES_COMMIT=$(git rev-parse HEAD) SERIES_DIRTY=0 make bench``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ def _device() -> str:
 
 
 def _commit() -> str:
+    # An explicit SERIES_COMMIT wins: a copied tree's .git can be stale.
+    if os.environ.get("SERIES_COMMIT"):
+        return os.environ["SERIES_COMMIT"][:10]
     try:
         return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SERIES_COMMIT", "unknown")[:10]
+        return "unknown"
 
 
 def main(argv: list[str]) -> int:

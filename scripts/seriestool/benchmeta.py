@@ -40,6 +40,14 @@ def _fmt(value, spec: str = ".2f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "n/a"
 
 
+def copy_fraction(case: dict):
+    """The case's fraction of same-bytes copy bandwidth, or None where the copy
+    is no ceiling for the operation (its suite says ``copy_ceiling=False``)."""
+    if case.get("copy_ceiling") is False:
+        return None
+    return case.get("frac_copy")
+
+
 def case_table(cases: list[dict]) -> str:
     """Markdown: every measured variant of every case, speedup and fraction of copy."""
     extra = sorted({impl for case in cases for impl in case.get("results", {})}
@@ -49,7 +57,7 @@ def case_table(cases: list[dict]) -> str:
             "|---|" + "---:|" * (len(extra) + 6)]
     for case in cases:
         ours = case.get("results", {}).get("ours", {})
-        frac = case.get("frac_copy")
+        frac = copy_fraction(case)
         rows.append(
             f"| {case.get('case', '?')}{' (graph)' if case.get('graph') else ''} | "
             f"{_us(case, 'ours')} | {_us(case, 'baseline')} | "

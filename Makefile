@@ -8,6 +8,8 @@ TREE       := $(BUILD)/vllm
 VPY        := $(VENV)/bin/python
 # The GPU machine has torch + triton but no vllm and no venv: use its python.
 GPU_PYTHON ?= python3
+# make test-gpu-backend installs .gpu_payload/ (make gpu-payload) here.
+GPU_SITE   ?= /tmp/site
 PYTEST_ARGS ?=
 FORCE      ?=
 # make bench writes here (default benchmarks/results/).
@@ -21,7 +23,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh fetch readme venv test test-gpu bench bench-host report sweep sweep-report e2e clean
+.PHONY: help apply check refresh fetch readme venv test test-gpu gpu-payload test-gpu-backend bench bench-host report sweep sweep-report e2e clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -49,6 +51,15 @@ test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRIT
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
+
+gpu-payload: apply venv ## Pack what test-gpu-backend imports (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
+	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
+
+test-gpu-backend: ## GPU tier: AITER FA's extend path vs dense attention, vLLM from .gpu_payload/ (carry it)
+	@test -f .gpu_payload/vllm-src.zip || { echo "no .gpu_payload/: run make gpu-payload (and carry .gpu_payload)" >&2; exit 2; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .gpu_payload/whl/*.whl
+	rm -rf $(GPU_SITE)/vllm && $(GPU_PYTHON) -m zipfile -e .gpu_payload/vllm-src.zip $(GPU_SITE)
+	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/aiter_fa $(PYTEST_ARGS)
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)

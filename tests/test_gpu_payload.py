@@ -1,0 +1,132 @@
+"""make gpu-payload: the pruned vLLM sources and the wheels the GPU machine imports them with."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import gpu_payload  # noqa: E402
+from seriestool import SeriesError  # noqa: E402
+
+TREE = Path(os.environ.get("VLLM_BUILD_TREE", REPO / "build" / "vllm")).resolve()
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+FAKE = {
+    "vllm/__init__.py": "",
+    "vllm/a.py": (
+        "from typing import TYPE_CHECKING\n"
+        "import vllm.b\n"
+        "from .pkg import sub, CONSTANT\n"
+        "try:\n    import vllm._C\nexcept ImportError:\n    pass\n"
+        "if TYPE_CHECKING:\n    from vllm.typing_only import T\n"
+        "def lazy():\n    from vllm.lazy import x\n"
+        "class K:\n    import vllm.in_class\n"
+    ),
+    "vllm/b.py": "",
+    "vllm/pkg/__init__.py": "CONSTANT = 1\n",
+    "vllm/pkg/sub.py": "from ..b import *\n",
+    "vllm/typing_only.py": "",
+    "vllm/lazy.py": "",
+    "vllm/in_class.py": "",
+    "vllm/unrelated.py": "import vllm.b\n",
+    "vllm/_C.abi3.so": "not python",
+    "vllm/data.json": "{}",
+    "csrc/kernel.cu": "",
+    "tests/test_x.py": "import vllm.unrelated\n",
+}
+
+
+def test_closure_follows_module_level_imports_only(tmp_path):
+    tree = _tree(tmp_path, FAKE)
+    modules = gpu_payload.module_closure(tree, ["vllm.a"])
+    # Function bodies and TYPE_CHECKING blocks do not run on import; a class
+    # body and a guarded import of a compiled module do (the latter is no .py).
+    assert modules == {"vllm", "vllm.a", "vllm.b", "vllm.pkg", "vllm.pkg.sub", "vllm.in_class"}
+    # Runtime roots add what a function imports.
+    assert "vllm.lazy" in gpu_payload.module_closure(tree, ["vllm.a", "vllm.lazy"])
+
+
+def test_zip_holds_only_the_modules_python_files(tmp_path):
+    tree = _tree(tmp_path / "tree", FAKE)
+    dest = tmp_path / "vllm-src.zip"
+    count = gpu_payload.write_source_zip(tree, gpu_payload.module_closure(tree, ["vllm.a"]), dest)
+    names = zipfile.ZipFile(dest).namelist()
+    assert count == len(names) == 6
+    assert "vllm/pkg/__init__.py" in names and "vllm/a.py" in names
+    assert not [n for n in names if not n.endswith(".py") or not n.startswith("vllm/")]
+    # Same modules, same bytes (fixed dates, sorted).
+    again = tmp_path / "again.zip"
+    gpu_payload.write_source_zip(tree, gpu_payload.module_closure(tree, ["vllm.a"]), again)
+    assert dest.read_bytes() == again.read_bytes()
+
+
+def test_refuses_a_tree_missing_a_module(tmp_path):
+    tree = _tree(tmp_path, {k: v for k, v in FAKE.items() if k != "vllm/b.py"})
+    assert gpu_payload.module_closure(tree, ["vllm.a"])  # b is only imported: not a root
+    with pytest.raises(SeriesError, match="no module vllm.b"):
+        gpu_payload.module_closure(tree, ["vllm.a", "vllm.b"])
+    # A test importing a module the tree lacks is refused too.
+    test = tmp_path / "test_y.py"
+    test.write_text("from vllm.missing import thing\nfrom vllm.pkg import sub, CONSTANT\n")
+    roots = gpu_payload.test_imports(tree, [test])
+    assert roots == ["vllm.missing", "vllm.pkg", "vllm.pkg.sub"]  # CONSTANT: an attribute
+    with pytest.raises(SeriesError, match="vllm.missing"):
+        gpu_payload.module_closure(tree, roots)
+
+
+def test_recompressed_wheel_keeps_every_file_and_record(tmp_path):
+    files = {"pkg/__init__.py": b"x = 1\n" * 200, "pkg/empty.py": b"",
+             "pkg/data.bin": bytes(range(256)) * 64}
+    record = "".join(
+        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+        f"{len(data)}\n" for name, data in files.items())
+    src = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.writestr("pkg-1.0.dist-info/RECORD", record)
+    dest = tmp_path / "out.whl"
+    gpu_payload.recompress(src, dest, zipfile.ZIP_LZMA)
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dest) as b:
+        assert a.namelist() == b.namelist()
+        assert all(a.read(n) == b.read(n) for n in a.namelist())
+        assert {i.compress_type for i in b.infolist() if i.file_size} == {zipfile.ZIP_LZMA}
+        assert b.testzip() is None
+
+
+@pytest.mark.skipif(not (TREE / "vllm" / "__init__.py").is_file(),
+                    reason="needs the patched tree (make apply)")
+def test_real_tree_payload_holds_the_backend_and_no_csrc(tmp_path):
+    tests = sorted((REPO / "tests" / "aiter_fa").rglob("*.py"))
+    roots = sorted(set(gpu_payload.ROOTS) | set(gpu_payload.RUNTIME_ROOTS)
+                   | set(gpu_payload.test_imports(TREE, tests)))
+    modules = gpu_payload.module_closure(TREE, roots)
+    for name in ("vllm.v1.attention.backends.rocm_aiter_fa",
+                 "vllm.v1.attention.ops.triton_fetch_kv",
+                 "vllm.v1.attention.ops.triton_paged_context_attention",
+                 "vllm.v1.attention.ops.triton_merge_attn_states", "vllm.config"):
+        assert name in modules
+    dest = tmp_path / "vllm-src.zip"
+    gpu_payload.write_source_zip(TREE, modules, dest)
+    names = zipfile.ZipFile(dest).namelist()
+    assert all(n.startswith("vllm/") and n.endswith(".py") for n in names)
+    assert not [n for n in names if "/tests/" in n or n.startswith("vllm/benchmarks/")]
+    # A pruned copy, not the tree: a fraction of its ~3,000 modules.
+    assert len(names) < 1000 and dest.stat().st_size < 4 << 20

@@ -413,7 +413,7 @@ def make_backend(backend, model_dir, fake_aiter, cpu_host_staging, device, monke
     """Build (layer, builder, impl) with the real VllmConfig, Attention layer and builder.
 
     ``paged_max_tokens``: VLLM_ROCM_AITER_FA_PAGED_CONTEXT_MAX_TOKENS (None: unset,
-    the default 256); ``chunk_tokens``: the gather route's per-chunk workspace
+    the default 512); ``chunk_tokens``: the gather route's per-chunk workspace
     (``_CP_TOKENS_PER_ITER_ROCM``, 32K upstream).
     """
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -659,9 +659,9 @@ EXTENDS = [Req(ctx=37, q=3), Req(ctx=50, q=5), Req(ctx=21, q=4)]
 
 @pytest.mark.parametrize("paged_max_tokens", [None, 12], ids=["default", "at-threshold"])
 def test_paged_route_short_extends(make_backend, spies, fake_aiter, device, paged_max_tokens):
-    """0250: few new tokens (12, default threshold 256) -> paged context, one merge."""
+    """0250: few new tokens (12, default threshold 512) -> paged context, one merge."""
     layer, builder = make_backend(paged_max_tokens=paged_max_tokens)
-    assert builder.paged_context_max_tokens == (paged_max_tokens or 256)
+    assert builder.paged_context_max_tokens == (paged_max_tokens or 512)
     step = make_step(EXTENDS, device, seed=1)
     meta, output = run_forward(layer, builder, step)
 
@@ -812,9 +812,9 @@ def test_sliding_window_extend(make_backend, spies, fake_aiter, device):
 
 GPU_SHAPES = [pytest.param(GQA8_D128, id="gqa8-d128"), pytest.param(GQA4_D64, id="gqa4-d64")]
 # Contexts of 2-4K tokens, none a multiple of 16.  Short: 132 new tokens in all
-# (<= 256, the default threshold: paged context); long: 506 (gather).
+# (<= 512, the default threshold: paged context); long: 606 (gather).
 GPU_SHORT = [Req(ctx=3001, q=37), Req(ctx=1999, q=5), Req(ctx=4093, q=90)]
-GPU_LONG = [Req(ctx=3001, q=300), Req(ctx=1999, q=77), Req(ctx=4093, q=129)]
+GPU_LONG = [Req(ctx=3001, q=400), Req(ctx=1999, q=77), Req(ctx=4093, q=129)]
 GPU_MIXED = [
     Req(ctx=2500, q=1), Req(ctx=3333, q=1),  # decodes (paged_attention_v1)
     Req(ctx=3001, q=37), Req(ctx=1999, q=90),  # extends
@@ -849,7 +849,7 @@ def test_gpu_gather_route(make_backend, spies, fake_aiter, device, route, shape,
                           kv_scales):
     """0200 at GPU sizes: the gather via fetch_kv, in one chunk or many.
 
-    over-threshold: 506 new tokens (> 256) with the default flag; flag-off: the
+    over-threshold: 606 new tokens (> 512) with the default flag; flag-off: the
     short extends with the flag 0; chunks-2048: the long extends through a
     2,048-token workspace, 682 context tokens per extend and chunk: 7 chunks,
     the last holding 1 token of one request (the multi-chunk merge loop).

@@ -859,8 +859,9 @@ def use_paged_context(extend_query_lens: torch.Tensor, max_tokens: int) -> bool:
     context has enough (query block x head) tiles to fill the device and its
     per-tile speed wins; below it, the dense kernel leaves most of the device
     idle while this kernel splits the context across programs.  On the H200
-    the crossover tracks the step's total (1 x 512 and 4 x 128 new tokens
-    both measured at parity), so the rule counts the total, which also keeps
+    the crossover tracks the step's total (against gather + FlashAttention-2:
+    1.15-1.26x at 4 x 128 and 1.02-1.13x at 1 x 512 new tokens, 0.88-1.05x
+    at 1 x 1024 and 4 x 256), so the rule counts the total, which also keeps
     every long chunk on the gather path.  ``extend_query_lens`` is the host
     tensor of the extends' new-token counts; no extends: False.
     """

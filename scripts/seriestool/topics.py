@@ -32,7 +32,7 @@ TOPIC_TITLES = {
 }
 TOPIC_KERNELS = {
     "order-contract": ("order_host",),
-    "fetch-kv": ("fetch_kv", "paged_context"),
+    "fetch-kv": ("fetch_kv", "fetch_kv_plan", "paged_context"),
     "mla-fusion": ("mla_rope_cache",),
 }
 

@@ -133,7 +133,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
         assert heading in description
     assert "because the test says so, on two lines." in description
     assert "ruff format --check vllm/envs.py vllm/ops/new_kernel.py vllm/utils.py" in description
-    assert "Not run on ROCm hardware: benchmarks of `fetch_kv`, `paged_context`" in description
+    assert "Not run on ROCm hardware: benchmarks of `fetch_kv`, `fetch_kv_plan`, `paged_context`" in description
 
     # The other topic alone: one commit, no overlay (its file is fetch-kv's).
     _ok(fs.run("pr", "--topic", "mla-fusion", env=env))
@@ -264,7 +264,7 @@ def test_pr_description_follows_the_pinned_template_with_committed_results(fake_
     assert "| case_2 | 10.0 | 30.0 | 9.0 | 3.00× |" in text
     assert "OLD GPU" not in text and "MI300X" not in text
     assert "**`paged_context`**: no committed benchmark results." in text
-    assert ("Not run on ROCm hardware: benchmarks of `fetch_kv`, `paged_context`; the AITER code paths "
+    assert ("Not run on ROCm hardware: benchmarks of `fetch_kv`, `fetch_kv_plan`, `paged_context`; the AITER code paths "
             "(tests marked `rocm`)") in text
     assert "- `0002-check-sub.patch`: CPU (fake tree)" in text
     assert "- [ ] **Testing and Validation:** the fake checklist item." in text

@@ -28,9 +28,10 @@ Merge: a small Triton kernel with ``merge_attn_states``'s semantics.
 ``nbytes`` = cached K/V bytes read once + query and output bytes.
 
 Run: ``PYTHONPATH=vllm_overlay:. python3 -m pytest -q benchmarks/bench_paged_context.py``.
-``python3 benchmarks/bench_paged_context.py --pick-tile OUT`` times a few
-tile configurations of the kernel and writes the fastest to OUT; pass it back
-as ``PAGED_CONTEXT_TILE`` (tuning aid; not part of the suite).
+``python3 benchmarks/bench_paged_context.py --sweep OUT.json`` times the
+context kernel alone in every tile / rescale-slack / split variant next to
+FA2 over the gathered context (tuning aid; not part of the suite; results in
+benchmarks/notes/paged_context.md).
 """
 
 from __future__ import annotations
@@ -278,53 +279,6 @@ def test_extend_step(kernel_bench, env, reqs, context, new):
     torch.cuda.empty_cache()
 
 
-def pick_tile(path: str) -> None:
-    """Time a few tile configurations of the kernel alone; write the best as
-    "block_m,block_n,warps,stages" to ``path`` (geometric mean over shapes)."""
-    num_blocks = (4 * 32 * 1024 + 4 * 512) // BLOCK_SIZE + 64
-    cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="cuda",
-                        dtype=DTYPE)
-    key_cache, value_cache = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
-    shapes = [(1, 8192, 2048), (1, 32768, 128), (4, 32768, 512)]
-    tiles = [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3),
-             (64, 64, 4, 2)]
-    times = {}
-    for reqs, context, new in shapes:
-        pages = (context + new) // BLOCK_SIZE
-        table = (torch.randperm(num_blocks - 1)[: reqs * pages] + 1).view(reqs, pages)
-        table = table.to(torch.int32).cuda()
-        q = torch.randn(reqs * new, NUM_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
-        cu_q = torch.arange(reqs + 1, dtype=torch.int32, device="cuda") * new
-        seq_lens = torch.full((reqs,), context + new, dtype=torch.int32, device="cuda")
-        flops = 4 * reqs * new * NUM_HEADS * context * HEAD_SIZE
-        for tile in tiles:
-            pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES = tile
-
-            def fn(q=q, table=table, cu_q=cu_q, seq_lens=seq_lens, context=context):
-                paged_context_attention(q, key_cache, value_cache, table, cu_q, seq_lens,
-                                        SCALE, max_context_len=context)
-            try:
-                fn()
-                torch.cuda.synchronize()
-                us = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                print("tile", tile, "failed:", str(exc)[:120], flush=True)
-                times[tile] = None
-                continue
-            if times.get(tile, 0) is not None:
-                times.setdefault(tile, []).append(us)
-            print(f"tile {tile} r{reqs} ctx{context} new{new}: {us:.1f} us "
-                  f"{flops / us / 1e6:.0f} TFLOP/s", flush=True)
-    ref = times[tiles[0]]
-    score = {t: math.exp(sum(math.log(a / b) for a, b in zip(v, ref, strict=True)) / len(ref))
-             for t, v in times.items() if v and len(v) == len(ref)}
-    best = min(score, key=score.get)
-    print("tile scores (time / default):", {str(k): round(v, 3) for k, v in score.items()},
-          "best", best, flush=True)
-    with open(path, "w") as f:
-        f.write(",".join(map(str, best)))
-
-
 def sweep(path: str) -> None:
     """Context attention alone (no new-token part, no merge): every kernel
     variant (tile, rescale slack, forced single split) against FA2 varlen over
@@ -402,9 +356,7 @@ def sweep(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--pick-tile":
-        pick_tile(sys.argv[2])
-    elif len(sys.argv) == 3 and sys.argv[1] == "--sweep":
+    if len(sys.argv) == 3 and sys.argv[1] == "--sweep":
         sweep(sys.argv[2])
     else:
         print(__doc__)

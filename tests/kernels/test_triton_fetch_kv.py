@@ -617,6 +617,21 @@ def test_fetch_kv_cache_past_2pow31_elements(cache_dtype, out_dtype, path, devic
     assert_bitwise_equal(value_out, expected[1], "value_out")
 
 
+# Metadata a captured graph is replayed with: (lengths, starts) of 4 requests.
+GRAPH_STEPS = (([100, 0, 2000, 37], [5, 0, 16, 300]), ([4000, 3000, 1, 1191], [0, 17, 6000, 31]))
+
+
+def graph_steps(cu, seq_starts, outs):
+    """Write each GRAPH_STEPS entry into the captured cu / seq_starts, NaN-fill
+    the outputs, and yield its lengths."""
+    for lens, starts in GRAPH_STEPS:
+        cu.copy_(torch.tensor([0] + lens).cumsum(0))
+        seq_starts.copy_(torch.tensor(starts))
+        for o in outs:
+            o.fill_(float("nan"))
+        yield lens
+
+
 @pytest.mark.gpu
 def test_fetch_kv_cuda_graph_replay_sees_new_lengths(device):
     """No host reads of device metadata: a captured call follows new cu_seqlens / starts."""
@@ -639,12 +654,7 @@ def test_fetch_kv_cuda_graph_replay_sees_new_lengths(device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    for lens, starts in (([100, 0, 2000, 37], [5, 0, 16, 300]),
-                         ([4000, 3000, 1, 1191], [0, 17, 6000, 31])):
-        cu.copy_(torch.tensor([0] + lens).cumsum(0))
-        seq_starts.copy_(torch.tensor(starts))
-        key_out.fill_(float("nan"))
-        value_out.fill_(float("nan"))
+    for lens in graph_steps(cu, seq_starts, (key_out, value_out)):
         expected = reference(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
                              1.0, 1.0)
         graph.replay()
@@ -683,12 +693,7 @@ def test_fetch_kv_plan_built_inside_cuda_graph(persistent_out, device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    for lens, starts in (([100, 0, 2000, 37], [5, 0, 16, 300]),
-                         ([4000, 3000, 1, 1191], [0, 17, 6000, 31])):
-        cu.copy_(torch.tensor([0] + lens).cumsum(0))
-        seq_starts.copy_(torch.tensor(starts))
-        for o in outs:
-            o.fill_(float("nan"))
+    for lens in graph_steps(cu, seq_starts, outs):
         expected = [reference(kc, vc, ko, vo, table, cu, seq_starts, 1.0, 1.0)
                     for kc, vc, ko, vo in ((key_cache, value_cache, *outs[:2]),
                                            (dense_k, dense_v, *outs[2:]))]

@@ -26,7 +26,7 @@ SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 .PHONY: help apply check refresh fetch readme venv test test-gpu gpu-payload test-gpu-backend bench bench-host report sweep sweep-report e2e clean
 
 help: ## List the verbs
-	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
 	@$(SERIES) fetch

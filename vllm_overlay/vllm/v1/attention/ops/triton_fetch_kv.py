@@ -433,13 +433,24 @@ def _check_index_args(
     cu_seqlens_kv: torch.Tensor,
     seq_starts: torch.Tensor,
     fn: str,
+    device: torch.device | None = None,
+    device_of: str = "block_table",
 ) -> None:
-    """Dtypes and shapes of the request metadata (dims already checked)."""
-    for name, t in (
-        ("block_table", block_table),
-        ("cu_seqlens_kv", cu_seqlens_kv),
-        ("seq_starts", seq_starts),
+    """Types, dims, device, dtypes and shapes of the request metadata.
+
+    ``device``: where they must be (``device_of`` names what is there);
+    default: ``block_table``'s device.
+    """
+    for name, t, ndim in (
+        ("block_table", block_table, 2),
+        ("cu_seqlens_kv", cu_seqlens_kv, 1),
+        ("seq_starts", seq_starts, 1),
     ):
+        _check_tensor(name, t, ndim, fn)
+        if device is None:
+            device = t.device
+        if t.device != device:
+            raise ValueError(f"{fn}: {name} is on {t.device}, {device_of} on {device}")
         if t.dtype not in _INDEX_DTYPES:
             raise TypeError(f"{fn}: {name} must be int32 or int64, got {t.dtype}")
     num_reqs = seq_starts.shape[0]
@@ -533,9 +544,6 @@ def _check_args(
         ("value_cache", value_cache, 4),
         ("key_out", key_out, 3),
         ("value_out", value_out, 3),
-        ("block_table", block_table, 2),
-        ("cu_seqlens_kv", cu_seqlens_kv, 1),
-        ("seq_starts", seq_starts, 1),
     ):
         _check_tensor(name, t, ndim)
         if t.device != key_cache.device:
@@ -599,7 +607,14 @@ def _check_args(
                     f"{dense[0]}, {dense[1]}, 1]), got strides {tuple(t.stride())}"
                 )
 
-    _check_index_args(block_table, cu_seqlens_kv, seq_starts, "fetch_kv")
+    _check_index_args(
+        block_table,
+        cu_seqlens_kv,
+        seq_starts,
+        "fetch_kv",
+        key_cache.device,
+        "key_cache",
+    )
     num_reqs = seq_starts.shape[0]
 
     num_tokens = key_out.shape[0]
@@ -733,16 +748,6 @@ def fetch_kv_plan(
         raise ValueError(
             f"{fn}: kv_cache_layout must be one of {_LAYOUTS}, got {kv_cache_layout!r}"
         )
-    for name, t, ndim in (
-        ("block_table", block_table, 2),
-        ("cu_seqlens_kv", cu_seqlens_kv, 1),
-        ("seq_starts", seq_starts, 1),
-    ):
-        _check_tensor(name, t, ndim, fn)
-        if t.device != block_table.device:
-            raise ValueError(
-                f"{fn}: {name} is on {t.device}, block_table on {block_table.device}"
-            )
     _check_index_args(block_table, cu_seqlens_kv, seq_starts, fn)
     for name, value in (("block_size", block_size), ("head_size", head_size)):
         if not isinstance(value, int) or value <= 0:

@@ -256,37 +256,22 @@ def _q_heads(
         ]
         if Q_FP8_MAX > 0:
             q_scale = tl.load(q_scale_ptr)
-            tl.store(
-                q_out_ptr + qo_row + l_off,
-                _fp8_saturate(nope, q_scale, Q_FP8_MAX).to(out_ty),
-                mask=l_mask,
-            )
-            _store_pairs(
-                q_out_ptr + L,
-                qo_row,
-                th_mask,
-                _fp8_saturate(o1, q_scale, Q_FP8_MAX).to(out_ty),
-                _fp8_saturate(o2, q_scale, Q_FP8_MAX).to(out_ty),
-                HALF,
-                BLOCK_HALF,
-                BLOCK_T,
-                BLOCK_H,
-                IS_NEOX,
-            )
-        else:
-            tl.store(q_out_ptr + qo_row + l_off, nope.to(out_ty), mask=l_mask)
-            _store_pairs(
-                q_out_ptr + L,
-                qo_row,
-                th_mask,
-                o1.to(out_ty),
-                o2.to(out_ty),
-                HALF,
-                BLOCK_HALF,
-                BLOCK_T,
-                BLOCK_H,
-                IS_NEOX,
-            )
+            nope = _fp8_saturate(nope, q_scale, Q_FP8_MAX)
+            o1 = _fp8_saturate(o1, q_scale, Q_FP8_MAX)
+            o2 = _fp8_saturate(o2, q_scale, Q_FP8_MAX)
+        tl.store(q_out_ptr + qo_row + l_off, nope.to(out_ty), mask=l_mask)
+        _store_pairs(
+            q_out_ptr + L,
+            qo_row,
+            th_mask,
+            o1.to(out_ty),
+            o2.to(out_ty),
+            HALF,
+            BLOCK_HALF,
+            BLOCK_T,
+            BLOCK_H,
+            IS_NEOX,
+        )
     else:
         _store_pairs(
             q_pe_ptr,
@@ -365,44 +350,29 @@ def _cache_rows(
         slot % block_size
     ) * stride_cache_s
     kv_mask = write[:, None] & (l_off < L)[None, :]
-    cache_ty = kv_cache_ptr.dtype.element_ty
     if KV_FP8_MAX > 0:
         k_scale = tl.load(k_scale_ptr)
-        tl.store(
-            kv_cache_ptr + cache_row[:, None] + l_off[None, :],
-            _fp8_saturate(kvc, k_scale, KV_FP8_MAX).to(cache_ty),
-            mask=kv_mask,
-        )
-        _store_pairs(
-            kv_cache_ptr + L,
-            cache_row[:, None, None],
-            write[:, None, None],
-            _fp8_saturate(o1, k_scale, KV_FP8_MAX).to(cache_ty),
-            _fp8_saturate(o2, k_scale, KV_FP8_MAX).to(cache_ty),
-            HALF,
-            BLOCK_HALF,
-            BLOCK_T,
-            1,
-            IS_NEOX,
-        )
-    else:
-        tl.store(
-            kv_cache_ptr + cache_row[:, None] + l_off[None, :],
-            kvc.to(cache_ty),
-            mask=kv_mask,
-        )
-        _store_pairs(
-            kv_cache_ptr + L,
-            cache_row[:, None, None],
-            write[:, None, None],
-            o1.to(cache_ty),
-            o2.to(cache_ty),
-            HALF,
-            BLOCK_HALF,
-            BLOCK_T,
-            1,
-            IS_NEOX,
-        )
+        kvc = _fp8_saturate(kvc, k_scale, KV_FP8_MAX)
+        o1 = _fp8_saturate(o1, k_scale, KV_FP8_MAX)
+        o2 = _fp8_saturate(o2, k_scale, KV_FP8_MAX)
+    cache_ty = kv_cache_ptr.dtype.element_ty
+    tl.store(
+        kv_cache_ptr + cache_row[:, None] + l_off[None, :],
+        kvc.to(cache_ty),
+        mask=kv_mask,
+    )
+    _store_pairs(
+        kv_cache_ptr + L,
+        cache_row[:, None, None],
+        write[:, None, None],
+        o1.to(cache_ty),
+        o2.to(cache_ty),
+        HALF,
+        BLOCK_HALF,
+        BLOCK_T,
+        1,
+        IS_NEOX,
+    )
 
 
 @triton.jit

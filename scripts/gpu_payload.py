@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import os
 import re
@@ -289,10 +288,6 @@ def recompress(src: Path, dest: Path, method: int) -> None:
             zout.writestr(out, data)
 
 
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 # --------------------------------------------------------------------------
 # Output.
 # --------------------------------------------------------------------------
@@ -390,7 +385,7 @@ def main() -> int:
                         packed.with_suffix(".tmp").replace(packed)
                     shutil.copyfile(packed, wheel_dir / wheel.name)
                 manifest["wheels"].append({
-                    "requirement": req, "file": wheel.name, "pypi_sha256": sha256_of(wheel),
+                    "requirement": req, "file": wheel.name, "pypi_sha256": sdist.sha256_of(wheel),
                     "pypi_bytes": wheel.stat().st_size,
                     "bytes": (wheel_dir / wheel.name).stat().st_size,
                 })

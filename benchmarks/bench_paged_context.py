@@ -159,19 +159,40 @@ def env():
                 gather_name="fetch_kv" if fetch_kv is not None else "torch_index")
 
 
-def make_step(env, reqs, context, new):
-    dev = env["cache"].device
+def context_flops(reqs: int, context: int, new: int) -> int:
+    """FLOPs of the context part of a step (QK^T and PV over every cached token)."""
+    return 4 * reqs * new * NUM_HEADS * context * HEAD_SIZE
+
+
+def step_inputs(num_blocks: int, reqs: int, context: int, new: int, dev) -> dict:
+    """One step's metadata and queries: ``reqs`` requests of ``context`` cached
+    and ``new`` new tokens on randomly permuted blocks 1.. of a
+    ``num_blocks`` cache (seeded by the shape), and the (block, slot) of every
+    context token in order (``blk``, ``slot``) for a torch gather."""
     gen = torch.Generator(device="cpu").manual_seed(reqs * 1000003 + context + new)
     pages = (context + new) // BLOCK_SIZE
-    ids = torch.randperm(env["num_blocks"] - 1, generator=gen)[: reqs * pages] + 1
+    ids = torch.randperm(num_blocks - 1, generator=gen)[: reqs * pages] + 1
     block_table = ids.view(reqs, pages).to(torch.int32).to(dev)
+    pos = torch.arange(context, device=dev)
+    return {
+        "block_table": block_table,
+        "q": torch.randn(reqs * new, NUM_HEADS, HEAD_SIZE, device=dev, dtype=DTYPE),
+        "cu_q": torch.arange(reqs + 1, dtype=torch.int32, device=dev) * new,
+        "cu_ctx": torch.arange(reqs + 1, dtype=torch.int32, device=dev) * context,
+        "seq_lens": torch.full((reqs,), context + new, dtype=torch.int32, device=dev),
+        "blk": block_table[:, pos // BLOCK_SIZE].reshape(-1).long(),
+        "slot": (pos % BLOCK_SIZE).repeat(reqs),
+    }
+
+
+def make_step(env, reqs, context, new):
+    dev = env["cache"].device
+    inputs = step_inputs(env["num_blocks"], reqs, context, new, dev)
+    block_table, q, cu_q, cu_ctx, seq_lens, blk, slot = (
+        inputs[k] for k in ("block_table", "q", "cu_q", "cu_ctx", "seq_lens", "blk", "slot"))
     total_new, total_ctx = reqs * new, reqs * context
-    q = torch.randn(total_new, NUM_HEADS, HEAD_SIZE, device=dev, dtype=DTYPE)
     k_new = torch.randn(total_new, NUM_KV_HEADS, HEAD_SIZE, device=dev, dtype=DTYPE)
     v_new = torch.randn_like(k_new)
-    cu_q = torch.arange(reqs + 1, dtype=torch.int32, device=dev) * new
-    cu_ctx = torch.arange(reqs + 1, dtype=torch.int32, device=dev) * context
-    seq_lens = torch.full((reqs,), context + new, dtype=torch.int32, device=dev)
     seq_starts = torch.zeros(reqs, dtype=torch.int32, device=dev)
     # Workspace for the gather path, and its view as a cache with an identity table.
     k_ws = torch.empty(total_ctx, NUM_KV_HEADS, HEAD_SIZE, device=dev, dtype=DTYPE)
@@ -180,10 +201,6 @@ def make_step(env, reqs, context, new):
     ws_value = v_ws.view_as(ws_key)
     ws_table = torch.arange(total_ctx // BLOCK_SIZE, dtype=torch.int32,
                             device=dev).view(reqs, -1)
-    # torch gather: (block, slot) of every context token.
-    pos = torch.arange(context, device=dev)
-    blk = block_table[:, pos // BLOCK_SIZE].reshape(-1).long()
-    slot = (pos % BLOCK_SIZE).repeat(reqs)
     cache_bnhc = env["cache"].permute(0, 2, 1, 3)  # [blocks, bs, H, 2D] view
 
     out = torch.empty_like(q)
@@ -263,7 +280,7 @@ TILE = f"{pca._BLOCK_M},{pca._BLOCK_N},{pca._NUM_WARPS},{pca._NUM_STAGES}"
                          ids=[f"r{r}_ctx{c // 1024}k_new{n}" for r, c, n in CASES])
 def test_extend_step(kernel_bench, env, reqs, context, new):
     impls, nbytes = make_step(env, reqs, context, new)
-    flops = 4 * reqs * new * NUM_HEADS * context * HEAD_SIZE
+    flops = context_flops(reqs, context, new)
     kernel_bench(
         kernel="paged_context",
         case=f"r{reqs}_ctx{context // 1024}k_new{new}_h32kv4_d128_bf16_b16",
@@ -299,18 +316,11 @@ def sweep(path: str) -> None:
     rows = []
     saved = (pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES, pca._RESCALE_SLACK)
     for reqs, context, new in shapes:
-        pages = (context + new) // BLOCK_SIZE
-        table = (torch.randperm(num_blocks - 1)[: reqs * pages] + 1).view(reqs, pages)
-        table = table.to(torch.int32).cuda()
-        q = torch.randn(reqs * new, NUM_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
-        cu_q = torch.arange(reqs + 1, dtype=torch.int32, device="cuda") * new
-        cu_ctx = torch.arange(reqs + 1, dtype=torch.int32, device="cuda") * context
-        seq_lens = torch.full((reqs,), context + new, dtype=torch.int32, device="cuda")
-        flops = 4 * reqs * new * NUM_HEADS * context * HEAD_SIZE
-        pos = torch.arange(context, device="cuda")
-        blk = table[:, pos // BLOCK_SIZE].reshape(-1).long()
-        slot = (pos % BLOCK_SIZE).repeat(reqs)
-        kv = cache.permute(0, 2, 1, 3)[blk, slot]
+        inputs = step_inputs(num_blocks, reqs, context, new, cache.device)
+        table, q, cu_q, cu_ctx, seq_lens = (
+            inputs[k] for k in ("block_table", "q", "cu_q", "cu_ctx", "seq_lens"))
+        flops = context_flops(reqs, context, new)
+        kv = cache.permute(0, 2, 1, 3)[inputs["blk"], inputs["slot"]]
         k_ws, v_ws = kv[..., :HEAD_SIZE].contiguous(), kv[..., HEAD_SIZE:].contiguous()
         del kv
         shape = f"r{reqs}_ctx{context // 1024}k_new{new}"

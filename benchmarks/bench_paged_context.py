@@ -7,8 +7,14 @@ vLLM 0.33.0's packed cache) for ``R`` requests, each with ``C`` cached tokens
 and ``N`` new tokens, computed both ways with the same new-token attention
 and the same merge:
 
-  * ``ours``      -- paged context attention straight from the cache
-                     (``paged_context_attention``), then merge;
+  * ``ours``      -- what the AITER FA backend's paged route runs: one
+                     ``paged_context_attention`` call with the step's new K/V
+                     (``key=``/``value=``), i.e. the context straight from the
+                     cache and the new tokens causally, with no separate
+                     new-token kernel and no merge;
+  * ``ours_split`` -- paged context attention (context only), then the
+                     new-token attention and the merge below, as the route ran
+                     before the kernel took the new tokens;
   * ``baseline``  -- gather the cached context into a contiguous workspace
                      (``fetch_kv`` when the overlay has it, else a torch index
                      gather), then the *same* Triton kernel over the workspace
@@ -21,17 +27,17 @@ and the same merge:
                      (AITER's CK kernel); decides where the gather path wins;
   * ``gather_only`` -- the gather alone (its share of the step).
 
-New-token part (all variants): FlashAttention-2 varlen causal with LSE on the
+New-token part (all variants but ``ours``): FlashAttention-2 varlen causal with LSE on the
 step's K/V (a float64-checked torch fallback if the aten op is unavailable).
 Merge: a small Triton kernel with ``merge_attn_states``'s semantics.
 
 ``nbytes`` = cached K/V bytes read once + query and output bytes.
 
 Run: ``PYTHONPATH=vllm_overlay:. python3 -m pytest -q benchmarks/bench_paged_context.py``.
-``python3 benchmarks/bench_paged_context.py --sweep OUT.json`` times the
-context kernel alone in every tile / rescale-slack / split variant next to
-FA2 over the gathered context (tuning aid; not part of the suite; results in
-benchmarks/notes/paged_context.md).
+``python3 benchmarks/bench_paged_context.py --sweep OUT.json`` times ``ours``
+(the fused call) in every tile / K-load / programs-per-SM variant next to
+``gather_fa2`` on the routed step sizes (tuning aid; not part of the suite;
+results in benchmarks/notes/paged_context.md).
 """
 
 from __future__ import annotations
@@ -147,16 +153,21 @@ def _pick_varlen():
         return _torch_varlen, "torch"
 
 
-@pytest.fixture(scope="module")
-def env():
+def make_env(max_tokens: int = MAX_CONTEXT_TOKENS) -> dict:
+    """Cache (random, packed layout) and the new-token attention kernel."""
     varlen, varlen_name = _pick_varlen()
-    num_blocks = MAX_CONTEXT_TOKENS // BLOCK_SIZE + 64
+    num_blocks = max_tokens // BLOCK_SIZE + 64
     cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="cuda",
                         dtype=DTYPE)
     key_cache, value_cache = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
     return dict(varlen=varlen, varlen_name=varlen_name, cache=cache, key_cache=key_cache,
                 value_cache=value_cache, num_blocks=num_blocks,
                 gather_name="fetch_kv" if fetch_kv is not None else "torch_index")
+
+
+@pytest.fixture(scope="module")
+def env():
+    return make_env()
 
 
 def context_flops(reqs: int, context: int, new: int) -> int:
@@ -222,6 +233,11 @@ def make_step(env, reqs, context, new):
         return varlen(q, k_new, v_new, cu_q, cu_q, new, new, True)
 
     def ours():
+        paged_context_attention(q, env["key_cache"], env["value_cache"], block_table, cu_q,
+                                seq_lens, SCALE, key=k_new, value=v_new, out=out,
+                                lse=ctx_lse, max_context_len=context)
+
+    def ours_split():
         o_new, l_new = new_part()
         paged_context_attention(q, env["key_cache"], env["value_cache"], block_table, cu_q,
                                 seq_lens, SCALE, out=ctx_out, lse=ctx_lse,
@@ -241,20 +257,24 @@ def make_step(env, reqs, context, new):
         o_ctx, l_ctx = varlen(q, k_ws, v_ws, cu_q, cu_ctx, new, context, False)
         merge(out, o_ctx, l_ctx, o_new, l_new)
 
-    impls = {"ours": ours, "baseline": baseline, "gather_only": gather}
+    impls = {"ours": ours, "ours_split": ours_split, "baseline": baseline,
+             "gather_only": gather}
     if env["varlen_name"] == "fa2":
         impls["gather_fa2"] = gather_fa2
     # Check once that the routes agree before timing them: the same kernel over
-    # the same values in another layout is bit-identical; FA2 (independent
-    # kernel) agrees to bf16 rounding (relative RMS error).
-    ours()
+    # the same values in another layout is bit-identical; the fused call and
+    # FA2 (other summation orders) agree to bf16 rounding (relative RMS error).
+    ours_split()
     ref = out.clone()
     baseline()
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), "gather route differs"
-    if "gather_fa2" in impls:
-        gather_fa2()
+    others = {"ours": ours, "gather_fa2": impls.get("gather_fa2")}
+    for name, fn in others.items():
+        if fn is None:
+            continue
+        fn()
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert rel < 1e-2, f"paged route vs FA2 relative RMS error {rel:.2e}"
+        assert rel < 1e-2, f"{name} vs the split paged route: relative RMS error {rel:.2e}"
     kv_bytes = total_ctx * NUM_KV_HEADS * 2 * HEAD_SIZE * DTYPE.itemsize
     qo_bytes = 2 * q.numel() * DTYPE.itemsize
     return impls, kv_bytes + qo_bytes
@@ -297,68 +317,62 @@ def test_extend_step(kernel_bench, env, reqs, context, new):
 
 
 def sweep(path: str) -> None:
-    """Context attention alone (no new-token part, no merge): every kernel
-    variant (tile, rescale slack, forced single split) against FA2 varlen over
-    the already gathered context, per shape; JSON with TFLOP/s to ``path``."""
+    """``ours`` (the fused call) in every kernel variant (tile, K load,
+    programs per SM for the split count) against ``gather_fa2`` on the step
+    sizes the backend routes to it; JSON with µs and ratios to ``path``."""
     import json
 
-    varlen, varlen_name = _pick_varlen()
-    shapes = [(1, 8192, 128), (4, 8192, 128), (1, 8192, 512), (1, 32768, 512),
-              (4, 32768, 512), (1, 32768, 2048), (1, 131072, 128)]
-    tiles = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-             (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
-    slacks = [0.0, 8.0]
-    max_tokens = max(r * (c + n) for r, c, n in shapes)
-    num_blocks = max_tokens // BLOCK_SIZE + 64
-    cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="cuda",
-                        dtype=DTYPE)
-    key_cache, value_cache = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    from benchmarks.conftest import time_graph_us
+
+    shapes = [(1, 8192, 128), (1, 8192, 256), (4, 8192, 128), (1, 8192, 512),
+              (4, 32768, 128), (1, 32768, 512), (1, 131072, 512)]
+    # (block_m, block_n, warps, stages, K row-major, programs per SM).  The
+    # first run of this sweep also had (128,64,4,3), (128,128,8,3) and
+    # (64,64,4,2) and column-major K loads; none was the best anywhere.
+    variants = [(128, 64, 4, 2, True, 2), (128, 128, 8, 2, True, 1),
+                (256, 64, 8, 2, True, 1), (128, 64, 4, 2, False, 2)]
+    env = make_env(max(r * (c + n) for r, c, n in shapes))
+    knobs = ("_BLOCK_M", "_BLOCK_N", "_NUM_WARPS", "_NUM_STAGES", "_K_ROW_MAJOR",
+             "_PROGRAMS_PER_SM")
+    saved = {k: getattr(pca, k) for k in knobs}
     rows = []
-    saved = (pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES, pca._RESCALE_SLACK)
     for reqs, context, new in shapes:
-        inputs = step_inputs(num_blocks, reqs, context, new, cache.device)
-        table, q, cu_q, cu_ctx, seq_lens = (
-            inputs[k] for k in ("block_table", "q", "cu_q", "cu_ctx", "seq_lens"))
-        flops = context_flops(reqs, context, new)
-        kv = cache.permute(0, 2, 1, 3)[inputs["blk"], inputs["slot"]]
-        k_ws, v_ws = kv[..., :HEAD_SIZE].contiguous(), kv[..., HEAD_SIZE:].contiguous()
-        del kv
+        impls, _ = make_step(env, reqs, context, new)
         shape = f"r{reqs}_ctx{context // 1024}k_new{new}"
+        graph = context_flops(reqs, context, new) <= GRAPH_MAX_FLOPS
 
-        def record(variant, fn, shape=shape, flops=flops):
+        def timed(fn, graph=graph):
+            fn()
+            torch.cuda.synchronize()
+            if graph:
+                return time_graph_us(fn)
+            return triton.testing.do_bench(fn, warmup=10, rep=50,
+                                           return_mode="median") * 1e3
+
+        ref_us = timed(impls["gather_fa2"]) if "gather_fa2" in impls else None
+        split_us = timed(impls["ours_split"])
+        rows.append(dict(shape=shape, variant="gather_fa2", us=ref_us))
+        rows.append(dict(shape=shape, variant="ours_split_default", us=round(split_us, 2)))
+        print(f"{shape}: gather_fa2 {ref_us:.1f} us, ours_split {split_us:.1f} us", flush=True)
+        for variant in variants:
+            *tile, k_row, pps = variant
+            name = (f"tile{'x'.join(map(str, tile))}_k{'row' if k_row else 'col'}"
+                    f"_pps{pps}")
+            for knob, val in zip(knobs, variant, strict=True):
+                setattr(pca, knob, val)
             try:
-                fn()
-                torch.cuda.synchronize()
-                from benchmarks.conftest import time_graph_us
-
-                us = (time_graph_us(fn) if flops <= GRAPH_MAX_FLOPS else
-                      triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                      * 1e3)
+                us = timed(impls["ours"])
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                rows.append(dict(shape=shape, variant=variant, error=str(exc)[:200]))
-                print(shape, variant, "failed:", str(exc)[:200], flush=True)
-                return
-            rows.append(dict(shape=shape, variant=variant, us=round(us, 2),
-                             tflops=round(flops / us / 1e6, 1)))
-            print(f"{shape} {variant}: {us:.1f} us {flops / us / 1e6:.0f} TFLOP/s", flush=True)
-
-        if varlen_name == "fa2":
-            record("fa2_dense_context", lambda: varlen(q, k_ws, v_ws, cu_q, cu_ctx, new,
-                                                       context, False))
-        variants = [(t, s, sp) for t in tiles for s in slacks for sp in (None, 1)]
-        for tile, slack, splits in variants:
-            def fn(q=q, table=table, cu_q=cu_q, seq_lens=seq_lens, context=context,
-                   tile=tile, slack=slack, splits=splits):
-                pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES = tile
-                pca._RESCALE_SLACK = slack
-                paged_context_attention(q, key_cache, value_cache, table, cu_q, seq_lens,
-                                        SCALE, max_context_len=context, num_splits=splits)
-            name = (f"tile{'x'.join(map(str, tile))}_slack{slack:g}"
-                    f"_{'auto' if splits is None else 'one'}split")
-            record(name, fn)
-        (pca._BLOCK_M, pca._BLOCK_N, pca._NUM_WARPS, pca._NUM_STAGES,
-         pca._RESCALE_SLACK) = saved
-        del k_ws, v_ws
+                rows.append(dict(shape=shape, variant=name, error=str(exc)[:200]))
+                print(shape, name, "failed:", str(exc)[:200], flush=True)
+                continue
+            finally:
+                for knob, val in saved.items():
+                    setattr(pca, knob, val)
+            ratio = ref_us / us if ref_us else None
+            rows.append(dict(shape=shape, variant=name, us=round(us, 2),
+                             gather_fa2_over_ours=None if ratio is None else round(ratio, 3)))
+            print(f"{shape} {name}: {us:.1f} us  gather_fa2/ours {ratio:.3f}", flush=True)
         torch.cuda.empty_cache()
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__,

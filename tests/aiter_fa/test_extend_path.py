@@ -657,9 +657,22 @@ EXTENDS = [Req(ctx=37, q=3), Req(ctx=50, q=5), Req(ctx=21, q=4)]
 # --------------------------------------------------------------------------
 
 
+def assert_single_paged_call(spies, fake_aiter, prefills=False):
+    """The paged route's extends: one paged_context_attention call that takes
+    the new tokens' key/value and writes the output itself -- no gather, no
+    AITER varlen call for the extends' new tokens, no merge."""
+    assert len(spies["paged_context_attention"]) == 1 and not spies["fetch_kv"]
+    call = spies["paged_context_attention"][0]
+    assert call["key"] is not None and call["value"] is not None
+    assert call["out"] is not None
+    assert not spies["merge_attn_states"]
+    # Causal varlen calls left: the fresh prefills' only.
+    assert len(fake_aiter.varlen_calls) == (1 if prefills else 0)
+
+
 @pytest.mark.parametrize("paged_max_tokens", [None, 12], ids=["default", "at-threshold"])
 def test_paged_route_short_extends(make_backend, spies, fake_aiter, device, paged_max_tokens):
-    """0250: few new tokens (12, default threshold 512) -> paged context, one merge."""
+    """0250: few new tokens (12, default threshold 512) -> one paged call, no merge."""
     layer, builder = make_backend(paged_max_tokens=paged_max_tokens)
     assert builder.paged_context_max_tokens == (paged_max_tokens or 512)
     step = make_step(EXTENDS, device, seed=1)
@@ -670,10 +683,7 @@ def test_paged_route_short_extends(make_backend, spies, fake_aiter, device, page
     assert ext.paged_context and ext.chunk_context_metadata.num_chunks == 0
     assert ext.max_context_len == 50
     assert ext.seq_lens.tolist() == [40, 55, 25]
-    assert len(spies["paged_context_attention"]) == 1 and not spies["fetch_kv"]
-    assert len(spies["merge_attn_states"]) == 1
-    # Only the new tokens' causal varlen call.
-    assert [c["causal"] for c in fake_aiter.varlen_calls] == [True]
+    assert_single_paged_call(spies, fake_aiter)
     assert_matches_reference(output, step)
 
 
@@ -826,7 +836,7 @@ GPU_MIXED = [
 @pytest.mark.parametrize("dtype, kv_scales", GPU_DTYPES)
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_paged_route(make_backend, spies, fake_aiter, device, shape, dtype, kv_scales):
-    """0250 at GPU sizes: 132 new tokens on 2-4K cached -> paged context, one merge."""
+    """0250 at GPU sizes: 132 new tokens on 2-4K cached -> one paged call, no merge."""
     layer, builder = make_backend(shape=shape, dtype=dtype, kv_scales=kv_scales)
     step = make_step(GPU_SHORT, device, seed=11, dtype=dtype, kv_scales=kv_scales, shape=shape)
     meta, output = run_forward(layer, builder, step)
@@ -835,9 +845,7 @@ def test_gpu_paged_route(make_backend, spies, fake_aiter, device, shape, dtype, 
     ext = meta.extend_metadata
     assert ext.paged_context and ext.chunk_context_metadata.num_chunks == 0
     assert ext.max_context_len == 4093
-    assert len(spies["paged_context_attention"]) == 1 and not spies["fetch_kv"]
-    assert len(spies["merge_attn_states"]) == 1
-    assert [c["causal"] for c in fake_aiter.varlen_calls] == [True]
+    assert_single_paged_call(spies, fake_aiter)
     assert_within_roundoff(output, step, roundings=3)
 
 
@@ -899,8 +907,8 @@ def test_gpu_decode_extend_prefill_batch(make_backend, spies, fake_aiter, device
     assert (meta.num_decode_tokens, meta.num_extend_tokens) == (2, 127)
     ext = meta.extend_metadata
     if route == "paged":
-        assert ext.paged_context and len(spies["paged_context_attention"]) == 1
-        assert not spies["fetch_kv"]
+        assert ext.paged_context
+        assert_single_paged_call(spies, fake_aiter, prefills=True)
         roundings = 3
     else:
         assert not ext.paged_context and not spies["paged_context_attention"]

@@ -102,6 +102,10 @@ def build(case: Case, device: str, seed: int = 0) -> dict:
                                                                    dtype=case.dtype)
         qkv[:, :hq] = q
         q = qkv[:, :hq]
+    # The new tokens' own K/V (the step's key/value, query dtype): the cache
+    # slots after each context stay NaN, so the kernel must read these.
+    k_new = torch.randn(total, hkv, d, generator=gen).to(device=device, dtype=case.dtype)
+    v_new = torch.randn(total, hkv, d, generator=gen).to(device=device, dtype=case.dtype)
     cu = torch.zeros(len(pages) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(case.query_lens).cumsum(0)
     seq_lens = torch.tensor([c + n for c, n in lens], dtype=torch.int32)
@@ -109,13 +113,16 @@ def build(case: Case, device: str, seed: int = 0) -> dict:
         q=q, key_cache=key_cache, value_cache=value_cache,
         block_table=block_table.to(device), cu_seqlens_q=cu.to(device),
         seq_lens=seq_lens.to(device), k_logical=k_logical, v_logical=v_logical,
+        k_new=k_new, v_new=v_new,
         scale=d**-0.5, k_scale=torch.tensor([k_scale], device=device) if fp8 else None,
         v_scale=torch.tensor([v_scale], device=device) if fp8 else None,
     )
 
 
-def reference(case: Case, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 (out, lse, sum_j p_j |v_j|) of the new tokens over their context."""
+def reference(case: Case, data: dict, with_new: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 (out, lse, sum_j p_j |v_j|) of the new tokens over their context
+    (``with_new``: over [context | new tokens], causal in absolute positions)."""
     q = data["q"]
     dev = q.device
     total, hq, d = q.shape
@@ -124,18 +131,23 @@ def reference(case: Case, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch
     lse = torch.full((hq, total), -math.inf, dtype=torch.float64, device=dev)
     start = 0
     for b, (ctx, n) in enumerate(zip(case.context_lens, case.query_lens, strict=True)):
-        if n == 0 or ctx == 0:
+        if n == 0 or (ctx == 0 and not with_new):
             start += n
             continue
         qb = q[start : start + n].double()
-        k = data["k_logical"][b].repeat_interleave(case.group, dim=1)
-        v = data["v_logical"][b].repeat_interleave(case.group, dim=1)
+        k, v = data["k_logical"][b], data["v_logical"][b]
+        if with_new:
+            k = torch.cat([k, data["k_new"][start : start + n].double()])
+            v = torch.cat([v, data["v_new"][start : start + n].double()])
+        k = k.repeat_interleave(case.group, dim=1)
+        v = v.repeat_interleave(case.group, dim=1)
         s = torch.einsum("nhd,lhd->hnl", qb, k) * data["scale"]
+        pos_q = ctx + torch.arange(n, device=dev)
+        pos_k = torch.arange(k.shape[0], device=dev)
+        seen = pos_k[None, :] <= pos_q[:, None]
         if case.sliding_window is not None:
-            pos_q = ctx + torch.arange(n, device=dev)
-            pos_k = torch.arange(ctx, device=dev)
-            seen = pos_k[None, :] > pos_q[:, None] - case.sliding_window
-            s = s.masked_fill(~seen[None], -math.inf)
+            seen &= pos_k[None, :] > pos_q[:, None] - case.sliding_window
+        s = s.masked_fill(~seen[None], -math.inf)
         lse_b = torch.logsumexp(s, dim=-1)  # [hq, n]
         p = torch.exp(s - lse_b[..., None]).nan_to_num(0.0)  # rows seeing nothing: 0
         out[start : start + n] = torch.einsum("hnl,lhd->nhd", p, v)
@@ -145,7 +157,7 @@ def reference(case: Case, data: dict) -> tuple[torch.Tensor, torch.Tensor, torch
     return out, lse, absavg
 
 
-def run_kernel(case: Case, data: dict, poison: bool = True):
+def run_kernel(case: Case, data: dict, poison: bool = True, with_new: bool = False):
     q = data["q"]
     out = torch.full_like(q, float("nan")) if poison else None
     lse = (torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32,
@@ -153,14 +165,16 @@ def run_kernel(case: Case, data: dict, poison: bool = True):
     return paged_context_attention(
         q, data["key_cache"], data["value_cache"], data["block_table"],
         data["cu_seqlens_q"], data["seq_lens"], data["scale"],
+        key=data["k_new"] if with_new else None,
+        value=data["v_new"] if with_new else None,
         sliding_window=case.sliding_window, k_scale=data["k_scale"],
         v_scale=data["v_scale"], out=out, lse=lse, num_splits=case.num_splits,
         max_context_len=max(case.context_lens + [0]),
     )
 
 
-def assert_close_to_reference(case: Case, data: dict, out, lse):
-    ref_out, ref_lse, absavg = reference(case, data)
+def assert_close_to_reference(case: Case, data: dict, out, lse, with_new: bool = False):
+    ref_out, ref_lse, absavg = reference(case, data, with_new)
     assert not out.isnan().any(), "unwritten or NaN output rows"
     assert not lse.isnan().any(), "unwritten or NaN lse entries"
     # Output: each p_j is rounded to the dot dtype (u of the query dtype) and
@@ -203,6 +217,8 @@ CPU_CASES = [
     Case("query_strided_view", [26, 11], [4, 3], query_view=True),
     Case("keys_ramp", [90, 47], [3, 5], key_profile="ramp"),
     Case("keys_spike_fp16", [90, 61], [4, 2], dtype=torch.float16, key_profile="spike"),
+    # With key/value, the splits share the new tokens' tiles as well.
+    Case("splits_share_new_tokens", [20, 5], [40, 37], num_splits=4),
 ]
 
 GPU_CASES = [
@@ -224,6 +240,8 @@ GPU_CASES = [
          head_size=128, dtype=torch.float16, key_profile="spike"),
     Case("gpu_forced_splits_fp16", [3100, 77], [40, 3], num_kv_heads=2, group=4,
          head_size=128, dtype=torch.float16, num_splits=7),
+    Case("gpu_splits_share_new_tokens", [1000, 64], [700, 300], num_kv_heads=4, group=8,
+         head_size=128, dtype=torch.bfloat16, num_splits=3),
     # Element offsets of the used blocks pass 2**31: Hkv 8, D 128 -> 32768
     # elements per block, context in blocks >= 65,600 of 70,000.
     Case("gpu_cache_offsets_past_2_31_bf16", [3000, 515], [64, 17], num_kv_heads=8, group=4,
@@ -247,6 +265,22 @@ def test_matches_dense_reference_gpu(case, device):
     data = build(case, device)
     out, lse = run_kernel(case, data)
     assert_close_to_reference(case, data, out, lse)
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_with_new_tokens_matches_dense_reference(case, device):
+    """key/value given: the whole extend attention ([context | new], causal)."""
+    data = build(case, device)
+    out, lse = run_kernel(case, data, with_new=True)
+    assert_close_to_reference(case, data, out, lse, with_new=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_with_new_tokens_matches_dense_reference_gpu(case, device):
+    data = build(case, device)
+    out, lse = run_kernel(case, data, with_new=True)
+    assert_close_to_reference(case, data, out, lse, with_new=True)
 
 
 RESCALE_CASES = [c for c in CPU_CASES if c.key_profile or c.sliding_window == 20]
@@ -381,10 +415,15 @@ def _bad_args(device):
          ValueError),
         ("num_splits_zero", dict(base, num_splits=0), ValueError),
         ("max_context_len_negative", dict(base, max_context_len=-1), ValueError),
+        ("key_without_value", dict(base, key=d["k_new"]), TypeError),
+        ("new_key_wrong_shape", dict(base, key=d["k_new"][:, :1], value=d["v_new"]),
+         ValueError),
+        ("new_value_wrong_dtype", dict(base, key=d["k_new"], value=d["v_new"].double()),
+         TypeError),
     ]
 
 
-@pytest.mark.parametrize("idx", range(19))
+@pytest.mark.parametrize("idx", range(22))
 def test_invalid_arguments_raise_before_launch(idx, device):
     name, kwargs, exc = _bad_args(device)[idx]
     with pytest.raises(exc, match="paged_context_attention"):
@@ -392,7 +431,7 @@ def test_invalid_arguments_raise_before_launch(idx, device):
 
 
 def test_invalid_argument_table_is_complete(device):
-    assert len(_bad_args(device)) == 19
+    assert len(_bad_args(device)) == 22
 
 
 @pytest.mark.parametrize(

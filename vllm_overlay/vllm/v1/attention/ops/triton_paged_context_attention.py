@@ -8,7 +8,9 @@ a prefix-cache hit).  Its attention splits into two parts that a backend merges
 with ``merge_attn_states``: the new tokens attending causally to each other,
 and the new tokens attending to the cached context.  ``paged_context_attention``
 computes the second part straight from the paged cache -- no gather into a
-workspace -- and returns the output with its log-sum-exp.
+workspace -- and returns the output with its log-sum-exp.  Given the new
+tokens' own ``key`` / ``value`` it computes the first part in the same pass,
+so the output is the whole extend attention and nothing is merged afterwards.
 
 Semantics, for request ``b`` and its ``i``-th new token (``i < query_len_b``):
 
@@ -17,6 +19,9 @@ Semantics, for request ``b`` and its ``i``-th new token (``i < query_len_b``):
     them (the context precedes every new token, so no causal mask), or, with a
     sliding window of ``W`` tokens, those with ``p - k < W`` (vLLM's
     ``sliding_window`` int; the backend tuple ``(W - 1, 0)``);
+  * with ``key`` / ``value``, it also attends to new tokens ``j <= i`` of its
+    request (absolute positions ``context_len_b + j``; the window applies to
+    them too), read from those tensors, never from the cache;
   * ``lse = log(sum_k exp(scale * q . k))`` (natural log, as
     ``merge_attn_states`` expects); a token that sees no context gets output 0
     and ``lse = -inf``, which the merge treats as "no prefix".
@@ -33,6 +38,8 @@ Layouts (``T`` = total new tokens, ``Hq`` / ``Hkv`` = query / kv heads,
     ``(Hkv * bs * 2D, 2D, bs * 2D, 1)``.  fp16/bf16, or fp8 (e4m3fn, e4m3fnuz,
     e5m2, e5m2fnuz) with per-tensor ``k_scale`` / ``v_scale``: the stored value
     times the scale is the real value.
+  * ``key`` / ``value`` (optional): ``[T, Hkv, D]`` in the query dtype, rows
+    like ``query``'s; any token/head strides, last dim contiguous.
   * ``block_table``: ``[>= B, max_blocks]`` int32/int64; logical position ``k``
     of request ``b`` is slot ``k % bs`` of block ``block_table[b, k // bs]``.
   * ``cu_seqlens_q``: ``[B + 1]`` int32/int64, ``cu_seqlens_q[0] == 0``,
@@ -62,11 +69,12 @@ Design (flash-attention forward, one program per tile):
   * Tiles are numbered in closed form: request ``b`` owns tiles
     ``cu_seqlens_q[b] // BLOCK_Q + b`` onwards, so a program finds its request by
     a binary search over ``cu_seqlens_q`` -- no host synchronisation, no tile list.
-  * When there are too few tiles to fill the GPU (short extends), the context
-    of each tile is split into ``num_splits`` ranges processed by separate
-    programs; each writes a normalised fp32 partial output and its lse, and a
-    small second kernel combines them.  With one split the first kernel writes
-    the final output directly.
+  * When there are too few tiles to fill the GPU (short extends), the key
+    tiles of each query tile (its context, then its new tokens) are split into
+    ``num_splits`` even ranges processed by separate programs; each writes a
+    normalised fp32 partial output and its lse, and a small second kernel
+    combines them.  With one split the first kernel writes the final output
+    directly.
   * Every offset that multiplies a block id or a token index by a stride is
     computed in 64 bits.
 """
@@ -117,6 +125,9 @@ _LOG2E = 1.4426950408889634
 # Lazy rescaling slack in log2 units (see _attend_context_tile); 0 rescales
 # the accumulator on every context tile.
 _RESCALE_SLACK = 8.0
+# Load K tiles as [BLOCK_N, D] and transpose in the kernel (True) or load
+# them as [D, BLOCK_N] directly (False).
+_K_ROW_MAJOR = True
 # Running max of a row that has seen no score yet: finite, so that
 # exp2(-inf - _NO_SCORE) is 0 and exp2(_NO_SCORE - m) is 0 without NaNs.
 _NO_SCORE = tl.constexpr(-1.0e30)
@@ -154,16 +165,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend_context_tile(
+def _attend_tile(
     acc,
     l_i,
     m_i,
     q,
-    k_cache_ptr,
-    v_cache_ptr,
+    k_ptr,
+    v_ptr,
     block_row_ptr,
+    row_base,
     tile_start,
-    context_len,
+    limit,
+    pos_base,
     q_pos,
     k_head_off,
     v_head_off,
@@ -178,50 +191,76 @@ def _attend_context_tile(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PAGED: tl.constexpr,
     TAIL: tl.constexpr,
+    CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
+    K_ROW_MAJOR: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) with one context tile.
+    """Online-softmax update of (acc, l_i, m_i) with one tile of keys/values.
 
-    ``TAIL``: the tile crosses ``context_len`` (mask positions past it).
+    Keys ``pos = tile_start + offs_n`` index either the paged cache (``PAGED``:
+    position ``pos`` of the request whose block-table row is ``block_row_ptr``)
+    or a contiguous ``[tokens, Hkv, D]`` tensor (row ``row_base + pos``); their
+    absolute positions are ``pos_base + pos``.  ``TAIL``: the tile crosses
+    ``limit`` (mask keys at or past it); ``CAUSAL``: a row sees keys at or
+    before its own position ``q_pos``.
     """
     pos = tile_start + offs_n
-    if TAIL:
-        in_ctx = pos < context_len
-        block = tl.load(block_row_ptr + pos // PAGE_SIZE, mask=in_ctx, other=0)
+    if PAGED:
+        if TAIL:
+            in_range = pos < limit
+            block = tl.load(block_row_ptr + pos // PAGE_SIZE, mask=in_range, other=0)
+        else:
+            block = tl.load(block_row_ptr + pos // PAGE_SIZE)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+        k_rows = block.to(tl.int64) * stride_kb + slot * stride_kt + k_head_off
+        v_rows = block.to(tl.int64) * stride_vb + slot * stride_vt + v_head_off
     else:
-        block = tl.load(block_row_ptr + pos // PAGE_SIZE)
-    slot = (pos % PAGE_SIZE).to(tl.int64)
-    k_rows = block.to(tl.int64) * stride_kb + slot * stride_kt + k_head_off
-    v_rows = block.to(tl.int64) * stride_vb + slot * stride_vt + v_head_off
-    k_ptrs = k_cache_ptr + k_rows[None, :] + offs_d[:, None]  # [D, N]
-    v_ptrs = v_cache_ptr + v_rows[:, None] + offs_d[None, :]  # [N, D]
+        if TAIL:
+            in_range = pos < limit
+        row = row_base + pos.to(tl.int64)
+        k_rows = row * stride_kt + k_head_off
+        v_rows = row * stride_vt + v_head_off
+    v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :]  # [N, D]
+    if K_ROW_MAJOR:
+        k_ptrs = k_ptr + k_rows[:, None] + offs_d[None, :]  # [N, D]
+    else:
+        k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None]  # [D, N]
     if TAIL:
         if HEAD_DIM_PAD != HEAD_DIM:
-            d_ok = offs_d < HEAD_DIM
-            k = tl.load(k_ptrs, mask=d_ok[:, None] & in_ctx[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_ctx[:, None] & d_ok[None, :], other=0.0)
+            kv_mask = in_range[:, None] & (offs_d < HEAD_DIM)[None, :]
         else:
-            k = tl.load(k_ptrs, mask=in_ctx[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_ctx[:, None], other=0.0)
+            kv_mask = in_range[:, None]
+    elif HEAD_DIM_PAD != HEAD_DIM:
+        kv_mask = (offs_d < HEAD_DIM)[None, :]
     else:
-        if HEAD_DIM_PAD != HEAD_DIM:
-            d_ok = offs_d < HEAD_DIM
-            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        kv_mask = None
+    if kv_mask is None:
+        v = tl.load(v_ptrs)
+        k = tl.load(k_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if K_ROW_MAJOR:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            k = tl.load(k_ptrs, mask=tl.trans(kv_mask), other=0.0)
+    if K_ROW_MAJOR:
+        k = tl.trans(k)  # [D, N]
 
     # Raw scores; the softmax scale (log2 units) is applied inside the exp2
     # argument, where it fuses with the max subtraction into one FMA.
     s = _dot(q, k.to(q.dtype), tl.zeros([q.shape[0], k.shape[1]], tl.float32), DOT_IEEE)
     if TAIL:
-        s = tl.where(in_ctx[None, :], s, float("-inf"))
+        s = tl.where(in_range[None, :], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(pos_base + pos[None, :] <= q_pos[:, None], s, float("-inf"))
     if USE_WINDOW:
-        s = tl.where(pos[None, :] >= q_pos[:, None] - window_left, s, float("-inf"))
+        s = tl.where(
+            pos_base + pos[None, :] >= q_pos[:, None] - window_left, s, float("-inf")
+        )
 
     m_tile = tl.max(s, axis=1) * qk_scale
     if RESCALE_SLACK > 0:
@@ -247,10 +286,70 @@ def _attend_context_tile(
 
 
 @triton.jit
+def _attend_range(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptr,
+    v_ptr,
+    block_row_ptr,
+    row_base,
+    t_begin,
+    t_end,
+    limit,
+    pos_base,
+    q_pos,
+    k_head_off,
+    v_head_off,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    qk_scale,
+    window_left,
+    offs_n,
+    offs_d,
+    full_end,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,
+    K_ROW_MAJOR: tl.constexpr,
+):
+    """Key tiles ``[t_begin, t_end)``: those below ``full_end`` need no mask
+    but the window's; the rest are masked at ``limit`` (and causally)."""
+    for t in range(t_begin, tl.minimum(t_end, full_end)):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, k_ptr, v_ptr, block_row_ptr, row_base, t * BLOCK_N,
+            limit, pos_base, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
+            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, PAGED, False, False, USE_WINDOW,
+            DOT_IEEE, RESCALE_SLACK, K_ROW_MAJOR,
+        )  # fmt: skip
+    for t in range(tl.maximum(t_begin, full_end), t_end):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, k_ptr, v_ptr, block_row_ptr, row_base, t * BLOCK_N,
+            limit, pos_base, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
+            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, PAGED, True, CAUSAL, USE_WINDOW,
+            DOT_IEEE, RESCALE_SLACK, K_ROW_MAJOR,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_context_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, bs, Hkv, D] (strided view)
     v_cache_ptr,  # [num_blocks, bs, Hkv, D] (strided view)
+    k_new_ptr,  # [T, Hkv, D] new tokens' keys (read only WITH_NEW)
+    v_new_ptr,  # [T, Hkv, D] new tokens' values (read only WITH_NEW)
     block_table_ptr,  # [B, max_blocks]
     cu_seqlens_q_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
@@ -270,6 +369,10 @@ def _paged_context_attention_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     stride_bt,
     stride_os,
     stride_ot,
@@ -287,8 +390,10 @@ def _paged_context_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     FP8: tl.constexpr,
+    WITH_NEW: tl.constexpr,  # also attend causally to the request's new tokens
     DOT_IEEE: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,  # 0: rescale every tile (classic online softmax)
+    K_ROW_MAJOR: tl.constexpr,  # load K tiles [N, D] and transpose (else [D, N])
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -326,90 +431,69 @@ def _paged_context_attention_kernel(
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
-    # Context range this tile needs: everything, or from the window start of
-    # its earliest token on; whole BLOCK_N tiles, aligned.
+    # Key tiles this program's rows need: the context from the window start
+    # of its earliest token on (or all of it), then -- WITH_NEW -- the
+    # request's new tokens up to its last row's token; whole BLOCK_N tiles,
+    # aligned.  The splits share out the context tiles followed by the new
+    # ones, evenly, so no split also carries all of the new tokens.
     ctx_lo = 0
     if USE_WINDOW:
         ctx_lo = tl.maximum(context_len + first_local - window_left, 0)
     tile_lo = ctx_lo // BLOCK_N
-    num_full = context_len // BLOCK_N  # tiles entirely inside the context
     num_tiles = tl.cdiv(context_len, BLOCK_N)
-    per_split = tl.cdiv(tl.maximum(num_tiles - tile_lo, 0), num_splits)
-    t_begin = tile_lo + split * per_split
-    t_end = tl.minimum(t_begin + per_split, num_tiles)
+    ctx_tiles = tl.maximum(num_tiles - tile_lo, 0)
+    new_tile_lo = 0
+    new_tiles = 0
+    new_end = 0
+    if WITH_NEW:
+        new_lo = 0
+        if USE_WINDOW:
+            new_lo = tl.maximum(first_local - window_left, 0)
+        new_tile_lo = new_lo // BLOCK_N
+        new_end = tl.minimum(first_local + BLOCK_Q, query_len)
+        new_tiles = tl.cdiv(new_end, BLOCK_N) - new_tile_lo
+    per_split = tl.cdiv(ctx_tiles + new_tiles, num_splits)
+    v_begin = split * per_split
+    v_end = tl.minimum(v_begin + per_split, ctx_tiles + new_tiles)
+    t_begin = tile_lo + v_begin
+    t_end = tile_lo + tl.minimum(v_end, ctx_tiles)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NO_SCORE, dtype=tl.float32)
 
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_head_off = kv_head.to(tl.int64) * stride_kh
-    v_head_off = kv_head.to(tl.int64) * stride_vh
-    for t in range(t_begin, tl.minimum(t_end, num_full)):
-        acc, l_i, m_i = _attend_context_tile(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            block_row_ptr,
-            t * BLOCK_N,
-            context_len,
-            q_pos,
-            k_head_off,
-            v_head_off,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            qk_scale,
-            window_left,
-            offs_n,
-            offs_d,
-            PAGE_SIZE,
-            HEAD_DIM,
-            HEAD_DIM_PAD,
-            False,
-            USE_WINDOW,
-            DOT_IEEE,
-            RESCALE_SLACK,
-        )
-    if (num_full < t_end) & (num_full >= t_begin):
-        acc, l_i, m_i = _attend_context_tile(
-            acc,
-            l_i,
-            m_i,
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            block_row_ptr,
-            num_full * BLOCK_N,
-            context_len,
-            q_pos,
-            k_head_off,
-            v_head_off,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            qk_scale,
-            window_left,
-            offs_n,
-            offs_d,
-            PAGE_SIZE,
-            HEAD_DIM,
-            HEAD_DIM_PAD,
-            True,
-            USE_WINDOW,
-            DOT_IEEE,
-            RESCALE_SLACK,
-        )
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_row_ptr, 0, t_begin, t_end,
+        context_len, 0, q_pos, kv_head.to(tl.int64) * stride_kh,
+        kv_head.to(tl.int64) * stride_vh, stride_kb, stride_kt, stride_vb, stride_vt,
+        qk_scale, window_left, offs_n, offs_d, context_len // BLOCK_N,
+        BLOCK_N, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, False, USE_WINDOW, DOT_IEEE,
+        RESCALE_SLACK, K_ROW_MAJOR,
+    )  # fmt: skip
+    if FP8:
+        # Dequantise the context's values here (once, not per tile); new-token
+        # values below are already real values.
+        acc = acc * tl.load(v_scale_ptr)
+
+    if WITH_NEW:
+        # This split's share of the request's new tokens, causally (keys up to
+        # the last row's token; tiles wholly at or before the first row's
+        # token need no causal mask).  Read from the step's key/value tensors,
+        # never from the cache: no dependence on the cache write, no fp8
+        # rounding.
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, k_new_ptr, v_new_ptr, block_row_ptr, q_begin.to(tl.int64),
+            new_tile_lo + tl.maximum(v_begin - ctx_tiles, 0),
+            new_tile_lo + tl.maximum(v_end - ctx_tiles, 0), new_end, context_len, q_pos,
+            kv_head.to(tl.int64) * stride_knh, kv_head.to(tl.int64) * stride_vnh, 0,
+            stride_knt, 0, stride_vnt, qk_scale_log2, window_left, offs_n, offs_d,
+            (first_local + 1) // BLOCK_N, BLOCK_N, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD,
+            False, True, USE_WINDOW, DOT_IEEE, RESCALE_SLACK, K_ROW_MAJOR,
+        )  # fmt: skip
 
     seen = l_i > 0.0
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
-    if FP8:
-        inv_l = inv_l * tl.load(v_scale_ptr)
     out = acc * inv_l[:, None]
     lse = tl.where(
         seen,
@@ -545,6 +629,8 @@ def paged_context_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
     sliding_window: int | None = None,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
@@ -566,6 +652,12 @@ def paged_context_attention(
             in ``query`` (``cu_seqlens_q[0] == 0``).
         seq_lens: ``[B]`` int32/int64 context + new tokens per request.
         scale: softmax scale.
+        key: optional ``[T, Hkv, D]`` keys of the new tokens themselves, in the
+            query dtype (the step's ``key``, not read from the cache).  With
+            ``value``, each new token also attends causally to its request's
+            new tokens up to and including itself, so ``(out, lse)`` is the
+            whole extend attention and no merge follows.
+        value: the new tokens' values, same shape and dtype as ``key``.
         sliding_window: ``None`` (full context) or the window ``W >= 1`` in
             tokens: the token at position ``p`` sees positions ``> p - W``.
         k_scale: per-tensor key dequantisation scale (one-element float32
@@ -701,6 +793,39 @@ def paged_context_attention(
         "cu_seqlens_q and seq_lens must be contiguous",
     )
 
+    with_new = key is not None or value is not None
+    if with_new:
+        for name, t in (("key", key), ("value", value)):
+            _check(
+                isinstance(t, torch.Tensor) and t.dim() == 3,
+                lambda name=name: f"{name} must be a [T, Hkv, D] tensor",
+                TypeError,
+            )
+            _check(
+                t.shape == (num_tokens, num_kv_heads, head_size),
+                lambda name=name, t=t: (
+                    f"{name} must be {(num_tokens, num_kv_heads, head_size)}, got "
+                    f"{tuple(t.shape)}"
+                ),
+            )
+            _check(
+                t.dtype == query.dtype,
+                lambda name=name, t=t: (
+                    f"{name} dtype {t.dtype} must equal the query dtype {query.dtype}"
+                ),
+                TypeError,
+            )
+            _check(
+                t.device == device,
+                lambda name=name, t=t: f"{name} is on {t.device}, query on {device}",
+            )
+            _check(
+                t.stride(2) == 1,
+                lambda name=name: f"{name} must be contiguous in its last dim",
+            )
+    else:
+        key = value = key_cache  # never read
+
     if sliding_window is not None:
         _check(
             isinstance(sliding_window, int) and sliding_window >= 1,
@@ -796,6 +921,8 @@ def paged_context_attention(
         query,
         key_cache,
         value_cache,
+        key,
+        value,
         block_table,
         cu_seqlens_q,
         seq_lens,
@@ -811,6 +938,10 @@ def paged_context_attention(
         query.stride(1),
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],
+        key.stride(0) if with_new else 0,
+        key.stride(1) if with_new else 0,
+        value.stride(0) if with_new else 0,
+        value.stride(1) if with_new else 0,
         block_table.stride(0),
         *o_strides,
         *l_strides,
@@ -824,8 +955,10 @@ def paged_context_attention(
         PAGE_SIZE=page_size,
         USE_WINDOW=sliding_window is not None,
         FP8=fp8,
+        WITH_NEW=with_new,
         DOT_IEEE=query.dtype == torch.float32,
         RESCALE_SLACK=_RESCALE_SLACK,
+        K_ROW_MAJOR=_K_ROW_MAJOR,
         num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
         num_stages=_NUM_STAGES,
     )

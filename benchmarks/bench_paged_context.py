@@ -329,11 +329,19 @@ def sweep(path: str) -> None:
     # (block_m, block_n, warps, stages, K row-major, programs per SM).  The
     # first run of this sweep also had (128,64,4,3), (128,128,8,3) and
     # (64,64,4,2) and column-major K loads; none was the best anywhere.
-    variants = [(128, 64, 4, 2, True, 2), (128, 128, 8, 2, True, 1),
-                (256, 64, 8, 2, True, 1), (128, 64, 4, 2, False, 2)]
+    # PAGED_CONTEXT_SWEEP="bm,bn,w,s,k_row,pps,slack;..." replaces the list.
+    variants = [(128, 64, 4, 2, True, 2, 8.0), (128, 128, 8, 2, True, 1, 8.0),
+                (256, 64, 8, 2, True, 1, 8.0), (128, 64, 4, 2, False, 2, 8.0)]
+    if os.environ.get("PAGED_CONTEXT_SWEEP"):
+        variants = [(*map(int, v.split(",")[:4]), bool(int(v.split(",")[4])),
+                     int(v.split(",")[5]), float(v.split(",")[6]))
+                    for v in os.environ["PAGED_CONTEXT_SWEEP"].split(";")]
+    if os.environ.get("PAGED_CONTEXT_SWEEP_SHAPES"):  # "reqs,context,new;..."
+        shapes = [tuple(map(int, s.split(",")))
+                  for s in os.environ["PAGED_CONTEXT_SWEEP_SHAPES"].split(";")]
     env = make_env(max(r * (c + n) for r, c, n in shapes))
     knobs = ("_BLOCK_M", "_BLOCK_N", "_NUM_WARPS", "_NUM_STAGES", "_K_ROW_MAJOR",
-             "_PROGRAMS_PER_SM")
+             "_PROGRAMS_PER_SM", "_RESCALE_SLACK")
     saved = {k: getattr(pca, k) for k in knobs}
     rows = []
     for reqs, context, new in shapes:
@@ -355,9 +363,9 @@ def sweep(path: str) -> None:
         rows.append(dict(shape=shape, variant="ours_split_default", us=round(split_us, 2)))
         print(f"{shape}: gather_fa2 {ref_us:.1f} us, ours_split {split_us:.1f} us", flush=True)
         for variant in variants:
-            *tile, k_row, pps = variant
+            *tile, k_row, pps, slack = variant
             name = (f"tile{'x'.join(map(str, tile))}_k{'row' if k_row else 'col'}"
-                    f"_pps{pps}")
+                    f"_pps{pps}_slack{slack:g}")
             for knob, val in zip(knobs, variant, strict=True):
                 setattr(pca, knob, val)
             try:

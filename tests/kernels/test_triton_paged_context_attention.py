@@ -219,6 +219,9 @@ CPU_CASES = [
     Case("keys_spike_fp16", [90, 61], [4, 2], dtype=torch.float16, key_profile="spike"),
     # With key/value, the splits share the new tokens' tiles as well.
     Case("splits_share_new_tokens", [20, 5], [40, 37], num_splits=4),
+    # 24 query heads: the split-combining kernel's two head blocks (16 + 8).
+    Case("splits_24_heads", [40, 9], [3, 2], num_kv_heads=3, group=8, head_size=32,
+         num_splits=2),
 ]
 
 GPU_CASES = [

@@ -110,6 +110,9 @@ _PROGRAMS_PER_SM = 2
 # many splits (the partial buffer is splits x T x Hq x D fp32).
 _MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 16
+# Heads per program of the split-combining kernel (its [BLOCK_H, D] fp32
+# accumulator stays in registers up to D 256).
+_COMBINE_BLOCK_H = 16
 
 # fp32 queries (tests, reference runs) use exact FMA dots, not tensor cores;
 # smaller tiles keep them in registers.
@@ -528,6 +531,7 @@ def _combine_splits_kernel(
     cu_seqlens_q_ptr,  # [B + 1]
     num_reqs,
     num_splits,
+    num_heads,
     stride_ps,
     stride_pt,
     stride_ph,
@@ -540,48 +544,52 @@ def _combine_splits_kernel(
     stride_lt,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
+    # One program per token and BLOCK_H heads: a few hundred programs that
+    # each move [BLOCK_H, D] rows, not one tiny program per (token, head).
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
     if token >= tl.load(cu_seqlens_q_ptr + num_reqs):
         return  # padding past the last request: no partials were written
-    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_DIM
-
-    lse_s = tl.load(
-        part_lse_ptr
-        + offs_s.to(tl.int64) * stride_pls
-        + head * stride_plh
-        + token * stride_plt,
-        mask=s_ok,
-        other=float("-inf"),
-    )
-    m = tl.max(lse_s, axis=0)
-    m_shift = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_shift)  # 0 for empty splits
-    total = tl.sum(w, axis=0)
-    parts = tl.load(
+    h_ok = offs_h < num_heads
+    hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lse_ptrs = part_lse_ptr + offs_h.to(tl.int64) * stride_plh + token * stride_plt
+    part_ptrs = (
         part_out_ptr
-        + offs_s.to(tl.int64)[:, None] * stride_ps
         + token * stride_pt
-        + head * stride_ph
-        + offs_d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
+        + offs_h.to(tl.int64)[:, None] * stride_ph
+        + offs_d[None, :]
     )
-    merged = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_ptrs + s * stride_pls, mask=h_ok, other=float("-inf"))
+        m = tl.maximum(m, lse_s)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_ptrs + s * stride_pls, mask=h_ok, other=float("-inf"))
+        w = tl.exp(lse_s - m_shift)  # 0 for empty splits
+        total += w
+        part = tl.load(part_ptrs + s * stride_ps, mask=hd_ok, other=0.0)
+        acc += part * w[:, None]
+    seen = total > 0.0
+    merged = acc / tl.where(seen, total, 1.0)[:, None]
     tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        out_ptr
+        + token * stride_ot
+        + offs_h.to(tl.int64)[:, None] * stride_oh
+        + offs_d[None, :],
         merged.to(out_ptr.dtype.element_ty),
-        mask=d_ok,
+        mask=hd_ok,
     )
-    lse = tl.where(
-        total > 0.0, m_shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
+    lse = tl.where(seen, m_shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(
+        lse_ptr + offs_h.to(tl.int64) * stride_lh + token * stride_lt, lse, mask=h_ok
     )
-    tl.store(lse_ptr + head * stride_lh + token * stride_lt, lse)
 
 
 @functools.cache
@@ -963,7 +971,8 @@ def paged_context_attention(
         num_stages=_NUM_STAGES,
     )
     if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
+        block_h = min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H)
+        _combine_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             dst_out,
             dst_lse,
             out,
@@ -971,13 +980,14 @@ def paged_context_attention(
             cu_seqlens_q,
             num_reqs,
             num_splits,
+            num_heads,
             *dst_out.stride()[:3],
             *dst_lse.stride(),
             *out.stride()[:2],
             *lse.stride(),
             HEAD_DIM=head_size,
             HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_H=block_h,
             num_warps=_NUM_WARPS,
         )
     return out, lse

@@ -35,7 +35,7 @@ Merge: a small Triton kernel with ``merge_attn_states``'s semantics.
 
 Run: ``PYTHONPATH=vllm_overlay:. python3 -m pytest -q benchmarks/bench_paged_context.py``.
 ``python3 benchmarks/bench_paged_context.py --sweep OUT.json`` times ``ours``
-(the fused call) in every tile / K-load / programs-per-SM variant next to
+(the fused call) in every tile / programs-per-SM / rescale-slack variant next to
 ``gather_fa2`` on the routed step sizes (tuning aid; not part of the suite;
 results in benchmarks/notes/paged_context.md).
 """
@@ -326,22 +326,21 @@ def sweep(path: str) -> None:
 
     shapes = [(1, 8192, 128), (1, 8192, 256), (4, 8192, 128), (1, 8192, 512),
               (4, 32768, 128), (1, 32768, 512), (1, 131072, 512)]
-    # (block_m, block_n, warps, stages, K row-major, programs per SM).  The
-    # first run of this sweep also had (128,64,4,3), (128,128,8,3) and
-    # (64,64,4,2) and column-major K loads; none was the best anywhere.
-    # PAGED_CONTEXT_SWEEP="bm,bn,w,s,k_row,pps,slack;..." replaces the list.
-    variants = [(128, 64, 4, 2, True, 2, 8.0), (128, 128, 8, 2, True, 1, 8.0),
-                (256, 64, 8, 2, True, 1, 8.0), (128, 64, 4, 2, False, 2, 8.0)]
+    # (block_m, block_n, warps, stages, programs per SM, rescale slack).  The
+    # runs in benchmarks/notes/paged_context.md also had (128,64,4,3),
+    # (128,128,8,3), (64,64,4,2), other slacks, and [D, N] K loads (a knob
+    # since removed); none had a better worst case than the default.
+    # PAGED_CONTEXT_SWEEP="bm,bn,w,s,pps,slack;..." replaces the list.
+    variants = [(128, 64, 4, 2, 2, 8.0), (128, 128, 8, 2, 1, 8.0), (256, 64, 8, 2, 1, 8.0)]
     if os.environ.get("PAGED_CONTEXT_SWEEP"):
-        variants = [(*map(int, v.split(",")[:4]), bool(int(v.split(",")[4])),
-                     int(v.split(",")[5]), float(v.split(",")[6]))
+        variants = [(*map(int, v.split(",")[:5]), float(v.split(",")[5]))
                     for v in os.environ["PAGED_CONTEXT_SWEEP"].split(";")]
     if os.environ.get("PAGED_CONTEXT_SWEEP_SHAPES"):  # "reqs,context,new;..."
         shapes = [tuple(map(int, s.split(",")))
                   for s in os.environ["PAGED_CONTEXT_SWEEP_SHAPES"].split(";")]
     env = make_env(max(r * (c + n) for r, c, n in shapes))
-    knobs = ("_BLOCK_M", "_BLOCK_N", "_NUM_WARPS", "_NUM_STAGES", "_K_ROW_MAJOR",
-             "_PROGRAMS_PER_SM", "_RESCALE_SLACK")
+    knobs = ("_BLOCK_M", "_BLOCK_N", "_NUM_WARPS", "_NUM_STAGES", "_PROGRAMS_PER_SM",
+             "_RESCALE_SLACK")
     saved = {k: getattr(pca, k) for k in knobs}
     rows = []
     for reqs, context, new in shapes:
@@ -363,9 +362,8 @@ def sweep(path: str) -> None:
         rows.append(dict(shape=shape, variant="ours_split_default", us=round(split_us, 2)))
         print(f"{shape}: gather_fa2 {ref_us:.1f} us, ours_split {split_us:.1f} us", flush=True)
         for variant in variants:
-            *tile, k_row, pps, slack = variant
-            name = (f"tile{'x'.join(map(str, tile))}_k{'row' if k_row else 'col'}"
-                    f"_pps{pps}_slack{slack:g}")
+            *tile, pps, slack = variant
+            name = f"tile{'x'.join(map(str, tile))}_pps{pps}_slack{slack:g}"
             for knob, val in zip(knobs, variant, strict=True):
                 setattr(pca, knob, val)
             try:

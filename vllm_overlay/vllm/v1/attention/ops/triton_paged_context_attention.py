@@ -92,8 +92,10 @@ __all__ = ["paged_context_attention", "use_paged_context"]
 # program loads is used by BLOCK_M rows, so 128 rows halve the K/V traffic
 # from L2 against 64.  On the H200, with lazy rescaling, this tile ran the
 # context part at 288-343 TFLOP/s and no other tile of a 7-tile sweep was
-# more than 4% faster on any shape (benchmarks/notes/paged_context.md).
-# BLOCK_N is a multiple of the 16-token page.
+# more than 4% faster on any shape; in the sweeps of the whole fused call
+# (context + new tokens) it had the best worst case of 9 tiles
+# (benchmarks/notes/paged_context.md).  BLOCK_N is a multiple of the
+# 16-token page.
 _BLOCK_M = 128
 _BLOCK_N = 64
 _NUM_WARPS = 4
@@ -125,12 +127,9 @@ _INTERP_BLOCK_N = 16
 
 _LOG2E = 1.4426950408889634
 
-# Lazy rescaling slack in log2 units (see _attend_context_tile); 0 rescales
+# Lazy rescaling slack in log2 units (see _attend_tile); 0 rescales
 # the accumulator on every context tile.
 _RESCALE_SLACK = 8.0
-# Load K tiles as [BLOCK_N, D] and transpose in the kernel (True) or load
-# them as [D, BLOCK_N] directly (False).
-_K_ROW_MAJOR = True
 # Running max of a row that has seen no score yet: finite, so that
 # exp2(-inf - _NO_SCORE) is 0 and exp2(_NO_SCORE - m) is 0 without NaNs.
 _NO_SCORE = tl.constexpr(-1.0e30)
@@ -200,7 +199,6 @@ def _attend_tile(
     USE_WINDOW: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
-    K_ROW_MAJOR: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with one tile of keys/values.
 
@@ -227,31 +225,25 @@ def _attend_tile(
         row = row_base + pos.to(tl.int64)
         k_rows = row * stride_kt + k_head_off
         v_rows = row * stride_vt + v_head_off
+    # K is loaded like V, [N, D] rows, and transposed in registers: on the
+    # H200 as fast as or up to 10% faster than a [D, N] pointer load.
+    k_ptrs = k_ptr + k_rows[:, None] + offs_d[None, :]  # [N, D]
     v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :]  # [N, D]
-    if K_ROW_MAJOR:
-        k_ptrs = k_ptr + k_rows[:, None] + offs_d[None, :]  # [N, D]
-    else:
-        k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None]  # [D, N]
     if TAIL:
         if HEAD_DIM_PAD != HEAD_DIM:
             kv_mask = in_range[:, None] & (offs_d < HEAD_DIM)[None, :]
         else:
             kv_mask = in_range[:, None]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     elif HEAD_DIM_PAD != HEAD_DIM:
         kv_mask = (offs_d < HEAD_DIM)[None, :]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     else:
-        kv_mask = None
-    if kv_mask is None:
         v = tl.load(v_ptrs)
         k = tl.load(k_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        if K_ROW_MAJOR:
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=tl.trans(kv_mask), other=0.0)
-    if K_ROW_MAJOR:
-        k = tl.trans(k)  # [D, N]
+    k = tl.trans(k)  # [D, N]
 
     # Raw scores; the softmax scale (log2 units) is applied inside the exp2
     # argument, where it fuses with the max subtraction into one FMA.
@@ -323,7 +315,6 @@ def _attend_range(
     USE_WINDOW: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
-    K_ROW_MAJOR: tl.constexpr,
 ):
     """Key tiles ``[t_begin, t_end)``: those below ``full_end`` need no mask
     but the window's; the rest are masked at ``limit`` (and causally)."""
@@ -333,7 +324,7 @@ def _attend_range(
             limit, pos_base, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
             stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
             PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, PAGED, False, False, USE_WINDOW,
-            DOT_IEEE, RESCALE_SLACK, K_ROW_MAJOR,
+            DOT_IEEE, RESCALE_SLACK,
         )  # fmt: skip
     for t in range(tl.maximum(t_begin, full_end), t_end):
         acc, l_i, m_i = _attend_tile(
@@ -341,7 +332,7 @@ def _attend_range(
             limit, pos_base, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
             stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
             PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, PAGED, True, CAUSAL, USE_WINDOW,
-            DOT_IEEE, RESCALE_SLACK, K_ROW_MAJOR,
+            DOT_IEEE, RESCALE_SLACK,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -396,7 +387,6 @@ def _paged_context_attention_kernel(
     WITH_NEW: tl.constexpr,  # also attend causally to the request's new tokens
     DOT_IEEE: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,  # 0: rescale every tile (classic online softmax)
-    K_ROW_MAJOR: tl.constexpr,  # load K tiles [N, D] and transpose (else [D, N])
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -472,7 +462,7 @@ def _paged_context_attention_kernel(
         kv_head.to(tl.int64) * stride_vh, stride_kb, stride_kt, stride_vb, stride_vt,
         qk_scale, window_left, offs_n, offs_d, context_len // BLOCK_N,
         BLOCK_N, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, False, USE_WINDOW, DOT_IEEE,
-        RESCALE_SLACK, K_ROW_MAJOR,
+        RESCALE_SLACK,
     )  # fmt: skip
     if FP8:
         # Dequantise the context's values here (once, not per tile); new-token
@@ -492,7 +482,7 @@ def _paged_context_attention_kernel(
             kv_head.to(tl.int64) * stride_knh, kv_head.to(tl.int64) * stride_vnh, 0,
             stride_knt, 0, stride_vnt, qk_scale_log2, window_left, offs_n, offs_d,
             (first_local + 1) // BLOCK_N, BLOCK_N, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD,
-            False, True, USE_WINDOW, DOT_IEEE, RESCALE_SLACK, K_ROW_MAJOR,
+            False, True, USE_WINDOW, DOT_IEEE, RESCALE_SLACK,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -966,7 +956,6 @@ def paged_context_attention(
         WITH_NEW=with_new,
         DOT_IEEE=query.dtype == torch.float32,
         RESCALE_SLACK=_RESCALE_SLACK,
-        K_ROW_MAJOR=_K_ROW_MAJOR,
         num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
         num_stages=_NUM_STAGES,
     )
@@ -998,15 +987,15 @@ def use_paged_context(extend_query_lens: torch.Tensor, max_tokens: int) -> bool:
 
     The rule the AITER FA backend applies once per step: the extends bring at
     most ``max_tokens`` new tokens *in total* (``max_tokens <= 0`` disables
-    the paged route).  Beyond that, a dense varlen kernel over gathered
-    context has enough (query block x head) tiles to fill the device and its
-    per-tile speed wins; below it, the dense kernel leaves most of the device
-    idle while this kernel splits the context across programs.  On the H200
-    the crossover tracks the step's total (against gather + FlashAttention-2:
-    1.15-1.26x at 4 x 128 and 1.02-1.13x at 1 x 512 new tokens, 0.88-1.05x
-    at 1 x 1024 and 4 x 256), so the rule counts the total, which also keeps
-    every long chunk on the gather path.  ``extend_query_lens`` is the host
-    tensor of the extends' new-token counts; no extends: False.
+    the paged route).  The gain over gather + a dense varlen kernel comes
+    from parallelism: with few new tokens the dense kernel has few (query
+    block x head) tiles and leaves most of the device idle, while this kernel
+    splits the context across programs and needs no new-token pass or merge.
+    It shrinks as the step's total grows, whatever the per-request split: on
+    the H200, against gather + FlashAttention-2, 1.27-4.8x up to 512 new
+    tokens in total and 1.02-1.13x above.  The rule counts the total, which
+    also keeps every long chunk on the gather path.  ``extend_query_lens`` is
+    the host tensor of the extends' new-token counts; no extends: False.
     """
     if max_tokens <= 0 or extend_query_lens.numel() == 0:
         return False

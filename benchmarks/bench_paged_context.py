@@ -317,12 +317,12 @@ def test_extend_step(kernel_bench, env, reqs, context, new):
 
 
 def sweep(path: str) -> None:
-    """``ours`` (the fused call) in every kernel variant (tile, K load,
-    programs per SM for the split count) against ``gather_fa2`` on the step
+    """``ours`` (the fused call) in every kernel variant (tile, programs per
+    SM for the split count, rescale slack) against ``gather_fa2`` on the step
     sizes the backend routes to it; JSON with µs and ratios to ``path``."""
     import json
 
-    from benchmarks.conftest import time_graph_us
+    from benchmarks.conftest import time_us
 
     shapes = [(1, 8192, 128), (1, 8192, 256), (4, 8192, 128), (1, 8192, 512),
               (4, 32768, 128), (1, 32768, 512), (1, 131072, 512)]
@@ -339,6 +339,9 @@ def sweep(path: str) -> None:
         shapes = [tuple(map(int, s.split(",")))
                   for s in os.environ["PAGED_CONTEXT_SWEEP_SHAPES"].split(";")]
     env = make_env(max(r * (c + n) for r, c, n in shapes))
+    if env["varlen_name"] != "fa2":
+        raise SystemExit("--sweep compares against gather + FlashAttention-2, which this "
+                         "torch build does not run (aten _flash_attention_forward)")
     knobs = ("_BLOCK_M", "_BLOCK_N", "_NUM_WARPS", "_NUM_STAGES", "_PROGRAMS_PER_SM",
              "_RESCALE_SLACK")
     saved = {k: getattr(pca, k) for k in knobs}
@@ -347,17 +350,8 @@ def sweep(path: str) -> None:
         impls, _ = make_step(env, reqs, context, new)
         shape = f"r{reqs}_ctx{context // 1024}k_new{new}"
         graph = context_flops(reqs, context, new) <= GRAPH_MAX_FLOPS
-
-        def timed(fn, graph=graph):
-            fn()
-            torch.cuda.synchronize()
-            if graph:
-                return time_graph_us(fn)
-            return triton.testing.do_bench(fn, warmup=10, rep=50,
-                                           return_mode="median") * 1e3
-
-        ref_us = timed(impls["gather_fa2"]) if "gather_fa2" in impls else None
-        split_us = timed(impls["ours_split"])
+        ref_us = time_us(impls["gather_fa2"], graph)
+        split_us = time_us(impls["ours_split"], graph)
         rows.append(dict(shape=shape, variant="gather_fa2", us=ref_us))
         rows.append(dict(shape=shape, variant="ours_split_default", us=round(split_us, 2)))
         print(f"{shape}: gather_fa2 {ref_us:.1f} us, ours_split {split_us:.1f} us", flush=True)
@@ -367,7 +361,7 @@ def sweep(path: str) -> None:
             for knob, val in zip(knobs, variant, strict=True):
                 setattr(pca, knob, val)
             try:
-                us = timed(impls["ours"])
+                us = time_us(impls["ours"], graph)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
                 rows.append(dict(shape=shape, variant=name, error=str(exc)[:200]))
                 print(shape, name, "failed:", str(exc)[:200], flush=True)
@@ -375,9 +369,9 @@ def sweep(path: str) -> None:
             finally:
                 for knob, val in saved.items():
                     setattr(pca, knob, val)
-            ratio = ref_us / us if ref_us else None
+            ratio = ref_us / us
             rows.append(dict(shape=shape, variant=name, us=round(us, 2),
-                             gather_fa2_over_ours=None if ratio is None else round(ratio, 3)))
+                             gather_fa2_over_ours=round(ratio, 3)))
             print(f"{shape} {name}: {us:.1f} us  gather_fa2/ours {ratio:.3f}", flush=True)
         torch.cuda.empty_cache()
     with open(path, "w") as f:

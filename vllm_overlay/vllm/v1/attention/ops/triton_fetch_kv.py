@@ -147,12 +147,12 @@ def _locate_item(
 ):
     """Find what work item ``item`` covers.
 
-    Returns ``(req, out_start, pos_start, pos_end, first_page, end_page)``:
-    the item is pages ``first_page .. first_page + PAGES_PER_PROGRAM - 1`` of
-    request ``req``, whose positions ``pos_start .. pos_end - 1`` go to
-    output rows from ``out_start``; pages from ``end_page`` on are past the
-    request.  The item is idle when ``req < 0``, ``pos_end <= pos_start`` or
-    ``first_page >= end_page``.
+    Returns ``(busy, req, out_start, pos_start, pos_end, first_page,
+    end_page)``: the item is pages ``first_page .. first_page +
+    PAGES_PER_PROGRAM - 1`` of request ``req``, whose positions ``pos_start ..
+    pos_end - 1`` go to output rows from ``out_start``; pages from
+    ``end_page`` on are past the request.  ``busy`` is false for an idle item
+    (``req < 0``, ``pos_end <= pos_start`` or ``first_page >= end_page``).
     """
     ROWS: tl.constexpr = PAGES_PER_PROGRAM * PAGE
     # Which request owns this item: req = #{b : W(b) <= item} - 1 with
@@ -197,7 +197,8 @@ def _locate_item(
     first_page = (
         pos_start // PAGE + (item - (out_start // ROWS + 2 * req)) * PAGES_PER_PROGRAM
     )
-    return req, out_start, pos_start, pos_end, first_page, end_page
+    busy = (req >= 0) & (pos_end > pos_start) & (first_page < end_page)
+    return busy, req, out_start, pos_start, pos_end, first_page, end_page
 
 
 @triton.jit
@@ -219,7 +220,7 @@ def _fetch_kv_plan_kernel(
 ):
     ROWS: tl.constexpr = PAGES_PER_PROGRAM * PAGE
     item = tl.program_id(0)
-    req, out_start, pos_start, pos_end, first_page, end_page = _locate_item(
+    busy, req, out_start, pos_start, pos_end, first_page, end_page = _locate_item(
         item,
         cu_seqlens_ptr,
         seq_starts_ptr,
@@ -230,7 +231,6 @@ def _fetch_kv_plan_kernel(
         PAGES_PER_PROGRAM,
         REQ_STEP,
     )
-    valid = (req >= 0) & (pos_end > pos_start) & (first_page < end_page)
     # Row: [out_first, lo, hi, 0, block of each page (0 past the request), 0...]
     # Tile rows lo .. hi - 1 are positions first_page * PAGE + lo .. and go to
     # output rows out_first ..; an idle item has lo == hi == 0.
@@ -239,16 +239,16 @@ def _fetch_kv_plan_kernel(
     is_page = (cols >= PLAN_HEADER) & (cols < PLAN_HEADER + PAGES_PER_PROGRAM)
     block = tl.load(
         block_table_ptr + req.to(tl.int64) * stride_bt_req + page * stride_bt_blk,
-        mask=valid & is_page & (page < end_page),
+        mask=busy & is_page & (page < end_page),
         other=0,
     ).to(tl.int64)
     tile_start = first_page * PAGE
     lo = tl.maximum(pos_start - tile_start, 0)
     hi = tl.minimum(pos_end - tile_start, ROWS)
     out_first = out_start + (tile_start + lo - pos_start)
-    lo = tl.where(valid, lo, 0)
-    hi = tl.where(valid, hi, 0)
-    out_first = tl.where(valid, out_first, 0)
+    lo = tl.where(busy, lo, 0)
+    hi = tl.where(busy, hi, 0)
+    out_first = tl.where(busy, out_first, 0)
     row = tl.where(
         cols == 0,
         out_first,
@@ -322,7 +322,7 @@ def _fetch_kv_kernel(
         row_ok = (rows >= lo) & (rows < hi)
         out_rows = out_first + (rows - lo)  # int64
     else:
-        req, out_start, pos_start, pos_end, first_page, end_page = _locate_item(
+        busy, req, out_start, pos_start, pos_end, first_page, end_page = _locate_item(
             item,
             cu_seqlens_ptr,
             seq_starts_ptr,
@@ -333,7 +333,7 @@ def _fetch_kv_kernel(
             PAGES_PER_PROGRAM,
             REQ_STEP,
         )
-        if (req < 0) | (pos_end <= pos_start) | (first_page >= end_page):
+        if not busy:
             return
         page = first_page + rows // PAGE  # int64
         bt_ptrs = (

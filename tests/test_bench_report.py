@@ -48,3 +48,31 @@ def test_report_uses_newest_file_and_writes_table_and_plot(tmp_path):
     assert "aaa" not in table
     png = results / "plots" / "fetch_kv-nvidia-h200.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_reads_only_committed_results(tmp_path):
+    """A file a benchmark run just wrote, or one edited since its commit, does not reach the README."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True)
+
+    results = tmp_path / "results"
+    results.mkdir()
+    _write(results / "committed.json", "2026-11-01T00:00:00", "aaa",
+           [_case("fetch_kv", "h8_32k", 1 << 27, 100.0, 200.0, 90.0)])
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{bench_report.BEGIN}\nstale\n{bench_report.END}\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "results")
+    _write(results / "untracked.json", "2026-11-30T00:00:00", "bbb",
+           [_case("fetch_kv", "h8_32k", 1 << 27, 10.0, 200.0, 9.0)])
+    _write(results / "committed.json", "2026-11-01T00:00:00", "aaa",          # edited after its commit
+           [_case("fetch_kv", "h8_32k", 1 << 27, 50.0, 200.0, 45.0)])
+    assert bench_report.main(["--results", str(results), "--readme", str(readme),
+                              "--details", str(tmp_path / "RESULTS.md")]) == 0
+    text = readme.read_text()
+    assert "[`committed.json`]" in text and "untracked.json" not in text
+    assert "| fetch_kv | NVIDIA H200 | 1 | 2.00–2.00× | 90–90% |" in text    # HEAD's numbers, not the edit

@@ -247,23 +247,21 @@ def _apply_lock(build: Path):
 
 
 def _swap_in(scratch: Path, build: Path) -> None:
-    """Rename the finished scratch tree to build/vllm. Between the two renames
-    build/vllm is absent (never half a tree); a later make apply recovers."""
+    """Rename the finished scratch tree to build/vllm, the previous one out of the way first.
+    Between the two renames build/vllm is absent (never half a tree); the next apply recovers."""
     retired = retired_path(build)
     if build.exists():
         os.rename(build, retired)
     os.rename(scratch, build)
-    if retired.exists():
-        shutil.rmtree(retired)
 
 
-def _after_interrupt(build: Path, existed: bool, phase: str) -> str:
-    if phase == "building":
-        return (f"{build} untouched" if existed else f"no {build} was made") + \
-            "; a plain `make apply` starts again"
-    if gitrepo.is_repo(build) and not scratch_path(build).exists():
-        return f"{build} is the new tree (a leftover of the previous one goes with the next `make apply`)"
-    return f"{build} is absent (never half a tree); a plain `make apply` builds it again"
+def _after_interrupt(build: Path, existed: bool, swapping: bool) -> str:
+    """One line on what an interrupted apply left (once swapping: read from the file system)."""
+    if swapping and not gitrepo.is_repo(build):
+        return f"{build} is absent (never half a tree); a plain `make apply` builds it again"
+    if swapping and not scratch_path(build).exists():
+        return f"{build} is the new tree (what is left of the previous one goes with the next `make apply`)"
+    return (f"{build} untouched" if existed else f"no {build} was made") + "; a plain `make apply` starts again"
 
 
 def apply(layout: Layout, force: bool = False) -> str:
@@ -282,7 +280,7 @@ def apply(layout: Layout, force: bool = False) -> str:
                 print(f"{build} is up to date (tree {gitrepo.tree_of(build)})")
                 return gitrepo.head(build)
         scratch = scratch_path(build)
-        phase = "building"
+        swapping = False
         failure: PatchFailed | None = None
         try:
             try:
@@ -295,17 +293,20 @@ def apply(layout: Layout, force: bool = False) -> str:
                 except BaseException:   # a second Ctrl-C: the next run removes it
                     pass
                 raise
-            phase = "swapping"
+            swapping = True
             with progress.stage("apply", f"moving the new tree to {build}"):
                 _swap_in(scratch, build)
+            if retired_path(build).exists():
+                with progress.stage("apply", f"removing the previous tree ({retired_path(build).name})"):
+                    shutil.rmtree(retired_path(build))
+            if failure:
+                raise failure
+            head = gitrepo.head(build)
+            count = len(patchfile.read_series(layout.patches))
+            print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay "
+                  f"files + {count} patches (tree {gitrepo.tree_of(build)})")
         except KeyboardInterrupt:
-            raise Interrupted(_after_interrupt(build, existed, phase)) from None
-    if failure:
-        raise failure
-    head = gitrepo.head(build)
-    count = len(patchfile.read_series(layout.patches))
-    print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay files "
-          f"+ {count} patches (tree {gitrepo.tree_of(build)})")
+            raise Interrupted(_after_interrupt(build, existed, swapping)) from None
     return head
 
 

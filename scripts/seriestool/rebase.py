@@ -181,8 +181,8 @@ def classify(paths: Paths, state: dict) -> list[dict]:
                 rows.append({"key": key, "status": EMPTY,
                              "detail": f"became empty on vLLM {state['to']['VLLM_VERSION']}"})
             continue
-        before = gitrepo.diff(paths.repo, f"{old_commit}^", old_commit, None)
-        after = gitrepo.diff(paths.repo, f"{new_commit}^", new_commit, None)
+        before = patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{old_commit}^", old_commit, None))
+        after = patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{new_commit}^", new_commit, None))
         if stop:
             rows.append({"key": key, "status": HAND, "detail": f"conflict in {', '.join(stop['files'])}"})
         elif before == after:

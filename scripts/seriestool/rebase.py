@@ -57,7 +57,7 @@ class Paths:
     state: Path                # build/rebase/state.json: written once the repository is ready
 
     @classmethod
-    def of(cls, layout: Layout) -> "Paths":
+    def of(cls, layout: Layout) -> Paths:
         d = layout.build.parent / "rebase"
         return cls(dir=d, repo=d / "vllm", state=d / "state.json")
 

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 
-from fake_upstream import ENVS_PY, UPSTREAM, write_sdist, envs_edit_1, envs_edit_2, make_patch
+from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_1, envs_edit_2, make_patch, write_sdist
 
 ADA = "Ada Lovelace <ada@example.com>"
 

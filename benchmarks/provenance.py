@@ -1,4 +1,4 @@
-"""Where a benchmark result comes from: the series commit, whether the tree was clean, a seal.
+"""Where a benchmark result comes from: the series commit and whether the tree was clean.
 
 One definition, used by ``make bench`` (scripts/run_bench.py, which records
 the state once and passes it on) and by the pytest hook that writes
@@ -12,17 +12,16 @@ the state once and passes it on) and by the pytest hook that writes
   changes to what is measured (``MEASURED_PATHS``, result files excluded);
   ``"unknown"`` when neither can tell (SERIES_COMMIT without SERIES_DIRTY, or
   no git).  Only ``dirty is False`` results back claims.
-* the seal: ``make bench`` stores a sha256 of the file's content in the file
-  (``series_seal``), so ``make report`` can tell a result written by the tool
-  from one edited afterwards.
+
+``make bench`` also seals the file it writes (a sha256 of its content,
+scripts/seriestool/results.py), so ``make report`` can tell a result written
+by the tool from one edited afterwards.
 
 Plain Python (stdlib only): importable without torch.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -33,9 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 MEASURED_PATHS = ("patches", "vllm_overlay", "benchmarks", "pins.env", "scripts/run_bench.py")
 # ... except what the runs themselves write.
 NOT_MEASURED = ("benchmarks/results", "benchmarks/notes", "benchmarks/RESULTS.md")
-
-SEAL_KEY = "series_seal"
-SEALED_BY = "scripts/run_bench.py"
 
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
@@ -75,27 +71,3 @@ def series_state(repo: Path = REPO, env: dict | None = None) -> dict:
     if env.get("SERIES_DIRTY"):  # an explicit "this tree is dirty" also wins over git
         dirty = True if parse_dirty(env["SERIES_DIRTY"]) is True else dirty
     return {"commit": _git(repo, "rev-parse", "HEAD") or "unknown", "dirty": dirty}
-
-
-def _canonical(data: dict) -> bytes:
-    body = {k: v for k, v in data.items() if k != SEAL_KEY}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def seal(data: dict) -> dict:
-    """``data`` with a seal over everything else in it."""
-    return {**data, SEAL_KEY: {"by": SEALED_BY, "sha256": hashlib.sha256(_canonical(data)).hexdigest()}}
-
-
-def seal_state(data: dict) -> str:
-    """"sealed" (content as written), "edited" (seal does not match) or "unsealed"."""
-    mark = data.get(SEAL_KEY)
-    if not isinstance(mark, dict):
-        return "unsealed"
-    return "sealed" if mark.get("sha256") == hashlib.sha256(_canonical(data)).hexdigest() else "edited"
-
-
-def seal_file(path: Path) -> None:
-    """Seal a results file in place (pytest-benchmark's indentation kept)."""
-    data = json.loads(path.read_text())
-    path.write_text(json.dumps(seal(data), indent=4) + "\n")

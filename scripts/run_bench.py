@@ -6,7 +6,7 @@ format; per-case numbers in ``extra_info``, device/versions/commit/dirty in
 ``machine_info.series``, the run's exit status and arguments in
 ``machine_info.series.run``) and the run's output beside it in
 ``<out>/logs/<same name>.bench.log``; the JSON is sealed (a sha256 of its
-content, benchmarks/provenance.py) so ``make report`` can tell it from an
+content, scripts/seriestool/results.py) so ``make report`` can tell it from an
 edited one.  ``--out`` defaults to benchmarks/results/.  Needs only torch,
 triton, pytest and pytest-benchmark; run it with the overlay on PYTHONPATH
 (the Makefile does).  ``--suite NAME`` (repeatable) runs only
@@ -39,8 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmarks import provenance  # noqa: E402
+from seriestool import results  # noqa: E402  (stdlib only)
 
 # What the baselines read from the pinned tree (benchmarks/upstream_kernels.py,
 # bench_mla_rope_cache.build_cuda_fused).
@@ -135,7 +137,7 @@ def main(argv: list[str]) -> int:
     series = data.setdefault("machine_info", {}).setdefault("series", {})
     series["run"] = {"pytest_exit": rc, "seconds": seconds, "suites": args.suite,
                      "pytest_args": pytest_args, "log": f"logs/{log.name}"}
-    path.write_text(json.dumps(provenance.seal(data), indent=4) + "\n")
+    path.write_text(json.dumps(results.seal(data), indent=4) + "\n")
     print(f"[bench] wrote {path} and {log} ({seconds} s, pytest exit {rc})", flush=True)
     return rc
 

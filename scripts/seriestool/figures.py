@@ -69,7 +69,7 @@ class Figure:
 
 def find_figures(text: str) -> list[Figure]:
     """Every figure in ``text``, in order (see the module docstring)."""
-    return [Figure(_KINDS[m.lastgroup], m.group(0).strip(), m.start())
+    return [Figure(_KINDS[m.lastgroup], " ".join(m.group(0).split()), m.start())
             for m in _FIGURE_RE.finditer(text)]
 
 

@@ -189,6 +189,8 @@ def rotation_blocks(cases, cache_bytes: int) -> int:
 
 @pytest.fixture(scope="module")
 def env():
+    if not torch.cuda.is_available():
+        pytest.skip("kernel benchmarks need a GPU")
     cache_bytes, _ = device_cache_bytes(torch.cuda.get_device_properties(0))
     return make_env(min_blocks=rotation_blocks(CASES, cache_bytes))
 

@@ -7,6 +7,7 @@ Findings, each one line naming the file:
   * headers carrying a figure (figures.find_figures: ratios, %, times, rates,
     test counts) or naming a result file (benchmarks/results/...) that is not
     committed: figures live in result files and the text made from them;
+    headers longer than MAX_HEADER_LINES (15) lines;
   * diffs with ``index`` lines (not refreshed);
   * overlay files that shadow a file upstream already has;
   * overlay files with no topic or an unknown one (patches/overlay-topics);
@@ -71,13 +72,18 @@ def lint_series_files(layout: Layout) -> list[str]:
     return findings
 
 
+MAX_HEADER_LINES = 15
+
+
 def lint_header_claims(layout: Layout) -> list[str]:
-    """Patch headers state stable facts: no figure, and only committed result files.
+    """Patch headers state stable facts, briefly: no figure, only committed result files,
+    at most MAX_HEADER_LINES lines.
 
     A header's ``Tested on`` names tiers and the result files or test ids that
     back it; the numbers are in those files and rendered by ``make report`` /
     ``make pr``.  A result file must be committed (``git ls-files``; on disk
-    when the series repository is not a git checkout).
+    when the series repository is not a git checkout).  A header longer than
+    MAX_HEADER_LINES is an essay: the design notes belong in docs/ or the PR.
     """
     findings = []
     tracked = None
@@ -92,6 +98,10 @@ def lint_header_claims(layout: Layout) -> list[str]:
             header = patchfile.parse(path).header
         except SeriesError:
             continue
+        if len(header) > MAX_HEADER_LINES:
+            findings.append(f"patches/{name}: header has {len(header)} lines, more than "
+                            f"{MAX_HEADER_LINES}: keep Subject/Topic/Why/How/Upstream/Drop when/"
+                            "Tested on to the stable facts")
         for lineno, line in enumerate(header, 1):
             for fig in figures.find_figures(line):
                 findings.append(f"patches/{name}:{lineno}: header carries a figure ({fig.kind}) "

@@ -122,3 +122,19 @@ def test_make_check_fails_on_a_header_figure(fake_series):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert ("patches/0003-fast.patch:8: header carries a figure (test count) '457 passed'"
             in proc.stdout)
+
+
+def test_a_header_longer_than_fifteen_lines_is_a_finding(fake_series):
+    fs = fake_series
+    name = "0001-add-series-flag.patch"
+    path = fs.patches / name
+    text = path.read_text()
+    header_lines = text.split("\n---\n", 1)[0].count("\n") + 1
+    assert header_lines == 8 and lint.lint_header_claims(_layout(fs)) == []
+    longer = "\n".join(f"  continued why, line {i}." for i in range(15 - header_lines))
+    path.write_text(text.replace("  on two lines.", "  on two lines.\n" + longer))
+    assert lint.lint_header_claims(_layout(fs)) == []  # 15 lines: fine
+    path.write_text(text.replace("  on two lines.", "  on two lines.\n" + longer + "\n  one more."))
+    assert lint.lint_header_claims(_layout(fs)) == [
+        f"patches/{name}: header has 16 lines, more than 15: keep Subject/Topic/Why/How/Upstream/"
+        "Drop when/Tested on to the stable facts"]

@@ -716,6 +716,34 @@ def test_sliding_window_extend(make_backend, spies, fake_aiter, device):
     assert_matches_reference(output, step)
 
 
+# Batches out of the decode -> extend -> prefill order that the split still
+# computes (batch_order.py): decode-like rows behind an extend run on the
+# extend path (with context) or the prefill path (without).  AITER's varlen
+# kernels skip every sequence of at most min_seqlen_q queries, so a one-token
+# row there must not reach them with min_seqlen_q = 1.
+OUT_OF_ORDER = {
+    "prompt-1-after-extend": ([Req(ctx=37, q=6), Req(ctx=0, q=1)], (0, 1, 1)),
+    "decode-after-extend": ([Req(ctx=37, q=6), Req(ctx=29, q=1)], (0, 2, 0)),
+}
+
+
+@pytest.mark.parametrize("route", ["paged", "gather"])
+@pytest.mark.parametrize("case", list(OUT_OF_ORDER))
+def test_out_of_order_one_token_rows_are_computed(make_backend, spies, fake_aiter, device,
+                                                  route, case):
+    """A one-token row on the extend or prefill path is attended, not skipped."""
+    reqs, split = OUT_OF_ORDER[case]
+    layer, builder = make_backend(**({} if route == "paged" else {"paged_max_tokens": 0}))
+    step = make_step(reqs, device, seed=7)
+    meta, output = run_forward(layer, builder, step)
+
+    assert (meta.num_decodes, meta.num_extends, meta.num_prefills) == split
+    assert bool(spies["paged_context_attention"]) == (route == "paged")
+    assert_matches_reference(output, step)
+    for call in fake_aiter.varlen_calls:  # none skips a row it was given
+        assert min(call["q_lens"]) > call["min_seqlen_q"], call
+
+
 # --------------------------------------------------------------------------
 # GPU tier: the same routes at real sizes (bf16/fp16, GQA 8 and 4, head size
 # 128 and 64, thousands of context tokens).  Skipped on the CPU tier.

@@ -50,7 +50,6 @@ import itertools
 import math
 
 import torch
-
 from aiter_export import AiterExport
 
 __all__ = ["ARCHS", "FakeAiterFA", "KernelMisread", "install_fa_fakes"]
@@ -531,14 +530,14 @@ class FakeAiterFA:
             _not_modelled("softcap")
         if shuffled_kv_cache:
             _not_modelled("the shuffled KV cache layout")
-        num_tokens, num_query_heads, head_size = q.shape
+        num_tokens, num_query_heads, _ = q.shape
         if sinks is not None:
             assert sinks.shape[0] == num_query_heads, "Sinks must be num_query_heads size"
             _not_modelled("sinks")
         if q.dtype == torch.uint8:
             assert q_scales is not None and q_scales.dtype == self.fp8
             _not_modelled("an nvfp4 query")
-        num_blocks, block_size, num_kv_heads, _ = k.shape
+        _, block_size, num_kv_heads, _ = k.shape
         num_seqs = len(seqused_k)
         num_queries_per_kv = num_query_heads // num_kv_heads
         block_m = 16 if num_queries_per_kv <= 16 else 1 << (num_queries_per_kv - 1).bit_length()

@@ -59,7 +59,9 @@ Routes covered: 0250's paged context (default threshold, and a step at exactly
 the threshold); 0200's gather (flag 0, one token over the threshold, and 4-5
 context chunks through a shrunk ``_CP_TOKENS_PER_ITER_ROCM`` so the reused merge
 buffers alternate); 0200's other two fetch_kv call sites (KV-sharing layer with
-key=None, sliding-window extend).  Decodes run through the ``unified_attention``
+key=None, sliding-window extend); two batches out of order whose one-token rows
+run on the prefill / extend path (0260: not skipped by ``min_seqlen_q``).
+Decodes run through the ``unified_attention``
 fallback (head size < 64) or, at the GPU sizes, ``paged_attention_v1``; the
 SHUFFLE layout is not run here.
 

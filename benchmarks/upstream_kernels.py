@@ -31,7 +31,8 @@ def pinned_tree() -> Path:
     return tree if tree.is_absolute() else _REPO / tree
 
 
-def _collect_defs(module: ast.Module, names: tuple[str, ...]) -> list[ast.FunctionDef]:
+def _collect_defs(module: ast.Module, names: tuple[str, ...],
+                  relpath: str = _AITER_FA) -> list[ast.FunctionDef]:
     """Function defs named ``names`` at module level or inside a module-level ``if``."""
     found: dict[str, ast.FunctionDef] = {}
 
@@ -46,7 +47,7 @@ def _collect_defs(module: ast.Module, names: tuple[str, ...]) -> list[ast.Functi
     visit(module.body)
     missing = [n for n in names if n not in found]
     if missing:
-        raise UpstreamUnavailable(f"{_AITER_FA} in the pinned tree has no {', '.join(missing)}")
+        raise UpstreamUnavailable(f"{relpath} in the pinned tree has no {', '.join(missing)}")
     return [found[n] for n in names]
 
 
@@ -56,15 +57,18 @@ def _num_compute_units() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def load_defs(relpath: str, names: tuple[str, ...]) -> dict:
-    """Exec the named defs of ``<pinned tree>/<relpath>``; return the namespace."""
+def load_defs(relpath: str, names: tuple[str, ...], extra: dict | None = None) -> dict:
+    """Exec the named defs of ``<pinned tree>/<relpath>``; return the namespace.
+
+    ``extra``: further names the definitions refer to (module-level values of
+    the upstream file that the namespace below does not provide)."""
     path = pinned_tree() / relpath
     if not path.is_file():
         raise UpstreamUnavailable(
             f"upstream baseline needs {path} (set VLLM_PINNED_TREE to the pinned vLLM 0.33.0 "
             "tree, or build it under build/vllm)"
         )
-    defs = _collect_defs(ast.parse(path.read_text(), filename=str(path)), names)
+    defs = _collect_defs(ast.parse(path.read_text(), filename=str(path)), names, relpath)
     source = ast.unparse(ast.Module(body=defs, type_ignores=[])) + "\n"
     # triton.jit reads the kernel's source through inspect/linecache: register
     # the generated module under a name that says where it came from.
@@ -81,6 +85,7 @@ def load_defs(relpath: str, names: tuple[str, ...]) -> dict:
         "triton": triton,
         "tl": tl,
         "num_compute_units": _num_compute_units,
+        **(extra or {}),
     }
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 (pinned tree's code)
     return namespace
@@ -89,3 +94,17 @@ def load_defs(relpath: str, names: tuple[str, ...]) -> dict:
 def load_cp_mha_gather_cache():
     """Upstream's ``cp_mha_gather_cache`` (AITER FA's KV gather), or raise UpstreamUnavailable."""
     return load_defs(_AITER_FA, _GATHER_DEFS)["cp_mha_gather_cache"]
+
+
+_MERGE = "vllm/v1/attention/ops/triton_merge_attn_states.py"
+
+
+def load_triton_merge_attn_states():
+    """Upstream's Triton ``merge_attn_states`` (the merge on CUDA-less / CDNA2
+    platforms), or raise UpstreamUnavailable."""
+    import torch
+
+    # The kernel's FP8 bounds default to the platform fp8 type's (e4m3fn here).
+    extra = {"float8_info": torch.finfo(torch.float8_e4m3fn)}
+    return load_defs(_MERGE, ("merge_attn_states", "merge_attn_states_kernel"),
+                     extra)["merge_attn_states"]

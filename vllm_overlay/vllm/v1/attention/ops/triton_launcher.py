@@ -108,12 +108,18 @@ class _Driver:
         spec = type(backend).get_tensor_specialization
         cls.tensor_spec = None if spec is BaseBackend.get_tensor_specialization else spec
         cls.current_stream = active.get_current_stream
-        cls.current_device = active.get_current_device
+        # torch.cuda.current_device() without its lazy-init check (launches
+        # have happened, so CUDA is initialised).
+        cls.current_device = getattr(torch._C, "_cuda_getDevice", active.get_current_device)
 
 
 def _launch_hooks_set() -> bool:
-    hooks = triton.knobs.runtime
-    return hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None
+    # Triton 3.6 keeps the hooks in (possibly empty) HookChains.
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 class KernelLaunch:
@@ -144,7 +150,7 @@ class KernelLaunch:
     def __call__(self, *tensors) -> None:
         compiled = self._compiled
         if compiled:
-            ptrs = [t.data_ptr() for t in tensors]
+            ptrs = list(map(_data_ptr, tensors))
             device = _Driver.current_device()
             entry = compiled.get((device, _pointer_spec(tensors, ptrs)))
             if entry is not None and not _launch_hooks_set():
@@ -179,14 +185,17 @@ class KernelLaunch:
         self._compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def _pointer_spec(tensors, ptrs):
     """What Triton specialises the pointer arguments on, as a cache key."""
-    if _Driver.tensor_spec is not None:
-        spec = _Driver.tensor_spec
+    spec = _Driver.tensor_spec
+    if spec is not None:
         return tuple(spec(t, align=True) for t in tensors)
     acc = 0
     for p in ptrs:
         acc |= p
-    if acc % 16 == 0:
+    if not acc & 15:
         return True  # all 16-byte aligned (the common case)
-    return tuple(p % 16 == 0 for p in ptrs)
+    return tuple(not p & 15 for p in ptrs)

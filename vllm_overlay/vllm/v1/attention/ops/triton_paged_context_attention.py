@@ -687,27 +687,44 @@ def paged_context_attention(
         the host scalars; module ``triton_launcher``).
 
     """
-    if lse is None and isinstance(workspace, PagedContextWorkspace):
-        lse = workspace.lse
     bound = launch_key = None
     if fast_path():
         try:
+            ws_key = lse_key = meta_key = None
+            if workspace is not None:
+                ws_key = workspace.key
+                if lse is None:
+                    lse = workspace.lse  # its geometry is in ws_key
+                elif lse is not workspace.lse:
+                    lse_key = (lse.shape, lse.stride(), lse.dtype, lse.device)
+                # Metadata bound to the workspace: the same tensors, their
+                # geometry in ws_key.
+                bound_meta = (
+                    block_table is workspace.block_table
+                    and cu_seqlens_q is workspace.cu_seqlens_q
+                    and seq_lens is workspace.seq_lens
+                )
+            elif lse is not None:
+                lse_key = (lse.shape, lse.stride(), lse.dtype, lse.device)
+            if workspace is None or not bound_meta:
+                meta_key = (
+                    block_table.shape, block_table.stride(), block_table.dtype,
+                    block_table.device, cu_seqlens_q.shape, cu_seqlens_q.stride(),
+                    cu_seqlens_q.dtype, cu_seqlens_q.device, seq_lens.shape,
+                    seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+                )  # fmt: skip
             launch_key = (
                 query.shape, query.stride(), query.dtype, query.device,
                 key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
                 value_cache.shape, value_cache.stride(), value_cache.dtype,
-                value_cache.device, block_table.shape, block_table.stride(),
-                block_table.dtype, block_table.device, cu_seqlens_q.shape,
-                cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
-                seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
-                scale, type(scale), sliding_window, type(sliding_window),
-                max_context_len, type(max_context_len), num_splits, type(num_splits),
+                value_cache.device, meta_key, scale, type(scale), sliding_window,
+                type(sliding_window), max_context_len, type(max_context_len), num_splits,
+                type(num_splits),
                 None if key is None else (key.shape, key.stride(), key.dtype, key.device),
                 None if value is None
                 else (value.shape, value.stride(), value.dtype, value.device),
                 None if out is None else (out.shape, out.stride(), out.dtype, out.device),
-                None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device),
-                None if workspace is None else workspace.key,
+                lse is None, lse_key, ws_key,
             )  # fmt: skip
             if key_cache.dtype in _FP8_DTYPES:  # only fp8 caches read the scales
                 # (Python float scales become tensors per call: not cached.)
@@ -718,6 +735,8 @@ def paged_context_attention(
             bound = _LAUNCHES.get(launch_key)
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
             launch_key = None
+    if lse is None and isinstance(workspace, PagedContextWorkspace):
+        lse = workspace.lse
     if bound is None:
         bound = _bind(
             query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
@@ -777,22 +796,30 @@ class PagedContextWorkspace:
     Made by ``paged_context_workspace`` for the step's shapes: ``lse``
     ``[Hq, T]``, and with ``num_splits > 1`` the split partials
     ``partial_out`` ``[S, T, Hq, D]`` and ``partial_lse`` ``[S, Hq, T]``
-    (float32, contiguous).  Compared by identity.
+    (float32, contiguous).  ``block_table`` / ``cu_seqlens_q`` / ``seq_lens``:
+    the step's request metadata when bound (calls that pass these very
+    tensors take their geometry from ``key`` instead of reading it again).
+    Compared by identity.
     """
 
     lse: torch.Tensor
     partial_out: torch.Tensor | None
     partial_lse: torch.Tensor | None
     num_splits: int
-    # What the checks of the workspace look at (its launch-key part).
+    block_table: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    # What the checks of the workspace (and of the metadata bound to it) look
+    # at: its launch-key part.
     key: tuple | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         try:
             parts = tuple(
                 None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-                for t in (self.lse, self.partial_out, self.partial_lse)
-            )
+                for t in (self.lse, self.partial_out, self.partial_lse,
+                          self.block_table, self.cu_seqlens_q, self.seq_lens)
+            )  # fmt: skip
         except AttributeError:  # not tensors: paged_context_attention says so
             return
         object.__setattr__(self, "key", (*parts, self.num_splits))
@@ -809,12 +836,20 @@ def paged_context_workspace(
     *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    block_table: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
 ) -> PagedContextWorkspace:
     """Buffers for one step's calls of ``T = num_tokens`` queries of ``num_reqs``
     requests (``Hq = num_heads``, ``Hkv = num_kv_heads``, ``D = head_size``,
     query dtype ``dtype``): the split count the calls would choose
     (``max_context_len`` / ``num_splits`` as for ``paged_context_attention``),
-    the LSE and the split partials.  Call once per step (it allocates)."""
+    the LSE and the split partials.  Call once per step (it allocates).
+
+    ``block_table``, ``cu_seqlens_q``, ``seq_lens``: optionally the step's
+    metadata tensors, bound to the workspace: every layer's call that passes
+    these same tensors (the same objects) reads their geometry once, here,
+    instead of on every call (the checks still run once per launch key)."""
     for name, v in (("num_tokens", num_tokens), ("num_reqs", num_reqs),
                     ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                     ("head_size", head_size)):  # fmt: skip
@@ -842,7 +877,9 @@ def paged_context_workspace(
         part_lse = torch.empty(
             (splits, num_heads, num_tokens), dtype=torch.float32, device=device
         )
-    return PagedContextWorkspace(lse, part_out, part_lse, splits)
+    return PagedContextWorkspace(
+        lse, part_out, part_lse, splits, block_table, cu_seqlens_q, seq_lens
+    )
 
 
 @dataclass(frozen=True)

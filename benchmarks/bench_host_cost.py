@@ -21,7 +21,9 @@ run and process:
                        point replaces, on the same buffers (exec'd / built
                        from the pinned tree; ``eager_ops.py``).
 
-``ratio`` = ours / torch_op; ``meets_target`` compares it with the target.
+``ratio`` = ours / torch_op (medians; ``min_us`` is kept beside each median);
+``meets_target`` compares it with the target.  Rounds are interleaved across
+the impls, so a noisy host slows them alike.
 ``gpu_us`` (the same calls captured in a CUDA graph) shows the GPU work per
 call is below the host time, so the host numbers are not GPU-bound.
 
@@ -62,21 +64,27 @@ ROUNDS = 7
 PER_LAYER, PER_STEP = 1.5, 3.0  # targets, in torch op dispatches
 
 
-def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
-    """Median host µs per call of ``calls`` back-to-back calls (no sync inside)."""
+def host_us(fns: dict, calls: int = CALLS, rounds: int = ROUNDS) -> dict:
+    """Host µs per call of each ``fns[name]()``: ``calls`` calls back to back
+    with no sync inside, ``rounds`` rounds interleaved across the impls (so a
+    noisy host slows them alike); (median, min) over the rounds."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    fn()
-    sync()
-    samples = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    samples: dict = {name: [] for name in fns}
+    for name, (fn, plain) in fns.items():
+        with plain_path() if plain else contextlib.nullcontext():
             fn()
-        samples.append((time.perf_counter() - t0) / calls)
-        sync()
-    return eager_ops.median(samples) * 1e6
+            fn()
+    sync()
+    for _ in range(rounds):
+        for name, (fn, plain) in fns.items():
+            with plain_path() if plain else contextlib.nullcontext():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+                sync()
+    return {name: (eager_ops.median(v), min(v)) for name, v in samples.items()}
 
 
 def graph_us(fn, calls: int = 20) -> float | None:
@@ -112,18 +120,16 @@ def record(benchmark, kernel, case, per_step, impls, shapes, notes="", gpu=True)
     """Time every impl; one pytest-benchmark entry with the numbers in extra_info."""
     results = {}
     x = torch.zeros(16, device="cuda" if gpu else "cpu")
-    results["torch_op"] = {"us": round(host_us(lambda: x.add_(1)), 2)}
+    timed = {"torch_op": (lambda: x.add_(1), False)}
     for name, fn in impls.items():
         if fn is None:
             results[name] = {"unavailable": notes or "not available on this machine"}
-            continue
-        if name == "ours_plain":
-            with plain_path():
-                results[name] = {"us": round(host_us(fn), 2)}
         else:
-            results[name] = {"us": round(host_us(fn), 2)}
+            timed[name] = (fn, name == "ours_plain")
+    for name, (med, low) in host_us(timed).items():
+        results[name] = {"us": round(med, 2), "min_us": round(low, 2)}
         if gpu and name in ("ours", "baseline"):
-            g = graph_us(fn)
+            g = graph_us(timed[name][0])
             if g is not None:
                 results[name]["gpu_us"] = round(g, 2)
     ours = results["ours"]["us"]

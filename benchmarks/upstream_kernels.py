@@ -108,3 +108,41 @@ def load_triton_merge_attn_states():
     extra = {"float8_info": torch.finfo(torch.float8_e4m3fn)}
     return load_defs(_MERGE, ("merge_attn_states", "merge_attn_states_kernel"),
                      extra)["merge_attn_states"]
+
+
+# Pinned-tree files the benchmark suites read (Triton sources exec'd above, the
+# csrc kernels bench_mla_rope_cache.build_pinned_extension compiles).
+PINNED_PY = (_AITER_FA, _MERGE)
+PINNED_CSRC = ("cache_kernels_fused.cu", "attention/merge_attn_states.cu")
+
+
+def stage_pinned(tree: Path, dest: Path) -> list[str]:
+    """Copy what the suites need from the pinned tree ``tree`` to ``dest`` (the
+    same layout), for a GPU machine that gets this checkout without build/:
+    run the suites there with ``VLLM_PINNED_TREE=<dest>``."""
+    import shutil
+
+    from benchmarks.bench_mla_rope_cache import csrc_closure
+
+    copied = []
+    for rel in PINNED_PY:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tree / rel, dest / rel)
+        copied.append(rel)
+    for start in PINNED_CSRC:
+        for rel in csrc_closure(tree / "csrc", start):
+            (dest / "csrc" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(tree / "csrc" / rel, dest / "csrc" / rel)
+            copied.append(f"csrc/{rel}")
+    return sorted(set(copied))
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python3 benchmarks/upstream_kernels.py stage <pinned tree> <dest>
+    if len(sys.argv) == 4 and sys.argv[1] == "stage":
+        sys.path.insert(0, str(_REPO))
+        print("\n".join(stage_pinned(Path(sys.argv[2]), Path(sys.argv[3]))))
+    else:
+        sys.exit("usage: python3 benchmarks/upstream_kernels.py stage <pinned tree> <dest>")

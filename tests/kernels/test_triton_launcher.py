@@ -70,6 +70,7 @@ class _FakeJIT:
 @pytest.fixture
 def fake_jit(monkeypatch):
     kernel = _FakeJIT()
+    monkeypatch.setattr(tl_launch, "_DIRECT", True)  # the convention of triton 3.4-3.6
     monkeypatch.setattr(tl_launch, "_JITFunction", _FakeJIT)
     monkeypatch.setattr(tl_launch._Driver, "current_device", lambda: 0)
     monkeypatch.setattr(tl_launch._Driver, "current_stream", lambda device: 1234)
@@ -127,6 +128,16 @@ def test_launch_hooks_and_disabled_go_through_kernel_grid(fake_jit, monkeypatch)
     fresh(x, x)
     fresh(x, x)
     assert len(fake_jit.launches) == 4 and not fake_jit.compiled.calls
+
+
+def test_other_triton_releases_always_go_through_kernel_grid(fake_jit, monkeypatch):
+    # The launcher calling convention is only relied on where it is known.
+    monkeypatch.setattr(tl_launch, "_DIRECT", False)
+    launch = _launch(fake_jit)
+    x = torch.zeros(64)
+    launch(x, x)
+    launch(x, x)
+    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
 
 
 def test_backend_tensor_specialisation_is_part_of_the_key(fake_jit, monkeypatch):

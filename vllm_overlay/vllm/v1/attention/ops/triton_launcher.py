@@ -60,6 +60,14 @@ try:
 except ImportError:  # pragma: no cover - another Triton layout
     _JITFunction = ()
 
+# Direct launches follow the launcher calling convention of Triton 3.4 - 3.6
+# (the releases with triton.knobs: every bound argument, constexprs included,
+# after the grid, stream, function, metadata and hooks); other releases keep
+# the validation cache and launch through kernel[grid].
+_DIRECT = hasattr(triton, "knobs") and tuple(
+    int(p) for p in triton.__version__.split(".")[:2]
+) in ((3, 4), (3, 5), (3, 6))
+
 
 def fast_path() -> bool:
     """Whether a wrapper may use its cache and direct launches for this call."""
@@ -161,7 +169,7 @@ class KernelLaunch:
                 return
         kernel = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs,
                                         **self.options)
-        if isinstance(self.kernel, _JITFunction) and fast_path():
+        if _DIRECT and isinstance(self.kernel, _JITFunction) and fast_path():
             self._remember(kernel, tensors)
 
     def _remember(self, kernel, tensors) -> None:

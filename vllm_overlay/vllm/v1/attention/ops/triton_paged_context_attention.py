@@ -77,6 +77,13 @@ Design (flash-attention forward, one program per tile):
     directly.
   * Every offset that multiplies a block id or a token index by a stride is
     computed in 64 bits.
+
+Host cost (the call runs once per layer per step): the arguments are checked
+once per launch key (``triton_launcher.LaunchCache``) and both kernels launch
+through their compiled kernels.  A ``PagedContextWorkspace``, made once per
+step by ``paged_context_workspace``, holds the LSE and split partials every
+layer's call writes (no allocation per call) and can bind the step's metadata
+tensors, whose geometry the calls then take from it.
 """
 
 import functools

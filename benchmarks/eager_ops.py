@@ -46,6 +46,12 @@ attention op; ours holds a one-kernel stand-in for the projections, upstream's
 the same stand-in plus its RoPE (``torch.compile``), so the graph launch cost
 is paid by both.  The attention kernels themselves (the same in both) are not
 part of either MLA sequence.
+
+Code both backends run alike is left out of both sequences: the attention
+custom op's dispatch and forward context, the per-layer cache split and the
+token slices ``forward`` takes before ``extend_forward`` (AITER FA), the W_UK
+bmm and the attention kernels (MLA).  The views a sequence itself makes
+(context-chunk rows, the rows of each token kind) are in it.
 """
 
 from __future__ import annotations
@@ -465,14 +471,15 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
                                           q_out=q_out)
 
     update = _kv_cache_update_op(ops)
-    for layer in range(layers):
-        _LAYER_CONTEXT[f"layers.{layer}"] = (caches[layer], slots, positions, cos_sin)
+    names = [f"model.layers.{layer}.self_attn.attn" for layer in range(layers)]
+    for layer, name in enumerate(names):
+        _LAYER_CONTEXT[name] = (caches[layer], slots, positions, cos_sin)
 
     def upstream(graph_pieces: bool = True):
-        for layer in range(layers):
+        for name in names:
             replay("upstream", piece_upstream, graph_pieces)
             # MLAAttention.forward: the cache write through its custom op.
-            update(kv_c, k_pe, f"layers.{layer}", "auto", k_scale)
+            update(kv_c, k_pe, name, "auto", k_scale)
             if decodes:
                 torch.cat((ql_nope, q[:decodes, :, p:]), dim=-1)
 

@@ -773,7 +773,8 @@ def fetch_kv_plan(
                 seq_starts.stride(), seq_starts.dtype, seq_starts.device, num_tokens,
                 type(num_tokens), block_size, type(block_size), head_size,
                 type(head_size), cache_dtype, out_dtype, kv_cache_layout,
-                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+                None if out is None
+                else (out.shape, out.stride(), out.dtype, out.device),
             )  # fmt: skip
             bound = _PLAN_LAUNCHES.get(key)
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
@@ -865,7 +866,12 @@ def _bind_fetch_kv_plan(
         launch = KernelLaunch(
             _fetch_kv_plan_kernel,
             (num_items,),
-            (num_reqs, *block_table.stride(), cu_seqlens_kv.stride(0), seq_starts.stride(0)),
+            (
+                num_reqs,
+                *block_table.stride(),
+                cu_seqlens_kv.stride(0),
+                seq_starts.stride(0),
+            ),
             dict(
                 PAGE=block_size,
                 PAGES_PER_PROGRAM=pages_per_program,
@@ -947,8 +953,10 @@ def fetch_kv(
                 key += (plan.key,)
             if key_cache.dtype is not key_out.dtype:  # dequantisation reads the scales
                 key += (
-                    None if k_scale is None else (k_scale.shape, k_scale.dtype, k_scale.device),
-                    None if v_scale is None else (v_scale.shape, v_scale.dtype, v_scale.device),
+                    None if k_scale is None
+                    else (k_scale.shape, k_scale.dtype, k_scale.device),
+                    None if v_scale is None
+                    else (v_scale.shape, v_scale.dtype, v_scale.device),
                 )  # fmt: skip
             bound = _FETCH_KV_LAUNCHES.get(key)
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
@@ -1020,7 +1028,11 @@ def _bind_fetch_kv(
         return None, dequant
     if plan is None:
         num_items = _num_items(num_tokens, pages_per_program * page, num_reqs)
-        meta_strides = (*block_table.stride(), cu_seqlens_kv.stride(0), seq_starts.stride(0))
+        meta_strides = (
+            *block_table.stride(),
+            cu_seqlens_kv.stride(0),
+            seq_starts.stride(0),
+        )
     else:
         num_items = plan.num_items
         meta_strides = (0, 0, 0, 0)  # not read: the kernel reads the plan

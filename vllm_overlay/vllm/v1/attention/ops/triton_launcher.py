@@ -114,11 +114,15 @@ class _Driver:
         active = driver.active
         backend = make_backend(active.get_current_target())
         spec = type(backend).get_tensor_specialization
-        cls.tensor_spec = None if spec is BaseBackend.get_tensor_specialization else spec
+        cls.tensor_spec = (
+            None if spec is BaseBackend.get_tensor_specialization else spec
+        )
         cls.current_stream = active.get_current_stream
         # torch.cuda.current_device() without its lazy-init check (launches
         # have happened, so CUDA is initialised).
-        cls.current_device = getattr(torch._C, "_cuda_getDevice", active.get_current_device)
+        cls.current_device = getattr(
+            torch._C, "_cuda_getDevice", active.get_current_device
+        )
 
 
 def _launch_hooks_set() -> bool:
@@ -141,8 +145,16 @@ class KernelLaunch:
     must be the same on every call (the caller's key fixes them).
     """
 
-    __slots__ = ("kernel", "grid", "scalars", "constexprs", "options", "_dims", "_tail",
-                 "_compiled")
+    __slots__ = (
+        "kernel",
+        "grid",
+        "scalars",
+        "constexprs",
+        "options",
+        "_dims",
+        "_tail",
+        "_compiled",
+    )
 
     def __init__(self, kernel, grid, scalars=(), constexprs=None, **options):
         self.kernel = kernel
@@ -164,11 +176,23 @@ class KernelLaunch:
             if entry is not None and not _launch_hooks_set():
                 run, function, metadata = entry
                 g0, g1, g2 = self._dims
-                run(g0, g1, g2, _Driver.current_stream(device), function, metadata,
-                    None, None, None, *ptrs, *self._tail)
+                run(
+                    g0,
+                    g1,
+                    g2,
+                    _Driver.current_stream(device),
+                    function,
+                    metadata,
+                    None,
+                    None,
+                    None,
+                    *ptrs,
+                    *self._tail,
+                )
                 return
-        kernel = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs,
-                                        **self.options)
+        kernel = self.kernel[self.grid](
+            *tensors, *self.scalars, **self.constexprs, **self.options
+        )
         if _DIRECT and isinstance(self.kernel, _JITFunction) and fast_path():
             self._remember(kernel, tensors)
 
@@ -180,7 +204,7 @@ class KernelLaunch:
         if _Driver.current_device is None:
             _Driver.load()
         if self._tail is None:
-            names = self.kernel.arg_names[len(tensors) + len(self.scalars):]
+            names = self.kernel.arg_names[len(tensors) + len(self.scalars) :]
             if sorted(names) != sorted(self.constexprs):
                 raise TypeError(
                     f"KernelLaunch: {self.kernel} takes {self.kernel.arg_names}; "

@@ -891,7 +891,9 @@ def mla_rope_concat_and_cache(
         )
     if launch is not None:
         # (An fp8 cache allocated as uint8 is stored through its fp8 view.)
-        cache = kv_cache if kv_cache.dtype is cache_dtype else kv_cache.view(cache_dtype)
+        cache = (
+            kv_cache if kv_cache.dtype is cache_dtype else kv_cache.view(cache_dtype)
+        )
         launch(
             ql_nope, q_pe, q_out, kv_c, k_pe, cache, slot_mapping, positions,
             cos_sin_cache, positions if k_scale is None else k_scale,
@@ -1024,7 +1026,9 @@ def mla_rope_and_cache(
             _PREFILL_LAUNCHES.put(key, bound)
     launch, cache_dtype = bound
     if launch is not None:
-        cache = kv_cache if kv_cache.dtype is cache_dtype else kv_cache.view(cache_dtype)
+        cache = (
+            kv_cache if kv_cache.dtype is cache_dtype else kv_cache.view(cache_dtype)
+        )
         launch(
             q_pe, q_pe, q_pe, kv_c, k_pe, cache, slot_mapping, positions, cos_sin_cache,
             positions if k_scale is None else k_scale, positions,

@@ -722,15 +722,17 @@ def paged_context_attention(
                 )  # fmt: skip
             launch_key = (
                 query.shape, query.stride(), query.dtype, query.device,
-                key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
-                value_cache.shape, value_cache.stride(), value_cache.dtype,
-                value_cache.device, meta_key, scale, type(scale), sliding_window,
-                type(sliding_window), max_context_len, type(max_context_len), num_splits,
-                type(num_splits),
-                None if key is None else (key.shape, key.stride(), key.dtype, key.device),
+                key_cache.shape, key_cache.stride(), key_cache.dtype,
+                key_cache.device, value_cache.shape, value_cache.stride(),
+                value_cache.dtype, value_cache.device, meta_key, scale, type(scale),
+                sliding_window, type(sliding_window), max_context_len,
+                type(max_context_len), num_splits, type(num_splits),
+                None if key is None
+                else (key.shape, key.stride(), key.dtype, key.device),
                 None if value is None
                 else (value.shape, value.stride(), value.dtype, value.device),
-                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+                None if out is None
+                else (out.shape, out.stride(), out.dtype, out.device),
                 lse is None, lse_key, ws_key,
             )  # fmt: skip
             if key_cache.dtype in _FP8_DTYPES:  # only fp8 caches read the scales
@@ -766,12 +768,18 @@ def paged_context_attention(
     if key is None:  # never read
         key, value = key_cache, value_cache
     if bound.combine is None:  # one split: the kernel writes out / lse
-        bound.attend(query, key_cache, value_cache, key, value, block_table, cu_seqlens_q,
-                     seq_lens, k_scale, v_scale, out, lse)  # fmt: skip
+        bound.attend(
+            query, key_cache, value_cache, key, value, block_table, cu_seqlens_q,
+            seq_lens, k_scale, v_scale, out, lse,
+        )  # fmt: skip
         return out, lse
     if workspace is None:
-        part_out = torch.empty(bound.part_shapes[0], dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(bound.part_shapes[1], dtype=torch.float32, device=query.device)
+        part_out = torch.empty(
+            bound.part_shapes[0], dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            bound.part_shapes[1], dtype=torch.float32, device=query.device
+        )
     else:
         part_out, part_lse = workspace.partial_out, workspace.partial_lse
     bound.attend(query, key_cache, value_cache, key, value, block_table, cu_seqlens_q,
@@ -879,7 +887,9 @@ def paged_context_workspace(
     part_out = part_lse = None
     if splits > 1:
         part_out = torch.empty(
-            (splits, num_tokens, num_heads, head_size), dtype=torch.float32, device=device
+            (splits, num_tokens, num_heads, head_size),
+            dtype=torch.float32,
+            device=device,
         )
         part_lse = torch.empty(
             (splits, num_heads, num_tokens), dtype=torch.float32, device=device
@@ -1164,11 +1174,15 @@ def _bind(
         )
         num_splits = workspace.num_splits
         if num_splits > 1:
-            for name, t, shape in (
-                ("partial_out", workspace.partial_out,
-                 (num_splits, num_tokens, num_heads, head_size)),
-                ("partial_lse", workspace.partial_lse, (num_splits, num_heads, num_tokens)),
-            ):  # fmt: skip
+            shapes = (
+                (num_splits, num_tokens, num_heads, head_size),
+                (num_splits, num_heads, num_tokens),
+            )
+            for name, t, shape in zip(
+                ("partial_out", "partial_lse"),
+                (workspace.partial_out, workspace.partial_lse),
+                shapes,
+            ):
                 _check(
                     isinstance(t, torch.Tensor)
                     and tuple(t.shape) == shape
@@ -1192,7 +1206,9 @@ def _bind(
         num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
     )
     # The strides of the out / lse the call allocates when not given.
-    out_strides = (out if out is not None else torch.empty_like(query, device="meta")).stride()
+    out_strides = (
+        out if out is not None else torch.empty_like(query, device="meta")
+    ).stride()
     lse_strides = lse.stride() if lse is not None else (num_tokens, 1)
     if num_splits == 1:
         o_strides = (0, *out_strides[:2])
@@ -1203,7 +1219,11 @@ def _bind(
             (num_splits, num_tokens, num_heads, head_size),
             (num_splits, num_heads, num_tokens),
         )
-        o_strides = (num_tokens * num_heads * head_size, num_heads * head_size, head_size)
+        o_strides = (
+            num_tokens * num_heads * head_size,
+            num_heads * head_size,
+            head_size,
+        )
         l_strides = (num_heads * num_tokens, num_tokens, 1)
     attend = KernelLaunch(
         _paged_context_attention_kernel,

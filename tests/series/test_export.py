@@ -286,3 +286,26 @@ def test_apply_ignores_overlay_topics(fake_series):
     assert (fs.git("rev-parse", "HEAD"), fs.tree()) == (head, tree)
     assert "overlay-topics" not in fs.git("log", "--format=%B")
     assert "series OK (2 patches, 1 overlay files)" in _ok(fs.run("check")).stdout
+
+
+def test_a_shared_overlay_file_ships_with_each_of_its_topics(tmp_path):
+    """A file two topics import (the Triton launcher) is listed "a,b": each
+    topic's PR carries it, so each imports on pristine upstream by itself."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from seriestool import topics
+
+    patches = tmp_path
+    (patches / topics.OVERLAY_TOPICS).write_text(
+        "vllm/ops/shared.py fetch-kv,mla-fusion\nvllm/ops/mla.py mla-fusion\n"
+        "vllm/ops/bad.py fetch-kv,misc\n")
+    files = ["vllm/ops/shared.py", "vllm/ops/mla.py"]
+    assert topics.lint_overlay_topics(patches, files) == [
+        "patches/overlay-topics:3: unknown topic 'misc' (one of "
+        f"{', '.join(topics.TOPICS)})",
+        "patches/overlay-topics:3: 'vllm/ops/bad.py' matches no overlay file"]
+    assert topics.overlay_files_of(patches, files, "fetch-kv") == ["vllm/ops/shared.py"]
+    assert topics.overlay_files_of(patches, files, "mla-fusion") == files
+    assert topics.overlay_files_of(patches, files, "order-contract") == []

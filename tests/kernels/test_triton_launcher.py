@@ -189,10 +189,10 @@ def test_fetch_kv_bad_input_after_a_good_call_raises_the_same_error(name, make_a
     assert _cache_sizes() == before, "a rejected call must not be cached"
 
 
-def test_fetch_kv_plan_bad_input_after_a_good_call_raises_the_same_error():
-    good = {"block_table": torch.ones(1, 2, dtype=torch.int32),
-            "cu_seqlens_kv": torch.tensor([0, 8], dtype=torch.int32),
-            "seq_starts": torch.zeros(1, dtype=torch.int32),
+def test_fetch_kv_plan_bad_input_after_a_good_call_raises_the_same_error(device):
+    good = {"block_table": torch.ones(1, 2, dtype=torch.int32, device=device),
+            "cu_seqlens_kv": torch.tensor([0, 8], dtype=torch.int32, device=device),
+            "seq_starts": torch.zeros(1, dtype=torch.int32, device=device),
             "num_tokens": 8, "block_size": 16, "head_size": 64, "cache_dtype": torch.float16}
     fetch_kv_plan(**good)
     for edits, exc, match in [c[1:] for c in fk_tests.PLAN_INVALID]:
@@ -212,13 +212,13 @@ def test_fetch_kv_with_a_plan_checks_the_plan_on_every_key(device):
             fetch_kv(**call, plan=plan)
 
 
-def test_fetch_kv_changed_stride_misses_the_cache_and_is_checked():
-    args = fk_tests._valid_args()
+def test_fetch_kv_changed_stride_misses_the_cache_and_is_checked(device):
+    args = fk_tests._valid_args(device)
     fetch_kv(**args)
-    fetch_kv(**fk_tests._valid_args())  # same key (new tensors): a hit
+    fetch_kv(**fk_tests._valid_args(device))  # same key (new tensors): a hit
     before = _cache_sizes()
     # Same shapes, other strides: a transposed-back cache view (SHUFFLE needs dense blocks).
-    kc = torch.zeros(4, 2, 16, 64, dtype=torch.float16).transpose(1, 2)
+    kc = torch.zeros(4, 2, 16, 64, dtype=torch.float16, device=device).transpose(1, 2)
     with pytest.raises(ValueError, match="dense"):
         fetch_kv(**{**args, "key_cache": kc, "value_cache": kc.clone(),
                     "kv_cache_layout": "SHUFFLE"})

@@ -23,7 +23,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh fetch readme venv test test-gpu gpu-payload test-gpu-backend bench bench-host report sweep sweep-report e2e clean
+.PHONY: help apply check refresh fetch readme venv test test-gpu gpu-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ bench-host: apply venv ## Host-side (CPU) benchmarks, e.g. the batch-order cost 
 
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
+
+compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md
+	$(VPY) scripts/compile_tier.py report
 
 sweep: ## Run a Ray sweep: make sweep CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)

@@ -80,6 +80,7 @@ Design (flash-attention forward, one program per tile):
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -120,6 +121,19 @@ _COMBINE_BLOCK_H = 16
 # smaller tiles keep them in registers.
 _FP32_BLOCK_M = 64
 _FP32_BLOCK_N = 32
+
+# CDNA (AMD gfx942 / gfx950, wave64): (block_m, block_n, warps, stages) for
+# D <= 128 and for D > 128, from the AMD compile tier's facts (no AMD timing
+# exists; docs/compile-tier.md).  The H200 tile above takes 256 VGPRs + ~130
+# AGPRs there (one wave per SIMD) and spills at D 256.  8 warps keep the
+# 128-row tile (the K/V reuse) with half the rows per wave; one stage and a
+# 32-key tile (16 at D 256) leave room for the fp8 conversions: no spill on
+# either target for any shape of the matrix, and the two waves per SIMD
+# (two programs per CU) the context split assumes.
+_CDNA_TILES = {
+    False: (128, 32, 8, 1),
+    True: (128, 16, 8, 1),
+}
 
 # Interpreter (CPU) launches: small tiles keep numpy work per program small.
 _INTERP_BLOCK_M = 16
@@ -582,6 +596,52 @@ def _combine_splits_kernel(
     )
 
 
+@dataclass(frozen=True)
+class _Tile:
+    """A launch configuration of ``_paged_context_attention_kernel``."""
+
+    block_m: int  # query rows per program: block_q tokens x GROUP_PAD heads
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Tile:
+    """The tile for one target, head size, GQA group and query dtype.
+
+    ``target`` is the Triton ``GPUTarget`` the kernel compiles for (``None``:
+    the CPU interpreter).  A pure function of its arguments: the launch path
+    and the AMD compile tier (scripts/compile_tier) both call it.
+    """
+    large_d = triton.next_power_of_2(head_size) > 128
+    warps = _NUM_WARPS_LARGE_D if large_d else _NUM_WARPS
+    stages = _NUM_STAGES
+    if target is None:
+        block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
+    elif dtype == torch.float32:  # FMA dots: keep the tiles in registers
+        block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
+    elif target.backend == "hip":
+        block_m, block_n, warps, stages = _CDNA_TILES[large_d]
+    else:
+        block_m = _BLOCK_M
+        block_n = _BLOCK_N_LARGE_D if large_d else _BLOCK_N
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(block_m, group_pad)
+    return _Tile(block_m, block_m // group_pad, block_n, warps, stages)
+
+
+def _combine_config(num_heads: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of ``_combine_splits_kernel`` (every target)."""
+    return min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H), _NUM_WARPS
+
+
+@functools.cache
+def _gpu_target():
+    """The Triton target of this process's GPU, read once."""
+    return triton.runtime.driver.active.get_current_target()
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -874,15 +934,9 @@ def paged_context_attention(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_size)
     interpret = device.type != "cuda"
-    if interpret:
-        block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
-    elif query.dtype == torch.float32:  # FMA dots: keep the tiles in registers
-        block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
-    else:
-        block_m = _BLOCK_M
-        block_n = _BLOCK_N if head_dim_pad <= 128 else _BLOCK_N_LARGE_D
-    block_m = max(block_m, group_pad)
-    block_q = block_m // group_pad
+    target = None if interpret else _gpu_target()
+    tile = _tile_config(target, head_size, group, query.dtype)
+    block_m, block_n, block_q = tile.block_m, tile.block_n, tile.block_q
     num_q_tiles = num_tokens // block_q + num_reqs
 
     if num_splits is None:
@@ -956,11 +1010,11 @@ def paged_context_attention(
         WITH_NEW=with_new,
         DOT_IEEE=query.dtype == torch.float32,
         RESCALE_SLACK=_RESCALE_SLACK,
-        num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
-        num_stages=_NUM_STAGES,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     if num_splits > 1:
-        block_h = min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H)
+        block_h, combine_warps = _combine_config(num_heads)
         _combine_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             dst_out,
             dst_lse,
@@ -977,7 +1031,7 @@ def paged_context_attention(
             HEAD_DIM=head_size,
             HEAD_DIM_PAD=head_dim_pad,
             BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
+            num_warps=combine_warps,
         )
     return out, lse
 

@@ -110,64 +110,72 @@ def _paged_points():
     return points
 
 
+def _paged_spec(target, mod, p, tile, waves_per_eu: int = 0) -> Spec:
+    """The main kernel's spec at point ``p`` with ``tile`` (a ``_Tile``)."""
+    d, bs, g = p["head"], p["block"], p["group"]
+    model = _TORCH[p["model"]]
+    cache = _fp8(target) if p["fp8"] else model
+    hq, hkv = g * NUM_KV_HEADS, NUM_KV_HEADS
+    split = p["splits"] > 1
+    out_dtype = torch.float32 if split else model
+    t = MAX_TOKENS
+    qkv_row = (hq + 2 * hkv) * d  # q / k / v are views of the fused qkv output
+    cache_strides = (hkv * bs * 2 * d, 2 * d, bs * 2 * d)  # packed (blocks, H, bs, 2D)
+    if split:
+        o_strides = (t * hq * d, hq * d, d)
+        l_strides = (hq * t, t, 1)
+    else:
+        o_strides = (0, hq * d, d)
+        l_strides = (0, t, 1)
+    new = p["with_new"]
+    args = dict(
+        q_ptr=Ptr(model), k_cache_ptr=Ptr(cache, True), v_cache_ptr=Ptr(cache, True),
+        k_new_ptr=Ptr(model) if new else Ptr(cache, True),
+        v_new_ptr=Ptr(model) if new else Ptr(cache, True),
+        block_table_ptr=Ptr(torch.int32), cu_seqlens_q_ptr=Ptr(torch.int32),
+        seq_lens_ptr=Ptr(torch.int32),
+        k_scale_ptr=Ptr(torch.float32 if p["fp8"] else torch.int32),
+        v_scale_ptr=Ptr(torch.float32 if p["fp8"] else torch.int32),
+        out_ptr=Ptr(out_dtype), lse_ptr=Ptr(torch.float32),
+        num_reqs=NUM_REQS, num_splits=p["splits"], qk_scale_log2=0.1275,
+        window_left=WINDOW - 1 if p["window"] else 0,
+        stride_qt=qkv_row, stride_qh=d,
+        stride_kb=cache_strides[0], stride_kt=cache_strides[1], stride_kh=cache_strides[2],
+        stride_vb=cache_strides[0], stride_vt=cache_strides[1], stride_vh=cache_strides[2],
+        stride_knt=qkv_row if new else 0, stride_knh=d if new else 0,
+        stride_vnt=qkv_row if new else 0, stride_vnh=d if new else 0,
+        stride_bt=MAX_BLOCKS_PER_REQ,
+        stride_os=o_strides[0], stride_ot=o_strides[1], stride_oh=o_strides[2],
+        stride_ls=l_strides[0], stride_lh=l_strides[1], stride_lt=l_strides[2],
+    )
+    constexprs = dict(
+        GROUP=g, GROUP_PAD=triton.next_power_of_2(g), BLOCK_Q=tile.block_q,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d,
+        HEAD_DIM_PAD=triton.next_power_of_2(d), PAGE_SIZE=bs,
+        USE_WINDOW=p["window"], FP8=p["fp8"], WITH_NEW=new,
+        DOT_IEEE=model == torch.float32, RESCALE_SLACK=mod._RESCALE_SLACK,
+    )
+    case = (f"d{d}_b{bs}_g{g}_{p['model']}_{_dname(cache) if p['fp8'] else 'kv=q'}"
+            f"{'_new' if new else ''}{'_win' if p['window'] else ''}"
+            f"{'_split' if split else ''}")
+    config = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps,
+                  num_stages=tile.num_stages)
+    options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if waves_per_eu:
+        config["waves_per_eu"] = options["waves_per_eu"] = waves_per_eu
+    return Spec("paged_context_attention", "_paged_context_attention_kernel", case, config,
+                args, constexprs, options)
+
+
 def paged_context_specs(target) -> list[Spec]:
     mod = _module("triton_paged_context_attention")
     gpu = target.gpu_target()
     specs, combines = [], {}
     for p in _paged_points():
-        d, bs, g = p["head"], p["block"], p["group"]
-        model = _TORCH[p["model"]]
-        cache = _fp8(target) if p["fp8"] else model
-        hq, hkv = g * NUM_KV_HEADS, NUM_KV_HEADS
-        tile = mod._tile_config(gpu, d, g, model)
-        split = p["splits"] > 1
-        out_dtype = torch.float32 if split else model
-        t = MAX_TOKENS
-        qkv_row = (hq + 2 * hkv) * d  # q / k / v are views of the fused qkv output
-        cache_strides = (hkv * bs * 2 * d, 2 * d, bs * 2 * d)  # packed (blocks, H, bs, 2D)
-        if split:
-            o_strides = (t * hq * d, hq * d, d)
-            l_strides = (hq * t, t, 1)
-        else:
-            o_strides = (0, hq * d, d)
-            l_strides = (0, t, 1)
-        new = p["with_new"]
-        args = dict(
-            q_ptr=Ptr(model), k_cache_ptr=Ptr(cache, True), v_cache_ptr=Ptr(cache, True),
-            k_new_ptr=Ptr(model) if new else Ptr(cache, True),
-            v_new_ptr=Ptr(model) if new else Ptr(cache, True),
-            block_table_ptr=Ptr(torch.int32), cu_seqlens_q_ptr=Ptr(torch.int32),
-            seq_lens_ptr=Ptr(torch.int32),
-            k_scale_ptr=Ptr(torch.float32 if p["fp8"] else torch.int32),
-            v_scale_ptr=Ptr(torch.float32 if p["fp8"] else torch.int32),
-            out_ptr=Ptr(out_dtype), lse_ptr=Ptr(torch.float32),
-            num_reqs=NUM_REQS, num_splits=p["splits"], qk_scale_log2=0.1275,
-            window_left=WINDOW - 1 if p["window"] else 0,
-            stride_qt=qkv_row, stride_qh=d,
-            stride_kb=cache_strides[0], stride_kt=cache_strides[1], stride_kh=cache_strides[2],
-            stride_vb=cache_strides[0], stride_vt=cache_strides[1], stride_vh=cache_strides[2],
-            stride_knt=qkv_row if new else 0, stride_knh=d if new else 0,
-            stride_vnt=qkv_row if new else 0, stride_vnh=d if new else 0,
-            stride_bt=MAX_BLOCKS_PER_REQ,
-            stride_os=o_strides[0], stride_ot=o_strides[1], stride_oh=o_strides[2],
-            stride_ls=l_strides[0], stride_lh=l_strides[1], stride_lt=l_strides[2],
-        )
-        constexprs = dict(
-            GROUP=g, GROUP_PAD=triton.next_power_of_2(g), BLOCK_Q=tile.block_q,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d,
-            HEAD_DIM_PAD=triton.next_power_of_2(d), PAGE_SIZE=bs,
-            USE_WINDOW=p["window"], FP8=p["fp8"], WITH_NEW=new,
-            DOT_IEEE=model == torch.float32, RESCALE_SLACK=mod._RESCALE_SLACK,
-        )
-        case = (f"d{d}_b{bs}_g{g}_{p['model']}_{_dname(cache) if p['fp8'] else 'kv=q'}"
-                f"{'_new' if new else ''}{'_win' if p['window'] else ''}"
-                f"{'_split' if split else ''}")
-        config = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps,
-                      num_stages=tile.num_stages)
-        specs.append(Spec("paged_context_attention", "_paged_context_attention_kernel", case,
-                          config, args, constexprs,
-                          dict(num_warps=tile.num_warps, num_stages=tile.num_stages)))
-        if split:
+        d, hq, model = p["head"], p["group"] * NUM_KV_HEADS, _TORCH[p["model"]]
+        tile = mod._tile_config(gpu, d, p["group"], model)
+        specs.append(_paged_spec(target, mod, p, tile))
+        if p["splits"] > 1:
             block_h, warps = mod._combine_config(hq)
             combines[(d, p["model"], hq)] = (block_h, warps, model)
 
@@ -365,6 +373,54 @@ def mla_specs(target) -> list[Spec]:
     return specs
 
 
+# Other tiles of paged_context_attention, compiled by `make compile-report`
+# next to the wrappers' choice (not budgeted): the facts that choice rests on
+# (docs/compile-tier.md).  (block_m, block_n, warps, stages, waves_per_eu) per
+# head-size class (D <= 128, D 256); waves_per_eu is an AMD option.
+TILE_CANDIDATES = {
+    "hip": {
+        False: [(128, 64, 4, 2, 0), (128, 64, 4, 1, 0), (128, 64, 4, 1, 2), (128, 64, 8, 1, 0),
+                (128, 64, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0)],
+        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0), (64, 32, 8, 1, 0),
+               (64, 16, 4, 1, 0), (128, 16, 8, 1, 0)],
+    },
+    "cuda": {
+        False: [(128, 64, 4, 2, 0), (128, 64, 8, 2, 0), (128, 128, 8, 2, 0), (64, 64, 4, 2, 0),
+                (128, 32, 4, 2, 0), (128, 64, 8, 3, 0)],
+        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 2, 0), (128, 16, 8, 2, 0),
+               (64, 64, 8, 2, 0)],
+    },
+}
+
+
+def _candidate_points():
+    """The heaviest points of each head size: bf16, fp16, fp8 caches under both,
+    fp8 + window + split."""
+    base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
+                splits=1)
+    for head in HEAD_SIZES:
+        for model in MODEL_DTYPES:
+            yield dict(base, head=head, model=model)
+            yield dict(base, head=head, model=model, fp8=True)
+        yield dict(base, head=head, fp8=True, window=True, splits=SPLITS)
+
+
+def candidate_specs(target) -> list[Spec]:
+    mod = _module("triton_paged_context_attention")
+    specs = []
+    for p in _candidate_points():
+        large = triton.next_power_of_2(p["head"]) > 128
+        group_pad = triton.next_power_of_2(p["group"])
+        for bm, bn, warps, stages, waves in TILE_CANDIDATES[target.backend][large]:
+            tile = mod._Tile(bm, bm // group_pad, bn, warps, stages)
+            spec = _paged_spec(target, mod, p, tile, waves)
+            spec.kernel = "paged_context_attention (candidate tile)"
+            spec.case = f"{spec.case}@{bm}x{bn}w{warps}s{stages}" + (
+                f"wpe{waves}" if waves else "")
+            specs.append(spec)
+    return specs
+
+
 BUILDERS = {
     "paged_context_attention": ("triton_paged_context_attention", paged_context_specs),
     "fetch_kv": ("triton_fetch_kv", fetch_kv_specs),
@@ -372,10 +428,13 @@ BUILDERS = {
 }
 
 
-def build_specs(target) -> list[Spec]:
-    """Every spec of every kernel for ``target``, argument names checked."""
+def build_specs(target, candidates: bool = False) -> list[Spec]:
+    """Every spec of every kernel for ``target`` (or, ``candidates``: the
+    candidate tiles), argument names checked."""
+    builders = ([("triton_paged_context_attention", candidate_specs)] if candidates
+                else BUILDERS.values())
     specs, seen = [], set()
-    for module, builder in BUILDERS.values():
+    for module, builder in builders:
         mod = _module(module)
         for spec in builder(target):
             if (spec.fn_name, spec.case) in seen:  # a base point met twice

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
               f"compiled {result['compiled']}, {result['seconds']} s")
     elif args.cmd == "report":
         result = run(jobs=args.jobs, cache=args.cache)
-        for path in [*write(result, ROOT), roofline.write(ROOT)]:
+        candidates = run(jobs=args.jobs, cache=args.cache, candidates=True)
+        for path in [*write(result, ROOT, candidates), roofline.write(ROOT)]:
             print(f"[compile-report] wrote {path.relative_to(ROOT)}")
         print(f"[compile-report] {len(result['records'])} specs, unique {result['unique']}, "
               f"compiled {result['compiled']}, {result['seconds']} s")

@@ -45,15 +45,17 @@ def _fmt_us(seconds: float) -> str:
 
 def page(latest: dict) -> str:
     out = [
-        "| device | CUs | HBM bandwidth | dense bf16 peak | ridge point | source |",
+        "| device | CUs | HBM bandwidth | dense bf16 peak | ridge point | sources |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for name in AMD:
         d = DEVICES[name]
+        sources = "; ".join(f"{what}: [{title}]({url})"
+                            for what, (title, url) in d["sources"].items())
         out.append(
             f"| {name} ({d['arch']}) | {d['compute_units']} | {d['hbm_bytes_per_s'] / 1e12:g} TB/s "
             f"| {d['bf16_dense_flops'] / 1e12:g} TFLOP/s "
-            f"| {d['bf16_dense_flops'] / d['hbm_bytes_per_s']:.0f} FLOP/B | {d['source']} |")
+            f"| {d['bf16_dense_flops'] / d['hbm_bytes_per_s']:.0f} FLOP/B | {sources} |")
     out.append("")
     for (kernel, device), entry in sorted(latest.items()):
         cases = [c for c in entry["cases"] if "nbytes" in c]

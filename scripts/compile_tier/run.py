@@ -25,7 +25,8 @@ def cache_dir() -> Path:
 
 
 def run(targets=None, jobs: int = 2, cache: Path | None = None,
-        kernels_root: Path | None = None, timeout_s: float = 1800) -> dict:
+        kernels_root: Path | None = None, timeout_s: float = 1800,
+        candidates: bool = False) -> dict:
     """Compile (or read from the cache) every spec of ``targets``.
 
     One worker process per target, all started at once (the imports overlap);
@@ -34,7 +35,9 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
     ``{"records": [...], "seconds": wall time, "unique": {target: n},
     "compiled": {target: n}}``; records are sorted by target, kernel, case.
     ``kernels_root``: the directory holding the ``vllm`` package of the
-    kernels (default: the checkout's vllm_overlay).
+    kernels (default: the checkout's vllm_overlay).  ``candidates``: compile
+    the candidate tiles of paged_context_attention instead
+    (``cases.TILE_CANDIDATES``).
     """
     targets = list(targets or TARGETS)
     cache = cache or cache_dir()
@@ -54,7 +57,7 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
             out, log = tmp / f"{target}.json", open(tmp / f"{target}.log", "w")
             cmd = [sys.executable, "-m", "compile_tier.worker", "--target", target,
                    "--cache", str(cache), "--slots", str(tmp), "--jobs", str(jobs),
-                   "--out", str(out)]
+                   "--out", str(out), *(["--candidates"] if candidates else [])]
             proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
             running.append((proc, target, out, log))
         failed = []

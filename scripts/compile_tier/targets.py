@@ -2,48 +2,48 @@
 
 ``DEVICES`` is the one table of hardware specifications in this repository that
 the compile tier (occupancy) and the AMD roofline (docs/roofline-amd.md) read;
-every number in it is a vendor specification, cited in ``source``.
+every number in it is a vendor specification, cited in ``sources``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Vendor specifications.  AMD: CUs, LDS and the register file from ROCm's GPU
-# specification table; HBM bandwidth and dense bf16 peak from each product's
-# data sheet.  NVIDIA: the compute-capability 9.0 limits of the CUDA C++
-# Programming Guide (what the occupancy of an sm_90 kernel is computed from).
+# Vendor specifications, each with its source.  AMD: CUs and LDS per CU from
+# ROCm's GPU specification table; HBM bandwidth and dense bf16 peak from each
+# product's AMD page.  NVIDIA: the compute-capability 9.0 limits the occupancy
+# of an sm_90 kernel is computed from.  (Waves per SIMD on AMD come from LLVM's
+# own occupancy, which knows each target's limits.)
+_ROCM_SPECS = ("ROCm: AMD GPU specifications",
+               "https://rocm.docs.amd.com/en/latest/reference/gpu-specs.html")
 DEVICES = {
     "MI300X": dict(
         arch="gfx942",
         compute_units=304,
         lds_bytes_per_cu=64 * 1024,
         simds_per_cu=4,
-        max_waves_per_simd=8,
         hbm_bytes_per_s=5.3e12,
         bf16_dense_flops=1307.4e12,
-        source=(
-            "CUs, LDS: https://rocm.docs.amd.com/en/latest/reference/gpu-specs.html; "
-            "5.3 TB/s HBM3, 1307.4 TFLOPS dense bf16: AMD Instinct MI300X data sheet, "
-            "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/"
-            "data-sheets/amd-instinct-mi300x-data-sheet.pdf; waves per SIMD: AMD CDNA 3 "
-            "ISA reference guide"
-        ),
+        sources={
+            "CUs, LDS": _ROCM_SPECS,
+            "HBM, bf16": ("AMD Instinct MI300X data sheet",
+                          "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/"
+                          "data-sheets/amd-instinct-mi300x-data-sheet.pdf"),
+        },
     ),
     "MI355X": dict(
         arch="gfx950",
         compute_units=256,
         lds_bytes_per_cu=160 * 1024,
         simds_per_cu=4,
-        max_waves_per_simd=8,
         hbm_bytes_per_s=8.0e12,
         bf16_dense_flops=2.5e15,
-        source=(
-            "CUs, LDS: https://rocm.docs.amd.com/en/latest/reference/gpu-specs.html; "
-            "8 TB/s HBM3E, 2.5 PFLOPS dense bf16: AMD Instinct MI355X product page, "
-            "https://www.amd.com/en/products/accelerators/instinct/mi350/mi355x.html; "
-            "waves per SIMD: AMD CDNA 4 ISA reference guide"
-        ),
+        sources={
+            "CUs, LDS": _ROCM_SPECS,
+            "HBM, bf16": ("AMD Instinct MI355X GPU",
+                          "https://www.amd.com/en/products/accelerators/instinct/mi350/"
+                          "mi355x.html"),
+        },
     ),
     "H100/H200 (sm_90)": dict(
         arch="sm_90",
@@ -53,10 +53,12 @@ DEVICES = {
         max_blocks_per_sm=32,
         smem_bytes_per_sm=228 * 1024,
         smem_reserved_per_block=1024,
-        source=(
-            "CUDA C++ Programming Guide, 'Compute Capabilities', technical "
-            "specifications per compute capability (9.0)"
-        ),
+        sources={
+            "limits": ("CUDA C++ Programming Guide, technical specifications per compute "
+                       "capability (9.0)",
+                       "https://docs.nvidia.com/cuda/cuda-c-programming-guide/"
+                       "#features-and-technical-specifications"),
+        },
     ),
 }
 
@@ -106,7 +108,7 @@ def amd_waves_per_simd(target: Target, llvm_occupancy: int, lds_bytes: int,
     ``LDS per CU // lds_bytes`` times.
     """
     spec = target.spec
-    waves = min(llvm_occupancy, spec["max_waves_per_simd"])
+    waves = llvm_occupancy
     if lds_bytes > 0:
         groups = spec["lds_bytes_per_cu"] // lds_bytes
         waves = min(waves, groups * num_warps // spec["simds_per_cu"])

@@ -135,14 +135,14 @@ def compile_slot(slots: Path | None, jobs: int):
 
 
 def run_target(target_name: str, cache: Path, slots: Path | None = None,
-               jobs: int = 1) -> list[dict]:
+               jobs: int = 1, candidates: bool = False) -> list[dict]:
     """Records (kernel, case, config, options, expect, key, cached, facts) of
     every spec of the target."""
     from triton.compiler import make_backend
 
     target = TARGETS[target_name]
     backend = type(make_backend(target.gpu_target()))
-    specs = build_specs(target)
+    specs = build_specs(target, candidates)
     by_key: dict[str, list] = {}
     for spec in specs:
         module, name = spec.fn_name.split(":")
@@ -179,12 +179,13 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=Path, required=True)
     p.add_argument("--slots", type=Path, help="directory of the compile-slot lock files")
     p.add_argument("--jobs", type=int, default=1, help="compile slots shared by all workers")
+    p.add_argument("--candidates", action="store_true", help="the candidate tiles instead")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("compile worker: TRITON_INTERPRET must be unset", file=sys.stderr)
         return 2
-    records = run_target(args.target, args.cache, args.slots, args.jobs)
+    records = run_target(args.target, args.cache, args.slots, args.jobs, args.candidates)
     args.out.write_text(json.dumps(records))
     return 0
 

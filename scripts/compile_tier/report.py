@@ -129,7 +129,8 @@ def candidate_table(docs: dict[str, dict], cand_docs: dict[str, dict]) -> str:
             if row["kernel"] == "paged_context_attention":
                 chosen[row["case"].split("_")[0]] = row["config"]
         lines.append(f"**{name}** ([`candidates-{name}.json`](../benchmarks/results/compile/"
-                     f"candidates-{name}.json); worst of bf16, fp16, fp8 caches, fp8 + window + split)")
+                     f"candidates-{name}.json); worst of bf16, fp16, fp8 caches, "
+                     "fp8 + window + split)")
         lines.append("")
         if amd:
             lines.append("| D | tile | chosen | VGPR + AGPR | VGPR spills | scratch B "

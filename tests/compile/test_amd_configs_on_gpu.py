@@ -81,3 +81,11 @@ SHUFFLE_CASES = [
 @pytest.mark.parametrize("case", SHUFFLE_CASES + fetch_tests.GPU_CASES, ids=lambda c: c.name)
 def test_fetch_kv_wave64_warps_bit_exact(case, path, device, as_gfx942):
     fetch_tests.run_case(case, device, path=path)
+
+
+@pytest.mark.parametrize("path", fetch_tests.PATHS)
+@pytest.mark.parametrize("case", SHUFFLE_CASES, ids=lambda c: c.name)
+def test_fetch_kv_small_shuffle_pages_bit_exact(case, path, device):
+    """The same SHUFFLE pages with this GPU's own warp counts (on sm_90 an fp8
+    page of D 64 gets 2 warps)."""
+    fetch_tests.run_case(case, device, path=path)

@@ -40,7 +40,8 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _fmt_us(seconds: float) -> str:
-    return f"{seconds * 1e6:.3g}"
+    us = seconds * 1e6
+    return f"{us:.3g}" if us < 100 else f"{us:,.0f}"
 
 
 def page(latest: dict) -> str:

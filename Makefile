@@ -35,7 +35,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh rebase fetch readme venv test test-gpu gpu-payload test-gpu-backend bench bench-host report sweep sweep-report e2e clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-gpu gpu-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -87,6 +87,9 @@ bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step)
 
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
+
+compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md
+	$(VPY) scripts/compile_tier.py report
 
 sweep: ## Ray sweep: CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]; into build/sweeps/<config>/ (SWEEP_OUT=)
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) --out $(or $(SWEEP_OUT),$(BUILD)/sweeps/$(basename $(notdir $(CONFIG)))) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)

@@ -38,7 +38,10 @@ such tiles are small (NHD only), ``PAGES_PER_PROGRAM`` consecutive pages of one
 request, so each program has about ``_TILE_BYTES`` in flight.  Pages are
 loaded whole (they are allocated; rows of a group past the request's last page
 read block 0), so loads need no row mask and stay 16-byte vectors in both
-layouts; stores are masked to the slots the request wants.  Work items are
+layouts; stores are masked to the slots the request wants.  A program has
+at most as many warps as leave each thread whole 16-byte vectors of its tile
+(fewer than 4 for small SHUFFLE pages; the AMD compile tier checks the
+widths in the generated code).  Work items are
 numbered so that request ``b`` owns items ``W(b) .. W(b) + n_b - 1`` with
 ``W(b) = cu_seqlens_kv[b] // rows + 2 * b`` (``rows`` = slots per program) --
 a closed form of ``cu_seqlens_kv``, so no work list, cumulative sum or host
@@ -73,6 +76,7 @@ checks only that it has the plan's batch size and index dtypes (its kernel
 reads the plan, not the metadata).
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +102,8 @@ _MAX_REQ_STEP = 1024
 # when pages are small.  Enough bytes in flight per program hide the latency of
 # its block-table lookup; with 4 warps an 8 KiB 16-bit tile is four 16-byte
 # vectors per thread per side, which reaches copy bandwidth on H200 without
-# spilling.
+# spilling.  Smaller tiles (a SHUFFLE page is one page per program) get fewer
+# warps, so that every thread still moves whole 16-byte vectors (_num_warps).
 _TILE_BYTES = 8192
 _MAX_PAGES_PER_PROGRAM = 8
 _NUM_WARPS = 4
@@ -503,6 +508,31 @@ def _pages_per_program(
         _MAX_PAGES_PER_PROGRAM,
         1 << (max(1, _TILE_BYTES // side_bytes).bit_length() - 1),
     )
+
+
+def _num_warps(
+    warp_size: int,
+    rows: int,
+    head_size: int,
+    cache_element_size: int,
+    out_element_size: int,
+) -> int:
+    """Warps of one program, from the target's warp size and the tile.
+
+    _NUM_WARPS, or fewer when the tile has fewer 16-byte vectors of its
+    narrower side than that many warps have threads (each thread would then
+    move 8 bytes or less per access).
+    """
+    elements = rows * triton.next_power_of_2(head_size)
+    vectors = elements * min(cache_element_size, out_element_size) // _VECTOR_BYTES
+    warps = max(1, min(_NUM_WARPS, vectors // warp_size))
+    return 1 << (warps.bit_length() - 1)
+
+
+@functools.cache
+def _gpu_warp_size() -> int:
+    """Threads per warp of this process's GPU (Triton's target), read once."""
+    return triton.runtime.driver.active.get_current_target().warp_size
 
 
 def _num_items(num_tokens: int, rows: int, num_reqs: int) -> int:
@@ -1061,6 +1091,12 @@ def _bind_fetch_kv(
             PLAN_HEADER=_PLAN_HEADER,
             REQ_STEP=_req_step(num_reqs),
         ),
-        num_warps=_NUM_WARPS,
+        num_warps=_num_warps(
+            _gpu_warp_size() if key_cache.is_cuda else 32,
+            pages_per_program * page,
+            head_size,
+            key_cache.element_size(),
+            key_out.element_size(),
+        ),
     )
     return launch, dequant

@@ -729,6 +729,34 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
+def _tile_config(
+    num_tokens: int, num_heads: int, lora_rank: int, rot_dim: int, decode: bool
+) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_L, BLOCK_HALF, BLOCK_T, BLOCK_H, num_warps)`` of one launch.
+
+    The same on every target (the AMD compile tier, scripts/compile_tier,
+    checks the result on gfx942, gfx950 and sm_90); a pure function of the
+    shapes, called by the launch path and the compile tier.
+    """
+    block_l = _pow2(lora_rank)
+    block_half = _pow2(rot_dim // 2)
+    # Widest per-head row a q program tiles: the ql_nope copy (decode) or q_pe.
+    row_elems = block_l if decode else 2 * block_half
+    block_h = min(
+        _pow2(num_heads), _MAX_BLOCK_H, _pow2_floor(_Q_TILE_ELEMS // row_elems)
+    )
+    block_t = (
+        1
+        if decode
+        else min(
+            _pow2_floor(_Q_TILE_ELEMS // (block_h * row_elems)),
+            _pow2_floor(max(1, num_tokens // _MIN_TOKEN_BLOCKS)),
+        )
+    )
+    tile = max(block_t * block_h * row_elems, block_t * (block_l + 2 * block_half))
+    return block_l, block_half, block_t, block_h, 8 if tile >= _BIG_TILE_ELEMS else 4
+
+
 def _kernel_launch(
     *,
     q_pe,
@@ -752,22 +780,9 @@ def _kernel_launch(
     """
     num_tokens, num_heads, rot_dim = q_pe.shape
     lora_rank = kv_c.shape[1]
-    block_l = _pow2(lora_rank)
-    block_half = _pow2(rot_dim // 2)
-    # Widest per-head row a q program tiles: the ql_nope copy (decode) or q_pe.
-    row_elems = block_l if decode else 2 * block_half
-    block_h = min(
-        _pow2(num_heads), _MAX_BLOCK_H, _pow2_floor(_Q_TILE_ELEMS // row_elems)
+    block_l, block_half, block_t, block_h, num_warps = _tile_config(
+        num_tokens, num_heads, lora_rank, rot_dim, decode
     )
-    block_t = (
-        1
-        if decode
-        else min(
-            _pow2_floor(_Q_TILE_ELEMS // (block_h * row_elems)),
-            _pow2_floor(max(1, num_tokens // _MIN_TOKEN_BLOCKS)),
-        )
-    )
-    tile = max(block_t * block_h * row_elems, block_t * (block_l + 2 * block_half))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h) + 1)
     # Strides of the pointers the chosen form does not read: those of q_pe.
     ql_nope = q_pe if ql_nope is None else ql_nope
@@ -804,7 +819,7 @@ def _kernel_launch(
             Q_FP8_MAX=q_fp8_max,
             KV_FP8_MAX=kv_fp8_max,
         ),
-        num_warps=8 if tile >= _BIG_TILE_ELEMS else 4,
+        num_warps=num_warps,
         # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32
         # RoPE, and both forms (separately compiled) write identical bytes.
         enable_fp_fusion=False,

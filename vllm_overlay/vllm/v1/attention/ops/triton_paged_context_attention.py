@@ -136,6 +136,19 @@ _COMBINE_BLOCK_H = 16
 _FP32_BLOCK_M = 64
 _FP32_BLOCK_N = 32
 
+# CDNA (AMD gfx942 / gfx950, wave64): (block_m, block_n, warps, stages) for
+# D <= 128 and for D > 128, from the AMD compile tier's facts (no AMD timing
+# exists; docs/compile-tier.md).  The H200 tile above takes 256 VGPRs + ~130
+# AGPRs there (one wave per SIMD) and spills at D 256.  8 warps keep the
+# 128-row tile (the K/V reuse) with half the rows per wave; one stage and a
+# 32-key tile (16 at D 256) leave room for the fp8 conversions: no spill on
+# either target for any shape of the matrix, and the two waves per SIMD
+# (two programs per CU) the context split assumes.
+_CDNA_TILES = {
+    False: (128, 32, 8, 1),
+    True: (128, 16, 8, 1),
+}
+
 # Interpreter (CPU) launches: small tiles keep numpy work per program small.
 _INTERP_BLOCK_M = 16
 _INTERP_BLOCK_N = 16
@@ -597,6 +610,52 @@ def _combine_splits_kernel(
     )
 
 
+@dataclass(frozen=True)
+class _Tile:
+    """A launch configuration of ``_paged_context_attention_kernel``."""
+
+    block_m: int  # query rows per program: block_q tokens x GROUP_PAD heads
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Tile:
+    """The tile for one target, head size, GQA group and query dtype.
+
+    ``target`` is the Triton ``GPUTarget`` the kernel compiles for (``None``:
+    the CPU interpreter).  A pure function of its arguments: the launch path
+    and the AMD compile tier (scripts/compile_tier) both call it.
+    """
+    large_d = triton.next_power_of_2(head_size) > 128
+    warps = _NUM_WARPS_LARGE_D if large_d else _NUM_WARPS
+    stages = _NUM_STAGES
+    if target is None:
+        block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
+    elif dtype == torch.float32:  # FMA dots: keep the tiles in registers
+        block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
+    elif target.backend == "hip":
+        block_m, block_n, warps, stages = _CDNA_TILES[large_d]
+    else:
+        block_m = _BLOCK_M
+        block_n = _BLOCK_N_LARGE_D if large_d else _BLOCK_N
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(block_m, group_pad)
+    return _Tile(block_m, block_m // group_pad, block_n, warps, stages)
+
+
+def _combine_config(num_heads: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of ``_combine_splits_kernel`` (every target)."""
+    return min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H), _NUM_WARPS
+
+
+@functools.cache
+def _gpu_target():
+    """The Triton target of this process's GPU, read once."""
+    return triton.runtime.driver.active.get_current_target()
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -879,7 +938,8 @@ def paged_context_workspace(
         ),
     )
     device = torch.device(device)
-    tile = _tile_config(dtype, head_size, num_heads // num_kv_heads, device)
+    target = None if device.type != "cuda" else _gpu_target()
+    tile = _tile_config(target, head_size, num_heads // num_kv_heads, dtype)
     splits = _split_count(
         num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
     )
@@ -896,39 +956,6 @@ def paged_context_workspace(
         )
     return PagedContextWorkspace(
         lse, part_out, part_lse, splits, block_table, cu_seqlens_q, seq_lens
-    )
-
-
-@dataclass(frozen=True)
-class _Tile:
-    block_m: int  # query rows (tokens x heads of one GQA group) per program
-    block_n: int  # key tokens per iteration
-    block_q: int  # tokens per program
-    group_pad: int
-    num_warps: int
-    num_stages: int
-
-
-def _tile_config(dtype: torch.dtype, head_size: int, group: int, device) -> _Tile:
-    """The kernel's tile for a query dtype, head size, GQA group and device."""
-    group_pad = triton.next_power_of_2(group)
-    head_dim_pad = triton.next_power_of_2(head_size)
-    interpret = torch.device(device).type != "cuda"
-    if interpret:
-        block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
-    elif dtype == torch.float32:  # FMA dots: keep the tiles in registers
-        block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
-    else:
-        block_m = _BLOCK_M
-        block_n = _BLOCK_N if head_dim_pad <= 128 else _BLOCK_N_LARGE_D
-    block_m = max(block_m, group_pad)
-    return _Tile(
-        block_m=block_m,
-        block_n=block_n,
-        block_q=block_m // group_pad,
-        group_pad=group_pad,
-        num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
-        num_stages=_NUM_STAGES,
     )
 
 
@@ -1200,7 +1227,9 @@ def _bind(
 
     group = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_size)
-    tile = _tile_config(query.dtype, head_size, group, device)
+    # The target is read once per process; this runs once per launch key.
+    target = None if device.type != "cuda" else _gpu_target()
+    tile = _tile_config(target, head_size, group, query.dtype)
     num_q_tiles = num_tokens // tile.block_q + num_reqs
     num_splits = _split_count(
         num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
@@ -1247,7 +1276,7 @@ def _bind(
         ),
         dict(
             GROUP=group,
-            GROUP_PAD=tile.group_pad,
+            GROUP_PAD=triton.next_power_of_2(group),
             BLOCK_Q=tile.block_q,
             BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n,
@@ -1265,7 +1294,7 @@ def _bind(
     )
     if num_splits == 1:
         return _Bound(lse_shape, fp8, attend, scales=scales)
-    block_h = min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H)
+    block_h, combine_warps = _combine_config(num_heads)
     combine = KernelLaunch(
         _combine_splits_kernel,
         (num_tokens, triton.cdiv(num_heads, block_h)),
@@ -1278,7 +1307,7 @@ def _bind(
             *lse_strides,
         ),
         dict(HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h),
-        num_warps=_NUM_WARPS,
+        num_warps=combine_warps,
     )
     return _Bound(lse_shape, fp8, attend, combine, part_shapes, scales)
 

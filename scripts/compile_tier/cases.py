@@ -1,0 +1,453 @@
+"""The shape matrix, and one compile spec per (kernel, shape) the wrappers can meet.
+
+Each spec is what one launch of a series kernel compiles: its runtime
+arguments (representative values, specialised by Triton's own
+``native_specialize_impl`` in the worker, so integer 1s become constexprs and
+multiples of 16 get ``tt.divisibility`` as at a real launch), its constexprs
+and its compile options.  Every tunable comes from the wrapper module's own
+config selection (``_tile_config``, ``_combine_config``, ``_pages_per_program``,
+``_req_step``, ...), called with the compile target; only the mechanical
+mapping of shapes to arguments is written here, and ``build_specs`` refuses
+a spec whose argument names differ from the kernel's.
+
+The matrix (docs/compile-tier.md): head sizes 64 / 128 / 256, block sizes
+16 / 32 / 64, GQA groups 1-16, bf16 / fp16 models, fp8 caches in the target's
+native e4m3 type, NHD and SHUFFLE.  The full product is thousands of compiles;
+every config a wrapper chooses is compiled at a base shape and with every
+value of every other axis at least once (one axis varied at a time), plus the
+heaviest combination per config.  Identical compiles are deduplicated by the
+worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+OPS = "vllm.v1.attention.ops"
+
+HEAD_SIZES = (64, 128, 256)
+BLOCK_SIZES = (16, 32, 64)
+GROUPS = (1, 2, 4, 8, 16)
+MODEL_DTYPES = ("bf16", "fp16")
+NUM_KV_HEADS = 8
+MAX_BLOCKS_PER_REQ = 2048  # block-table row stride
+NUM_REQS = 3  # not 1 (a constexpr at launch) and not a multiple of 16
+MAX_TOKENS = 8192  # token bound of the step buffers
+WINDOW = 4096
+SPLITS = 4
+
+_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "i32": torch.int32, "i64": torch.int64}
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """A pointer argument: its dtype, and whether its allocation passes 2 GiB
+    (a KV cache: the AMD backend then uses no 32-bit buffer offsets)."""
+
+    dtype: torch.dtype
+    big: bool = False
+
+    def data_ptr(self) -> int:
+        return 1 << 20  # 16-byte aligned, as every torch allocation
+
+    def ptr_range(self) -> int:
+        return 1 << 40 if self.big else 1 << 20
+
+
+@dataclass
+class Spec:
+    kernel: str  # the public entry point, for reports
+    fn_name: str  # module:function of the @triton.jit kernel
+    case: str  # shape key
+    config: dict  # what the wrapper chose (tiles, warps, ...), for reports
+    args: dict  # runtime argument -> Ptr | int | float
+    constexprs: dict
+    options: dict
+    expect: dict = field(default_factory=dict)  # extra checks (vector widths)
+
+
+def _module(name: str):
+    return importlib.import_module(f"{OPS}.{name}")
+
+
+def _fp8(target) -> torch.dtype:
+    return getattr(torch, target.fp8_e4m3)
+
+
+def _dname(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype).removeprefix("torch.").replace("float8_", ""))
+
+
+# --------------------------------------------------------------------------
+# paged_context_attention
+# --------------------------------------------------------------------------
+
+
+def _paged_points():
+    """(head, block, group, model, fp8, with_new, window, splits) points."""
+    base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
+                splits=1)
+    points = []
+    for head in HEAD_SIZES:
+        points.append(dict(base, head=head))
+        for model in MODEL_DTYPES:
+            points.append(dict(base, head=head, model=model, fp8=True))
+        points.append(dict(base, head=head, model="fp16"))
+        points.append(dict(base, head=head, with_new=False))
+        points.append(dict(base, head=head, window=True))
+        points.append(dict(base, head=head, splits=SPLITS))
+        points.append(dict(base, head=head, fp8=True, window=True, splits=SPLITS))
+    for block in BLOCK_SIZES:
+        points.append(dict(base, head=128, block=block))
+    for group in GROUPS:
+        points.append(dict(base, head=128, group=group))
+    return points
+
+
+def _paged_spec(target, mod, p, tile, waves_per_eu: int = 0) -> Spec:
+    """The main kernel's spec at point ``p`` with ``tile`` (a ``_Tile``)."""
+    d, bs, g = p["head"], p["block"], p["group"]
+    model = _TORCH[p["model"]]
+    cache = _fp8(target) if p["fp8"] else model
+    hq, hkv = g * NUM_KV_HEADS, NUM_KV_HEADS
+    split = p["splits"] > 1
+    out_dtype = torch.float32 if split else model
+    t = MAX_TOKENS
+    qkv_row = (hq + 2 * hkv) * d  # q / k / v are views of the fused qkv output
+    cache_strides = (hkv * bs * 2 * d, 2 * d, bs * 2 * d)  # packed (blocks, H, bs, 2D)
+    if split:
+        o_strides = (t * hq * d, hq * d, d)
+        l_strides = (hq * t, t, 1)
+    else:
+        o_strides = (0, hq * d, d)
+        l_strides = (0, t, 1)
+    new = p["with_new"]
+    args = dict(
+        q_ptr=Ptr(model), k_cache_ptr=Ptr(cache, True), v_cache_ptr=Ptr(cache, True),
+        k_new_ptr=Ptr(model) if new else Ptr(cache, True),
+        v_new_ptr=Ptr(model) if new else Ptr(cache, True),
+        block_table_ptr=Ptr(torch.int32), cu_seqlens_q_ptr=Ptr(torch.int32),
+        seq_lens_ptr=Ptr(torch.int32),
+        k_scale_ptr=Ptr(torch.float32 if p["fp8"] else torch.int32),
+        v_scale_ptr=Ptr(torch.float32 if p["fp8"] else torch.int32),
+        out_ptr=Ptr(out_dtype), lse_ptr=Ptr(torch.float32),
+        num_reqs=NUM_REQS, num_splits=p["splits"], qk_scale_log2=0.1275,
+        window_left=WINDOW - 1 if p["window"] else 0,
+        stride_qt=qkv_row, stride_qh=d,
+        stride_kb=cache_strides[0], stride_kt=cache_strides[1], stride_kh=cache_strides[2],
+        stride_vb=cache_strides[0], stride_vt=cache_strides[1], stride_vh=cache_strides[2],
+        stride_knt=qkv_row if new else 0, stride_knh=d if new else 0,
+        stride_vnt=qkv_row if new else 0, stride_vnh=d if new else 0,
+        stride_bt=MAX_BLOCKS_PER_REQ,
+        stride_os=o_strides[0], stride_ot=o_strides[1], stride_oh=o_strides[2],
+        stride_ls=l_strides[0], stride_lh=l_strides[1], stride_lt=l_strides[2],
+    )
+    constexprs = dict(
+        GROUP=g, GROUP_PAD=triton.next_power_of_2(g), BLOCK_Q=tile.block_q,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d,
+        HEAD_DIM_PAD=triton.next_power_of_2(d), PAGE_SIZE=bs,
+        USE_WINDOW=p["window"], FP8=p["fp8"], WITH_NEW=new,
+        DOT_IEEE=model == torch.float32, RESCALE_SLACK=mod._RESCALE_SLACK,
+    )
+    case = (f"d{d}_b{bs}_g{g}_{p['model']}_{_dname(cache) if p['fp8'] else 'kv=q'}"
+            f"{'_new' if new else ''}{'_win' if p['window'] else ''}"
+            f"{'_split' if split else ''}")
+    config = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps,
+                  num_stages=tile.num_stages)
+    options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if waves_per_eu:
+        config["waves_per_eu"] = options["waves_per_eu"] = waves_per_eu
+    return Spec("paged_context_attention", "_paged_context_attention_kernel", case, config,
+                args, constexprs, options)
+
+
+def paged_context_specs(target) -> list[Spec]:
+    mod = _module("triton_paged_context_attention")
+    gpu = target.gpu_target()
+    specs, combines = [], {}
+    for p in _paged_points():
+        d, hq, model = p["head"], p["group"] * NUM_KV_HEADS, _TORCH[p["model"]]
+        tile = mod._tile_config(gpu, d, p["group"], model)
+        specs.append(_paged_spec(target, mod, p, tile))
+        if p["splits"] > 1:
+            block_h, warps = mod._combine_config(hq)
+            combines[(d, p["model"], hq)] = (block_h, warps, model)
+
+    for (d, model_name, hq), (block_h, warps, model) in sorted(combines.items()):
+        t = MAX_TOKENS
+        args = dict(
+            part_out_ptr=Ptr(torch.float32), part_lse_ptr=Ptr(torch.float32),
+            out_ptr=Ptr(model), lse_ptr=Ptr(torch.float32), cu_seqlens_q_ptr=Ptr(torch.int32),
+            num_reqs=NUM_REQS, num_splits=SPLITS, num_heads=hq,
+            stride_ps=t * hq * d, stride_pt=hq * d, stride_ph=d,
+            stride_pls=hq * t, stride_plh=t, stride_plt=1,
+            stride_ot=hq * d, stride_oh=d, stride_lh=t, stride_lt=1,
+        )
+        constexprs = dict(HEAD_DIM=d, HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_H=block_h)
+        specs.append(Spec("paged_context_attention (combine)", "_combine_splits_kernel",
+                          f"d{d}_h{hq}_{model_name}", dict(block_h=block_h, num_warps=warps),
+                          args, constexprs, dict(num_warps=warps)))
+    return specs
+
+
+# --------------------------------------------------------------------------
+# fetch_kv / fetch_kv_plan
+# --------------------------------------------------------------------------
+
+
+def _fetch_points(target):
+    """(layout, head, block, cache dtype, out dtype, plan) points."""
+    fp8 = _fp8(target)
+    points = []
+    for layout in ("NHD", "SHUFFLE"):
+        for head in HEAD_SIZES:
+            for block in BLOCK_SIZES:
+                points.append((layout, head, block, torch.bfloat16, torch.bfloat16, True))
+                points.append((layout, head, block, fp8, torch.bfloat16, True))
+            points.append((layout, head, 16, torch.float16, torch.float16, True))
+            points.append((layout, head, 16, fp8, torch.float16, True))
+            points.append((layout, head, 16, torch.bfloat16, torch.bfloat16, False))
+            points.append((layout, head, 16, fp8, torch.bfloat16, False))
+        points.append((layout, 128, 16, fp8, fp8, True))  # an fp8 workspace: a plain copy
+    return points
+
+
+def fetch_kv_specs(target) -> list[Spec]:
+    mod = _module("triton_fetch_kv")
+    specs = []
+    hkv = NUM_KV_HEADS
+    req_step = mod._req_step(NUM_REQS)
+    for layout, d, bs, cache, out, plan in _fetch_points(target):
+        shuffle = layout == "SHUFFLE"
+        es, oes = cache.itemsize, out.itemsize
+        ppp = mod._pages_per_program(bs, d, es, oes, shuffle)
+        width = mod._plan_width(ppp)
+        dequant = cache != out
+        if shuffle:  # (blocks, 2, bs, H * D) unflattened and unbound, as the backend does
+            cstr = (2 * bs * hkv * d, hkv * d, d, 1)
+        else:  # vLLM's packed (blocks, H, bs, 2D) viewed as K / V
+            cstr = (hkv * bs * 2 * d, 2 * d, bs * 2 * d, 1)
+        ostr = (hkv * d, d, 1)
+        args = dict(
+            key_cache_ptr=Ptr(cache, True), value_cache_ptr=Ptr(cache, True),
+            key_out_ptr=Ptr(out), value_out_ptr=Ptr(out),
+            block_table_ptr=Ptr(torch.int32), cu_seqlens_ptr=Ptr(torch.int32),
+            seq_starts_ptr=Ptr(torch.int32), plan_ptr=Ptr(torch.int32),
+            k_scale_ptr=Ptr(torch.float32 if dequant else torch.int32),
+            v_scale_ptr=Ptr(torch.float32 if dequant else torch.int32),
+            num_reqs=NUM_REQS, num_kv_heads=hkv,
+            stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1, stride_cu=1, stride_ss=1,
+            stride_kc_blk=cstr[0], stride_kc_slot=cstr[1], stride_kc_head=cstr[2],
+            stride_kc_dim=cstr[3], stride_vc_blk=cstr[0], stride_vc_slot=cstr[1],
+            stride_vc_head=cstr[2], stride_vc_dim=cstr[3],
+            stride_ko_tok=ostr[0], stride_ko_head=ostr[1], stride_ko_dim=ostr[2],
+            stride_vo_tok=ostr[0], stride_vo_head=ostr[1], stride_vo_dim=ostr[2],
+        )
+        constexprs = dict(
+            HEAD_SIZE=d, BLOCK_D=triton.next_power_of_2(d), PAGE=bs, PAGES_PER_PROGRAM=ppp,
+            SHUFFLE=shuffle, X=mod._VECTOR_BYTES // es if shuffle else 1, DEQUANT=dequant,
+            PLAN=plan, PLAN_WIDTH=width, PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=req_step,
+        )
+        rows = ppp * bs
+        warps = mod._num_warps(target.warp_size, rows, d, es, oes)
+        # Bytes of K and V each thread loads and stores: what 16-byte vectors
+        # must carry (the module docstring's claim).
+        threads = warps * target.warp_size
+        expect = dict(vector_bytes=mod._VECTOR_BYTES,
+                      load_bytes_per_thread=2 * rows * d * es // threads,
+                      store_bytes_per_thread=2 * rows * d * oes // threads)
+        case = (f"{layout.lower()}_d{d}_b{bs}_{_dname(cache)}_to_{_dname(out)}"
+                f"{'_plan' if plan else '_lookup'}")
+        specs.append(Spec("fetch_kv", "_fetch_kv_kernel", case,
+                          dict(pages_per_program=ppp, num_warps=warps), args,
+                          constexprs, dict(num_warps=warps), expect))
+        if plan:
+            pargs = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
+                         cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
+                         num_reqs=NUM_REQS, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
+                         stride_cu=1, stride_ss=1)
+            pconst = dict(PAGE=bs, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=width,
+                          PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=req_step)
+            specs.append(Spec("fetch_kv_plan", "_fetch_kv_plan_kernel",
+                              f"b{bs}_pages{ppp}_reqstep{req_step}",
+                              dict(pages_per_program=ppp, num_warps=mod._PLAN_NUM_WARPS),
+                              pargs, pconst, dict(num_warps=mod._PLAN_NUM_WARPS)))
+    for num_reqs in (200, 5000):  # the request-lookup step grows with the batch
+        step = mod._req_step(num_reqs)
+        pargs = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
+                     cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
+                     num_reqs=num_reqs, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
+                     stride_cu=1, stride_ss=1)
+        ppp = mod._pages_per_program(16, 128, 2, 2, False)
+        pconst = dict(PAGE=16, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=mod._plan_width(ppp),
+                      PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=step)
+        specs.append(Spec("fetch_kv_plan", "_fetch_kv_plan_kernel",
+                          f"b16_pages{ppp}_reqstep{step}",
+                          dict(pages_per_program=ppp, num_warps=mod._PLAN_NUM_WARPS),
+                          pargs, pconst, dict(num_warps=mod._PLAN_NUM_WARPS)))
+    return specs
+
+
+# --------------------------------------------------------------------------
+# mla_rope_concat_and_cache / mla_rope_and_cache
+# --------------------------------------------------------------------------
+
+MLA_L, MLA_R, MLA_NOPE = 512, 64, 128  # DeepSeek-V2/V3: kv_lora_rank, rope dim, nope dim
+MLA_BLOCK = 64
+
+
+def _mla_points():
+    """(decode, tokens, heads, model, cache, q_fp8, neox) points."""
+    base = dict(model="bf16", cache="model", q_fp8=False, neox=False)
+    points = []
+    for heads in (8, 16, 128):  # heads per GPU: TP 16 / 8 / 1 of DeepSeek-V3
+        points.append(dict(base, decode=True, tokens=64, heads=heads))
+    points += [
+        dict(base, decode=True, tokens=64, heads=16, cache="fp8"),
+        dict(base, decode=True, tokens=64, heads=16, cache="fp8", q_fp8=True),
+        dict(base, decode=True, tokens=64, heads=16, neox=True),
+        dict(base, decode=True, tokens=64, heads=16, model="fp16"),
+        dict(base, decode=True, tokens=64, heads=16, model="fp16", cache="fp8", q_fp8=True),
+    ]
+    for tokens in (128, 256, 512, 8192):  # BLOCK_T 1 / 2 / 4 / 8
+        points.append(dict(base, decode=False, tokens=tokens, heads=16))
+    points += [
+        dict(base, decode=False, tokens=8192, heads=16, cache="fp8"),
+        dict(base, decode=False, tokens=8192, heads=128),
+        dict(base, decode=False, tokens=8192, heads=16, neox=True),
+        dict(base, decode=False, tokens=8192, heads=16, model="fp16", cache="fp8"),
+    ]
+    return points
+
+
+def mla_specs(target) -> list[Spec]:
+    mod = _module("triton_mla_rope_cache")
+    specs = []
+    fp8 = _fp8(target)
+    fp8_max = float(torch.finfo(fp8).max)
+    for p in _mla_points():
+        model = _TORCH[p["model"]]
+        cache = fp8 if p["cache"] == "fp8" else model
+        q_out = fp8 if p["q_fp8"] else model
+        t, h, decode = p["tokens"], p["heads"], p["decode"]
+        block_l, block_half, block_t, block_h, warps = mod._tile_config(
+            t, h, MLA_L, MLA_R, decode)
+        q_row = MLA_NOPE + MLA_R  # q_pe is q[..., P:] of q [T, H, P + R]
+        kv_row = MLA_L + MLA_R  # kv_c, k_pe are views of kv_a [T, L + R]
+        args = dict(
+            ql_nope_ptr=Ptr(model), q_pe_ptr=Ptr(model),
+            q_out_ptr=Ptr(q_out) if decode else Ptr(model),
+            kv_c_ptr=Ptr(model), k_pe_ptr=Ptr(model), kv_cache_ptr=Ptr(cache, True),
+            slot_mapping_ptr=Ptr(torch.int64), positions_ptr=Ptr(torch.int64),
+            cos_sin_ptr=Ptr(model),
+            k_scale_ptr=Ptr(torch.float32 if cache == fp8 else torch.int64),
+            q_scale_ptr=Ptr(torch.float32 if p["q_fp8"] else torch.int64),
+            num_tokens=t, num_slots=t, num_heads=h, block_size=MLA_BLOCK,
+            stride_qn_t=h * MLA_L if decode else h * q_row,
+            stride_qn_h=MLA_L if decode else q_row,
+            stride_qp_t=h * q_row, stride_qp_h=q_row,
+            stride_qo_t=h * (MLA_L + MLA_R) if decode else h * q_row,
+            stride_qo_h=MLA_L + MLA_R if decode else q_row,
+            stride_kvc_t=kv_row, stride_kpe_t=kv_row,
+            stride_cache_b=MLA_BLOCK * kv_row, stride_cache_s=kv_row, stride_cs_p=MLA_R,
+        )
+        constexprs = dict(
+            L=MLA_L, HALF=MLA_R // 2, BLOCK_L=block_l, BLOCK_HALF=block_half,
+            BLOCK_T=block_t, BLOCK_H=block_h, IS_NEOX=p["neox"], DECODE=decode,
+            Q_FP8_MAX=fp8_max if p["q_fp8"] else 0.0,
+            KV_FP8_MAX=fp8_max if cache == fp8 else 0.0,
+        )
+        kernel = "mla_rope_concat_and_cache" if decode else "mla_rope_and_cache"
+        case = (f"{'decode' if decode else 'prefill'}_T{t}_h{h}_{p['model']}_kv"
+                f"{_dname(cache) if cache == fp8 else '=model'}"
+                f"{'_qfp8' if p['q_fp8'] else ''}{'_neox' if p['neox'] else '_gptj'}")
+        specs.append(Spec(kernel, "_mla_rope_cache_kernel", case,
+                          dict(block_t=block_t, block_h=block_h, num_warps=warps), args,
+                          constexprs, dict(num_warps=warps, enable_fp_fusion=False)))
+    return specs
+
+
+# Other tiles of paged_context_attention, compiled by `make compile-report`
+# next to the wrappers' choice (not budgeted): the facts that choice rests on
+# (docs/compile-tier.md).  (block_m, block_n, warps, stages, waves_per_eu) per
+# head-size class (D <= 128, D 256); waves_per_eu is an AMD option.
+TILE_CANDIDATES = {
+    "hip": {
+        False: [(128, 64, 4, 2, 0), (128, 64, 4, 1, 0), (128, 64, 4, 1, 2), (128, 64, 8, 1, 0),
+                (128, 64, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0)],
+        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0), (64, 32, 8, 1, 0),
+               (64, 16, 4, 1, 0), (128, 16, 8, 1, 0)],
+    },
+    "cuda": {
+        False: [(128, 64, 4, 2, 0), (128, 64, 8, 2, 0), (128, 128, 8, 2, 0), (64, 64, 4, 2, 0),
+                (128, 32, 4, 2, 0), (128, 64, 8, 3, 0)],
+        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 2, 0), (128, 16, 8, 2, 0),
+               (64, 64, 8, 2, 0)],
+    },
+}
+
+
+def _candidate_points():
+    """The heaviest points of each head size: bf16, fp16, fp8 caches under both,
+    fp8 + window + split."""
+    base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
+                splits=1)
+    for head in HEAD_SIZES:
+        for model in MODEL_DTYPES:
+            yield dict(base, head=head, model=model)
+            yield dict(base, head=head, model=model, fp8=True)
+        yield dict(base, head=head, fp8=True, window=True, splits=SPLITS)
+
+
+def candidate_specs(target) -> list[Spec]:
+    mod = _module("triton_paged_context_attention")
+    specs = []
+    for p in _candidate_points():
+        large = triton.next_power_of_2(p["head"]) > 128
+        group_pad = triton.next_power_of_2(p["group"])
+        for bm, bn, warps, stages, waves in TILE_CANDIDATES[target.backend][large]:
+            tile = mod._Tile(bm, bm // group_pad, bn, warps, stages)
+            spec = _paged_spec(target, mod, p, tile, waves)
+            spec.kernel = "paged_context_attention (candidate tile)"
+            spec.case = f"{spec.case}@{bm}x{bn}w{warps}s{stages}" + (
+                f"wpe{waves}" if waves else "")
+            specs.append(spec)
+    return specs
+
+
+BUILDERS = {
+    "paged_context_attention": ("triton_paged_context_attention", paged_context_specs),
+    "fetch_kv": ("triton_fetch_kv", fetch_kv_specs),
+    "mla_rope_cache": ("triton_mla_rope_cache", mla_specs),
+}
+
+
+def build_specs(target, candidates: bool = False) -> list[Spec]:
+    """Every spec of every kernel for ``target`` (or, ``candidates``: the
+    candidate tiles), argument names checked."""
+    builders = ([("triton_paged_context_attention", candidate_specs)] if candidates
+                else BUILDERS.values())
+    specs, seen = [], set()
+    for module, builder in builders:
+        mod = _module(module)
+        for spec in builder(target):
+            if (spec.fn_name, spec.case) in seen:  # a base point met twice
+                continue
+            seen.add((spec.fn_name, spec.case))
+            fn = getattr(mod, spec.fn_name)
+            spec.fn_name = f"{module}:{spec.fn_name}"
+            runtime = [n for n in fn.arg_names if n not in spec.constexprs]
+            if sorted(runtime) != sorted(spec.args) or any(
+                    n not in fn.arg_names for n in spec.constexprs):
+                raise RuntimeError(
+                    f"compile tier: {spec.fn_name}'s arguments changed; update "
+                    f"scripts/compile_tier/cases.py (kernel: {fn.arg_names}, spec: "
+                    f"{sorted(spec.args) + sorted(spec.constexprs)})")
+            specs.append(spec)
+    return specs

@@ -1,0 +1,181 @@
+"""The AMD compile tier: the series' Triton kernels compiled for gfx942, gfx950
+and sm_90 on this CPU, through the wrappers' own config selection, against
+their resource budgets (docs/compile-tier.md).
+
+``scripts/compile_tier`` builds one compile per (kernel, shape) of the shape
+matrix, runs each target in its own worker processes and caches the facts
+(registers, LDS, scratch, spills, occupancy, vector widths) by kernel source
+hash outside the checkout, so an unchanged kernel costs seconds.  Deselect with
+``-m "not compile"``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from compile_tier.cases import BLOCK_SIZES, GROUPS, HEAD_SIZES  # noqa: E402
+from compile_tier.run import run  # noqa: E402
+from compile_tier.targets import TARGETS  # noqa: E402
+
+pytestmark = pytest.mark.compile
+
+NAMES = tuple(TARGETS)
+
+# The occupancy each kernel's design needs, in waves per SIMD (AMD) or warps
+# per SM (sm_90).  Every kernel is written for at least two co-resident
+# programs per SM, or two waves per SIMD, so that one's memory latency hides
+# behind the other's work (paged_context_attention sizes its context split for
+# two programs per SM); the copy kernels move whole pages per program, so two
+# programs' worth of tiles in flight is the least that keeps HBM busy.
+FLOOR_AMD_WAVES = 2
+FLOOR_SM90_PROGRAMS = 2
+
+# Exceptions, each with its reason: (target, kernel) -> (which cases, why).
+# The H200 tile of paged_context_attention (128 x 64, 4 warps, 2 stages; D
+# 256: 128 x 32, 8 warps) stays as measured: in the H200 tile sweeps
+# (benchmarks/notes/paged_context.md) no other tile was more than 4% faster on
+# any shape with lazy rescaling, spills included.  It changes only with a
+# spill-free tile measured at least as fast there (docs/compile-tier.md).
+_H200_TILE = ("ptxas spills the H200 tile (255 registers at D >= 128), which the H200 "
+              "sweeps measured fastest; kept until a spill-free tile is measured as fast")
+ALLOWED_SPILLS = {
+    ("sm_90", "paged_context_attention"): (lambda case: not case.startswith("d64_"),
+                                           _H200_TILE),
+}
+ALLOWED_LOW_OCCUPANCY = {
+    ("sm_90", "paged_context_attention"): (
+        lambda case: case.startswith("d256_"),
+        ("D 256 on sm_90: one 8-warp program per SM (its registers and shared memory), "
+         "the H200 tile as measured"),
+    ),
+}
+
+
+def _no_amd_backend() -> str:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return "no triton"
+    missing = {"amd", "nvidia"} - set(backends)
+    return f"triton has no {sorted(missing)} backend" if missing else ""
+
+
+@pytest.fixture(scope="session")
+def tier():
+    if reason := _no_amd_backend():
+        pytest.skip(reason)
+    result = run(NAMES, jobs=2)
+    print(f"\ncompile tier: {len(result['records'])} cases, unique {result['unique']}, "
+          f"compiled {result['compiled']}, {result['seconds']} s")
+    return result
+
+
+def _records(tier, target, kernel=None):
+    return [r for r in tier["records"] if r["target"] == target
+            and (kernel is None or r["kernel"] == kernel)]
+
+
+def _failures(lines: list[str]) -> str:
+    return "\n  ".join([f"{len(lines)} cases:"] + lines[:40])
+
+
+@pytest.mark.parametrize("target", NAMES)
+def test_every_config_compiles(tier, target):
+    bad = [f"{r['kernel']} {r['case']}: {r['facts']['error'][:300]}"
+           for r in _records(tier, target) if "error" in r["facts"]]
+    assert not bad, _failures(bad)
+
+
+@pytest.mark.parametrize("target", NAMES)
+def test_no_register_spills(tier, target):
+    """No VGPR spill and no scratch (AMD); no spill stores or loads (ptxas)."""
+    bad = []
+    for r in _records(tier, target):
+        f = r["facts"]
+        if "error" in f or not f["spills"]:
+            continue
+        allowed = ALLOWED_SPILLS.get((target, r["kernel"]))
+        if allowed and allowed[0](r["case"]):
+            continue
+        what = (f"{f['vgpr_spill']} VGPR spills, {f['scratch_bytes']} B scratch"
+                if TARGETS[target].amd else
+                f"{f['spill_stores']} B spill stores, {f['spill_loads']} B spill loads")
+        bad.append(f"{r['kernel']} {r['case']} {r['config']}: {what}")
+    assert not bad, _failures(bad)
+
+
+@pytest.mark.parametrize("target", NAMES)
+def test_occupancy_floors(tier, target):
+    amd = TARGETS[target].amd
+    bad = []
+    for r in _records(tier, target):
+        f = r["facts"]
+        if "error" in f:
+            continue
+        allowed = ALLOWED_LOW_OCCUPANCY.get((target, r["kernel"]))
+        if allowed and allowed[0](r["case"]):
+            continue
+        if amd:
+            if f["waves_per_simd"] < FLOOR_AMD_WAVES:
+                bad.append(f"{r['kernel']} {r['case']} {r['config']}: {f['waves_per_simd']} "
+                           f"waves/SIMD (VGPR {f['vgpr']} + AGPR {f['agpr']}, LDS "
+                           f"{f['lds_bytes']} B) < {FLOOR_AMD_WAVES}")
+        else:
+            programs = f["warps_per_sm"] // r["options"]["num_warps"]
+            if programs < FLOOR_SM90_PROGRAMS:
+                bad.append(f"{r['kernel']} {r['case']} {r['config']}: {programs} programs/SM "
+                           f"({f['regs']} registers, {f['lds_bytes']} B smem) < "
+                           f"{FLOOR_SM90_PROGRAMS}")
+    assert not bad, _failures(bad)
+
+
+@pytest.mark.parametrize("target", NAMES)
+def test_fetch_kv_moves_16_byte_vectors(tier, target):
+    """Every layout fetch_kv's docstring claims moves its pages in 16-byte
+    vectors: the 16-byte loads and stores in the generated code (dwordx4 on
+    AMD, ``.v4.b32`` in PTX) carry all of each thread's K and V bytes, and no
+    narrower store exists (loads narrower than 16 bytes are the request
+    metadata and plan rows)."""
+    records = _records(tier, target, "fetch_kv")
+    assert {r["case"].split("_")[0] for r in records} == {"nhd", "shuffle"}
+    bad = []
+    for r in records:
+        f, want = r["facts"], r["expect"]
+        if "error" in f:
+            continue
+        width = want["vector_bytes"]
+        loads = f["memory_ops"]["load"].get(str(width), 0) * width
+        stores = f["memory_ops"]["store"]
+        narrow = {w: n for w, n in stores.items() if int(w) != width}
+        if loads < want["load_bytes_per_thread"] or narrow or \
+                stores.get(str(width), 0) * width != want["store_bytes_per_thread"]:
+            bad.append(f"{r['case']} {r['config']}: loads {f['memory_ops']['load']}, stores "
+                       f"{stores} (bytes by width); each thread moves "
+                       f"{want['load_bytes_per_thread']} B in, "
+                       f"{want['store_bytes_per_thread']} B out")
+    assert not bad, _failures(bad)
+
+
+def test_the_matrix_is_covered_and_deduplicated(tier):
+    """Every value of every axis reaches the compiler for every target, and
+    identical compiles are compiled once."""
+    for target in NAMES:
+        paged = {r["case"] for r in _records(tier, target, "paged_context_attention")}
+        for d in HEAD_SIZES:
+            assert any(c.startswith(f"d{d}_") for c in paged), (target, d)
+        for bs in BLOCK_SIZES:
+            assert any(f"_b{bs}_" in c for c in paged), (target, bs)
+        for g in GROUPS:
+            assert any(f"_g{g}_" in c for c in paged), (target, g)
+        fp8 = TARGETS[target].fp8_e4m3.removeprefix("float8_")
+        for kernel in ("paged_context_attention", "fetch_kv"):
+            cases = {r["case"] for r in _records(tier, target, kernel)}
+            assert any(fp8 in c for c in cases), (target, kernel, fp8)
+            assert any("fp16" in c for c in cases) and any("bf16" in c for c in cases)
+        assert tier["unique"][target] < len(_records(tier, target))

@@ -1,0 +1,105 @@
+"""The compile tier's parsers and occupancy arithmetic, on hand-written compiler
+output (no compile): what test_compile_tier's budgets are computed from."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from compile_tier import facts, report, roofline  # noqa: E402
+from compile_tier.targets import TARGETS, amd_waves_per_simd, cuda_warps_per_sm  # noqa: E402
+
+AMDGCN = """
+	global_load_dwordx4 v[0:3], v[8:9], off
+	buffer_load_dwordx4 v[4:7], v10, s[0:3], 0 offen
+	buffer_load_dword v11, v12, s[4:7], 0 offen
+	global_load_ubyte v13, v[14:15], off
+	global_store_dwordx2 v[16:17], v[18:19], off
+	buffer_store_short v20, v21, s[8:11], 0 offen
+	s_load_dwordx4 s[0:3], s[4:5], 0x0
+; NumVgprs: 200
+; Occupancy: 2
+	.agpr_count:     48
+	.group_segment_fixed_size: 0
+	.private_segment_fixed_size: 16
+	.sgpr_count:     90
+	.sgpr_spill_count: 3
+	.vgpr_count:     248
+	.vgpr_spill_count: 2
+"""
+
+PTX = """
+	@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+	ld.global.nc.L1::evict_last.v2.b32 { %r5, %r6 }, [ %rd2 + 0 ];
+	ld.global.b32 %r7, [ %rd3 + 0 ];
+	@!%p2 st.global.v4.b32 [ %rd4 + 0 ], { %r1, %r2, %r3, %r4 };
+	st.global.b16 [ %rd5 + 0 ], %rs1;
+	ld.shared.v4.b32 { %r8, %r9, %r10, %r11 }, [ %r12 + 0 ];
+"""
+
+PTXAS = """ptxas info    : 11 bytes gmem
+ptxas info    : Compiling entry function 'kernel' for 'sm_90a'
+ptxas info    : Function properties for kernel
+    312 bytes stack frame, 768 bytes spill stores, 788 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 312 bytes cumulative stack size
+"""
+
+
+def test_amd_memory_ops_count_global_and_buffer_accesses_by_width():
+    assert facts.amd_memory_ops(AMDGCN) == {
+        "load": {1: 1, 4: 1, 16: 2}, "store": {2: 1, 8: 1}}  # s_load_* is not memory data
+
+
+def test_ptx_memory_ops_count_global_accesses_by_width():
+    assert facts.ptx_memory_ops(PTX) == {"load": {4: 1, 8: 1, 16: 1}, "store": {2: 1, 16: 1}}
+
+
+def test_amd_facts_read_the_descriptor_and_cap_waves_by_lds():
+    gfx942 = TARGETS["gfx942"]
+    f = facts.amd_facts(gfx942, AMDGCN, lds_bytes=32784, num_warps=4)
+    assert (f["vgpr"], f["agpr"], f["vgpr_total"], f["sgpr"]) == (200, 48, 248, 90)
+    assert (f["vgpr_spill"], f["sgpr_spill"], f["scratch_bytes"]) == (2, 3, 16)
+    assert f["spills"] and f["llvm_occupancy"] == 2
+    # 64 KiB of LDS per CU holds one 32784-byte workgroup: 4 waves over 4 SIMDs.
+    assert f["waves_per_simd"] == 1
+    assert amd_waves_per_simd(gfx942, 2, 32768, 4) == 2
+    assert amd_waves_per_simd(TARGETS["gfx950"], 2, 32784, 4) == 2  # 160 KiB per CU
+    assert amd_waves_per_simd(gfx942, 8, 0, 1) == 8
+
+
+def test_amd_facts_refuse_output_without_one_descriptor():
+    with pytest.raises(ValueError, match="vgpr_total"):
+        facts.amd_facts(TARGETS["gfx942"], AMDGCN.replace(".vgpr_count", ".x"), 0, 4)
+
+
+def test_cuda_facts_read_ptxas_and_count_resident_warps():
+    sm90 = TARGETS["sm_90"]
+    f = facts.cuda_facts(sm90, PTX, PTXAS, smem_bytes=98320, num_warps=4)
+    assert (f["regs"], f["spill_stores"], f["spill_loads"], f["stack_bytes"]) == (255, 768, 788,
+                                                                                  312)
+    assert f["spills"]
+    # 255 registers -> 8192 per warp: 8 warps fit the 64K register file; the
+    # shared memory fits two 98 KB blocks: two 4-warp programs.
+    assert f["warps_per_sm"] == 8
+    assert cuda_warps_per_sm(sm90, 32, 0, 4) == 64
+    assert cuda_warps_per_sm(sm90, 40, 0, 1) == 32  # the 32-block limit
+
+
+def test_result_files_have_one_line_per_record():
+    doc = {"target": "gfx942", "records": [{"case": "a", "vgpr": 1}, {"case": "b", "vgpr": 2}]}
+    text = report.dumps(doc)
+    assert json.loads(text) == doc
+    assert text.count("\n") == 7
+
+
+def test_roofline_counts_context_and_causal_new_token_flops():
+    shapes = dict(requests=2, new_tokens=3, num_heads=4, head_size=8, context_flops=1000)
+    flops, how = roofline.case_flops("paged_context", shapes)
+    assert flops == 1000 + 4 * 2 * 4 * 8 * (3 * 4 // 2) and how
+    assert roofline.case_flops("fetch_kv", {}) == (0, "")

@@ -76,7 +76,12 @@ test-gpu-backend: ## GPU tier: AITER FA's extend path vs dense attention, vLLM f
 	@test -f .gpu_payload/vllm-src.zip || { echo "no .gpu_payload/: run make gpu-payload (and carry .gpu_payload)" >&2; exit 2; }
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .gpu_payload/whl/*.whl
 	rm -rf $(GPU_SITE)/vllm && $(GPU_PYTHON) -m zipfile -e .gpu_payload/vllm-src.zip $(GPU_SITE)
-	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/aiter_fa $(PYTEST_ARGS)
+	# Two processes: on the GPU machine's torch 2.11, importing vLLM after the
+	# fake tests have registered their torch.library ops fails inside
+	# torch._inductor ("'CustomDecompTable' object is not a mapping"); each file
+	# passes alone (benchmarks/results/logs/*-16dbe25-backend-*-alone.log).
+	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/aiter_fa/test_extend_path.py $(PYTEST_ARGS)
+	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/aiter_fa/test_aiter_fa_fakes.py $(PYTEST_ARGS)
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
 	$(NEED) bench torch triton pytest pytest_benchmark

@@ -20,7 +20,10 @@ AITER FA's extend path does per 32K-token chunk.
 
 ``nbytes`` = K+V bytes read from the cache + K+V bytes written, for the
 fetched tokens only.  Times are CUDA-graph replays (``graph=True``): kernel
-time without host launch overhead.  ``FETCH_KV_BENCH_TILE_BYTES=4096,16384``
+time without host launch overhead, cold: the graph rotates over buffer sets
+(disjoint blocks of one cache pool, their own outputs and plans) holding 4x
+the L2 (benchmarks/timing.py), and every impl, the copy included, gets the
+same rotation; ``results_warm`` is set 0 alone.  ``FETCH_KV_BENCH_TILE_BYTES=4096,16384``
 adds ``ours_tile<N>k`` variants (no plan) run with another ``_TILE_BYTES``
 (tuning).
 
@@ -89,19 +92,26 @@ def _name(layout, cache_dtype, out_dtype, h, d, bs, tokens):
     return f"{layout.lower()}_{dt}_h{h}_d{d}_b{bs}_{tokens // 1024}k"
 
 
-def _setup(layout, cache_dtype, out_dtype, h, d, bs, tokens):
+def _nbytes(layout, cache_dtype, out_dtype, h, d, bs, tokens):
+    """K+V bytes read from the cache + K+V bytes written, for the fetched tokens."""
+    return tokens * h * d * 2 * (cache_dtype.itemsize + out_dtype.itemsize)
+
+
+def _setup_sets(layout, cache_dtype, out_dtype, h, d, bs, tokens, sets=1, shapes=None,
+                buffers=None):
+    """``sets`` buffer sets of one case: one cache pool (randomly permuted blocks,
+    ``SPARE_BLOCKS`` never referenced), each set with its own disjoint blocks,
+    block table, plan and outputs.  Returns one impls dict per set; fills
+    ``shapes`` (when given) with the case's shapes and appends each set's
+    tensors to ``buffers`` (when given; for checks)."""
     gen = torch.Generator().manual_seed(0)
     lens = [int(tokens * s) for s in REQ_SHARES]
     lens[-1] = tokens - sum(lens[:-1])
     lens = [n - 3 if i % 2 else n + 3 for i, n in enumerate(lens)]  # not multiples of bs
     pages = [-(-(s + n) // bs) for s, n in zip(REQ_STARTS, lens)]
-    num_blocks = 1 + sum(pages) + SPARE_BLOCKS
-    perm = (torch.randperm(num_blocks - 1, generator=gen)[: sum(pages)] + 1).to(torch.int32)
-    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = perm[used : used + n]
-        used += n
+    per_set = sum(pages)
+    num_blocks = 1 + sets * per_set + SPARE_BLOCKS
+    perm = (torch.randperm(num_blocks - 1, generator=gen)[: sets * per_set] + 1).to(torch.int32)
     dev = _DEVICE
     if layout == "NHD":  # vLLM 0.33.0's packed cache, viewed as K / V
         raw = torch.empty(num_blocks, h, bs, 2 * d, dtype=cache_dtype, device=dev)
@@ -110,61 +120,85 @@ def _setup(layout, cache_dtype, out_dtype, h, d, bs, tokens):
         raw = torch.empty(num_blocks, 2, bs, h * d, dtype=cache_dtype, device=dev)
         key_cache, value_cache = raw.unflatten(-1, (h, d)).unbind(1)
     raw.view(torch.uint8).random_(0, 0x7F)  # bytes < 0x7f: finite in every dtype
-    key_out = torch.empty(tokens, h, d, dtype=out_dtype, device=dev)
-    value_out = torch.empty_like(key_out)
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(dev)
     seq_starts = torch.tensor(REQ_STARTS, dtype=torch.int32, device=dev)
     token_to_batch = torch.repeat_interleave(
         torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens)).to(dev)
     k_scale = torch.tensor([0.5], device=dev)
     v_scale = torch.tensor([2.0], device=dev)
-    table = table.to(dev)
     dequant = cache_dtype != out_dtype
     scales = {"k_scale": k_scale, "v_scale": v_scale} if dequant else {}
+    tiles = [int(t) for t in os.environ.get("FETCH_KV_BENCH_TILE_BYTES", "").split(",") if t]
 
-    def ours_noplan():
-        fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
-                 kv_cache_layout=layout, **scales)
+    impl_sets = []
+    for index in range(sets):
+        table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+        used = index * per_set
+        for b, n in enumerate(pages):
+            table[b, :n] = perm[used : used + n]
+            used += n
+        table = table.to(dev)
+        key_out = torch.empty(tokens, h, d, dtype=out_dtype, device=dev)
+        value_out = torch.empty_like(key_out)
+        if buffers is not None:
+            buffers.append({"table": table, "key_out": key_out, "value_out": value_out,
+                            "key_cache": key_cache, "value_cache": value_cache,
+                            "seq_starts": seq_starts, "cu_seqlens": cu})
 
-    plan = fetch_kv_plan(table, cu, seq_starts, num_tokens=tokens, block_size=bs, head_size=d,
-                         cache_dtype=cache_dtype, out_dtype=out_dtype, kv_cache_layout=layout)
+        def ours_noplan(table=table, key_out=key_out, value_out=value_out):
+            fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
+                     kv_cache_layout=layout, **scales)
 
-    def ours():
-        fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
-                 kv_cache_layout=layout, max_num_tokens=tokens, plan=plan, **scales)
+        plan = fetch_kv_plan(table, cu, seq_starts, num_tokens=tokens, block_size=bs,
+                             head_size=d, cache_dtype=cache_dtype, out_dtype=out_dtype,
+                             kv_cache_layout=layout)
 
-    variants = {"ours_noplan": ours_noplan}
-    for tile in [int(t) for t in os.environ.get("FETCH_KV_BENCH_TILE_BYTES", "").split(",") if t]:
-        def variant(tile=tile):
-            saved, _fetch_kv_mod._TILE_BYTES = _fetch_kv_mod._TILE_BYTES, tile
-            try:
-                ours_noplan()
-            finally:
-                _fetch_kv_mod._TILE_BYTES = saved
-        variants[f"ours_tile{tile // 1024}k"] = variant
+        def ours(table=table, key_out=key_out, value_out=value_out, plan=plan):
+            fetch_kv(key_cache, value_cache, key_out, value_out, table, cu, seq_starts,
+                     kv_cache_layout=layout, max_num_tokens=tokens, plan=plan, **scales)
 
-    baseline = None
-    if _UPSTREAM is not None:
-        def baseline():
-            _UPSTREAM(key_cache, value_cache, key_out, value_out, table, k_scale, v_scale,
-                      cu, token_to_batch, seq_starts, dequant, layout, tokens)
+        impls = {"ours": ours, "baseline": None, "ours_noplan": ours_noplan}
+        for tile in tiles:
+            def variant(tile=tile, noplan=ours_noplan):
+                saved, _fetch_kv_mod._TILE_BYTES = _fetch_kv_mod._TILE_BYTES, tile
+                try:
+                    noplan()
+                finally:
+                    _fetch_kv_mod._TILE_BYTES = saved
+            impls[f"ours_tile{tile // 1024}k"] = variant
 
-    nbytes = tokens * h * d * 2 * (cache_dtype.itemsize + out_dtype.itemsize)
-    shapes = {
-        "layout": layout, "cache_dtype": str(cache_dtype), "out_dtype": str(out_dtype),
-        "num_kv_heads": h, "head_size": d, "block_size": bs, "tokens": tokens,
-        "req_lens": lens, "seq_starts": list(REQ_STARTS), "num_blocks": num_blocks,
-        "pages_per_program": plan.pages_per_program,
-    }
-    return ours, baseline, variants, nbytes, shapes
+        if _UPSTREAM is not None:
+            def baseline(table=table, key_out=key_out, value_out=value_out):
+                _UPSTREAM(key_cache, value_cache, key_out, value_out, table, k_scale, v_scale,
+                          cu, token_to_batch, seq_starts, dequant, layout, tokens)
+            impls["baseline"] = baseline
+        impl_sets.append(impls)
+
+    if shapes is not None:
+        shapes.update({
+            "layout": layout, "cache_dtype": str(cache_dtype), "out_dtype": str(out_dtype),
+            "num_kv_heads": h, "head_size": d, "block_size": bs, "tokens": tokens,
+            "req_lens": lens, "seq_starts": list(REQ_STARTS), "num_blocks": num_blocks,
+            "pages_per_program": plan.pages_per_program,
+        })
+    return impl_sets
+
+
+def _setup(layout, cache_dtype, out_dtype, h, d, bs, tokens):
+    """One buffer set: (ours, baseline, variants, nbytes, shapes)."""
+    shapes: dict = {}
+    impls = _setup_sets(layout, cache_dtype, out_dtype, h, d, bs, tokens, shapes=shapes)[0]
+    ours, baseline = impls.pop("ours"), impls.pop("baseline")
+    nbytes = _nbytes(layout, cache_dtype, out_dtype, h, d, bs, tokens)
+    return ours, baseline, impls, nbytes, shapes
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: _name(*c))
 def test_fetch_kv(kernel_bench, case):
-    ours, baseline, variants, nbytes, shapes = _setup(*case)
-    kernel_bench(kernel="fetch_kv", case=_name(*case), shapes=shapes, nbytes=nbytes,
-                 impls={"ours": ours, "baseline": baseline, **variants}, graph=True,
-                 notes=_UPSTREAM_MISSING)
+    shapes: dict = {}
+    kernel_bench(kernel="fetch_kv", case=_name(*case), shapes=shapes, nbytes=_nbytes(*case),
+                 buffer_sets=lambda sets: _setup_sets(*case, sets=sets, shapes=shapes),
+                 graph=True, notes=_UPSTREAM_MISSING)
 
 
 # The plan builder: (num_reqs, block_size, tokens); bf16 NHD, D 128.

@@ -2,26 +2,51 @@
 """make bench: run the kernel benchmark suites on the GPU at hand, one JSON per run.
 
 Writes ``<out>/<YYYYmmdd-HHMM>-<device>-<commit>.json`` (pytest-benchmark's
-format; per-case numbers in ``extra_info``, device/versions/commit in
-``machine_info.series``).  ``--out`` defaults to benchmarks/results/.  Needs only
-torch, triton, pytest and pytest-benchmark; run it with the overlay on
-PYTHONPATH (the Makefile does).  ``--suite NAME`` (repeatable) runs only
+format; per-case numbers in ``extra_info``, device/versions/commit/dirty in
+``machine_info.series``, the run's exit status and arguments in
+``machine_info.series.run``) and the run's output beside it in
+``<out>/logs/<same name>.bench.log``; the JSON is sealed (a sha256 of its
+content, scripts/seriestool/results.py) so ``make report`` can tell it from an
+edited one.  ``--out`` defaults to benchmarks/results/.  Needs only torch,
+triton, pytest and pytest-benchmark; run it with the overlay on PYTHONPATH
+(the Makefile does).  ``--suite NAME`` (repeatable) runs only
 benchmarks/bench_NAME.py; other arguments go to pytest (e.g. ``-k fetch_kv``).
 
-On a machine that gets a copy of the tree (without .git, or with a stale one),
-pass the commit: ``SERIES_COMMIT=$(git rev-parse HEAD) SERIES_DIRTY=0 make bench``.
+The commit and the tree's state are read once, here, and passed to the suites
+(SERIES_COMMIT / SERIES_DIRTY).  On a machine that gets a copy of the tree
+(without .git, or with a stale one), pass both, read where the tree's git is:
+``SERIES_COMMIT=$(git rev-parse HEAD) SERIES_DIRTY=0 make bench`` (``1`` when
+``git status`` shows changes to what is measured).  Without SERIES_DIRTY the
+state is recorded as "unknown", and ``make report`` does not use the file.
+
+``--stage DIR`` (on the machine with ``build/vllm``) copies the few upstream
+files the baselines load at run time (AITER FA's gather kernel, the CUDA MLA
+kernel's csrc closure) to DIR; on the GPU machine ``VLLM_PINNED_TREE=DIR``.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchmarks import provenance  # noqa: E402
+from seriestool import results  # noqa: E402  (stdlib only)
+
+# What the baselines read from the pinned tree (benchmarks/upstream_kernels.py,
+# bench_mla_rope_cache.build_cuda_fused).
+PINNED_FILES = ("vllm/v1/attention/backends/rocm_aiter_fa.py",)
 
 
 def _device() -> str:
@@ -35,36 +60,85 @@ def _device() -> str:
     return "cpu"
 
 
-def _commit() -> str:
-    # An explicit SERIES_COMMIT wins: a copied tree's .git can be stale.
-    if os.environ.get("SERIES_COMMIT"):
-        return os.environ["SERIES_COMMIT"][:10]
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def stage_pinned(tree: Path, dest: Path) -> list[str]:
+    """Copy PINNED_FILES and the CUDA MLA kernel's csrc closure from ``tree`` to ``dest``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_mla_rope_cache import csrc_closure, stage_csrc
+
+    for rel in PINNED_FILES:
+        if not (tree / rel).is_file():
+            raise SystemExit(f"{tree / rel} not found: run `make apply` first (or pass --tree)")
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tree / rel, dest / rel)
+    stage_csrc(tree / "csrc", dest / "csrc")
+    return [*PINNED_FILES, *(f"csrc/{rel}" for rel in csrc_closure(dest / "csrc"))]
+
+
+def state_env(env: dict) -> tuple[dict, dict]:
+    """(the run's series state, env for the suites with SERIES_COMMIT / SERIES_DIRTY set)."""
+    state = provenance.series_state(ROOT, env)
+    dirty = state["dirty"]
+    child = {**env, "SERIES_COMMIT": state["commit"]}
+    child["SERIES_DIRTY"] = {True: "1", False: "0"}.get(dirty, "unknown")
+    return state, child
 
 
 def main(argv: list[str]) -> int:
-    out = ROOT / "benchmarks" / "results"
-    suites: list[str] = []
-    while argv[:1] in (["--out"], ["--suite"]):
-        if argv[0] == "--out":
-            out = Path(argv[1])
-        else:
-            suites.append(str(ROOT / "benchmarks" / f"bench_{argv[1]}.py"))
-        argv = argv[2:]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--suite", action="append", default=[],
+                        help="run benchmarks/bench_SUITE.py only (repeatable)")
+    parser.add_argument("--stage", type=Path, default=None, metavar="DIR",
+                        help="copy the upstream files the baselines need to DIR, then exit")
+    parser.add_argument("--tree", type=Path, default=ROOT / "build" / "vllm",
+                        help="the pinned tree --stage reads (default build/vllm)")
+    args, pytest_args = parser.parse_known_args(argv)
+    if args.stage:
+        for rel in stage_pinned(args.tree, args.stage):
+            print(f"[bench] staged {args.stage / rel}")
+        print(f"[bench] on the GPU machine: VLLM_PINNED_TREE={args.stage}")
+        return 0
+
+    state, env = state_env(dict(os.environ))
+    if state["dirty"] == "unknown":
+        print("[bench] WARNING: the tree's state is unknown (SERIES_COMMIT without SERIES_DIRTY, "
+              "or no git): make report will not use this file", flush=True)
+    elif state["dirty"]:
+        print("[bench] WARNING: uncommitted changes to what is measured: the result is marked "
+              "dirty and make report will not use it", flush=True)
+    out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     slug = re.sub(r"[^a-z0-9]+", "-", _device().lower()).strip("-")
-    path = out / f"{stamp}-{slug}-{_commit()}.json"
+    commit = re.sub(r"[^0-9a-zA-Z]+", "", state["commit"])[:10] or "unknown"
+    path = out / f"{stamp}-{slug}-{commit}.json"
+    log = out / "logs" / f"{path.stem}.bench.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    suites = [str(ROOT / "benchmarks" / f"bench_{name}.py") for name in args.suite]
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-           *(suites or [str(ROOT / "benchmarks")]), f"--benchmark-json={path}", "--benchmark-columns=median,rounds",
-           *argv]
-    print(f"[bench] device: {_device()}; results -> {path}", flush=True)
-    rc = subprocess.run(cmd, cwd=ROOT).returncode
-    print(f"[bench] wrote {path}" if path.exists() else "[bench] no results written", flush=True)
+           *(suites or [str(ROOT / "benchmarks")]), f"--benchmark-json={path}",
+           "--benchmark-columns=median,rounds", *pytest_args]
+    print(f"[bench] device: {_device()}; commit {state['commit']} (dirty: {state['dirty']}); "
+          f"results -> {path}", flush=True)
+    started = time.monotonic()
+    with open(log, "w", encoding="utf-8") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sink.write(line)
+        rc = proc.wait()
+    seconds = round(time.monotonic() - started, 1)
+    if not path.exists():
+        print(f"[bench] no results written (pytest exit {rc}); log: {log}", flush=True)
+        return rc or 1
+    data = json.loads(path.read_text())
+    series = data.setdefault("machine_info", {}).setdefault("series", {})
+    series["run"] = {"pytest_exit": rc, "seconds": seconds, "suites": args.suite,
+                     "pytest_args": pytest_args, "log": f"logs/{log.name}"}
+    path.write_text(json.dumps(results.seal(data), indent=4) + "\n")
+    print(f"[bench] wrote {path} and {log} ({seconds} s, pytest exit {rc})", flush=True)
     return rc
 
 

@@ -12,8 +12,14 @@ is decided here, before test modules import the kernels.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# tests/fakes: fakes of vendor libraries (AITER), importable from every test
+# folder and from an engine subprocess that puts this folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
 
 try:
     import torch

@@ -1,50 +1,211 @@
-"""make report turns pytest-benchmark JSON into tables, plots and the README section."""
+"""make report: every figure shown, generated from committed, clean result files."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_report  # noqa: E402
+from seriestool import results  # noqa: E402
+
+ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+       "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_NOSYSTEM": "1"}
 
 
-def _case(kernel, case, nbytes, ours, base, copy):
-    return {"name": f"test_{case}", "extra_info": {
-        "kernel": kernel, "case": case, "nbytes": nbytes, "graph": False, "shapes": {},
-        "results": {"ours": {"us": ours, "gbps": nbytes / ours / 1e3},
-                    "baseline": {"us": base, "gbps": nbytes / base / 1e3},
-                    "copy": {"us": copy, "gbps": nbytes / copy / 1e3}},
-        "speedup": base / ours, "frac_copy": copy / ours}}
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True,
+                          env=ENV).stdout.strip()
 
 
-def _write(path, when, commit, cases):
-    path.write_text(json.dumps({"datetime": when, "machine_info": {"series": {
-        "device": "NVIDIA H200", "commit": commit, "torch": "2.11", "triton": "3.6"}},
-        "benchmarks": cases}))
+def fetch_case(heads: int, speedup: float, frac: float, mode: str = "cold") -> dict:
+    ours = 10.0
+    return {"kernel": "fetch_kv", "case": f"nhd_bf16_h{heads}_d128_b16_32k", "mode": mode,
+            "buffer_sets": 4 if mode == "cold" else 1, "graph": True, "nbytes": heads << 24,
+            "shapes": {"tokens": 32768, "layout": "NHD", "head_size": 128, "num_kv_heads": heads,
+                       "cache_dtype": "torch.bfloat16", "out_dtype": "torch.bfloat16"},
+            "results": {"ours": {"us": ours, "gbps": 1.0}, "baseline": {"us": ours * speedup},
+                        "copy": {"us": ours * frac}},
+            "speedup": speedup, "frac_copy": frac}
 
 
-def test_report_uses_newest_file_and_writes_table_and_plot(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
-    _write(results / "old.json", "2026-11-01T00:00:00", "aaa",
-           [_case("fetch_kv", "h8_32k", 1 << 27, 100.0, 200.0, 90.0)])
-    _write(results / "new.json", "2026-11-30T00:00:00", "bbb",
-           [_case("fetch_kv", "h8_32k", 1 << 27, 40.0, 100.0, 36.0),
-            _case("fetch_kv", "h1_4k", 1 << 20, 5.0, 10.0, 4.0)])
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{bench_report.BEGIN}\nstale\n{bench_report.END}\noutro\n")
-    details = tmp_path / "RESULTS.md"
-    assert bench_report.main(["--results", str(results), "--readme", str(readme),
-                              "--details", str(details)]) == 0
-    text = readme.read_text()
-    assert "stale" not in text and text.startswith("intro\n") and text.endswith("outro\n")
-    assert "| fetch_kv | NVIDIA H200 | 2 | 2.00–2.50× | 80–90% | [`new.json`]" in text
-    table = details.read_text()
-    assert "| h8_32k | 40.0 | 100.0 | 36.0 | 2.50× |" in table and "commit bbb" in table
-    assert "aaa" not in table
-    png = results / "plots" / "fetch_kv-nvidia-h200.png"
-    assert png.read_bytes()[:4] == b"\x89PNG"
+def paged_case(reqs: int, context: int, new: int, ours: float, base: float, fa2: float) -> dict:
+    return {"kernel": "paged_context", "case": f"r{reqs}_ctx{context // 1024}k_new{new}", "mode": "cold",
+            "buffer_sets": 2, "graph": True, "nbytes": 1 << 26,
+            "shapes": {"requests": reqs, "context": context, "new_tokens": new},
+            "results": {"ours": {"us": ours}, "baseline": {"us": base}, "gather_fa2": {"us": fa2},
+                        "gather_only": {"us": base / 10}, "copy": {"us": 1.0}},
+            "speedup": base / ours, "frac_copy": 1.0 / ours}
+
+
+def write(root: Path, name: str, when: str, commit: str, cases: list[dict], *, dirty=False,
+          note: str | None = None, seal: bool = True) -> dict:
+    series = {"device": "NVIDIA H200", "commit": commit, "dirty": dirty, "torch": "2.11", "triton": "3.6",
+              "cuda": "13.0", "hip": None}
+    if note:
+        series["commit_note"] = note
+    data = {"datetime": when, "machine_info": {"series": series},
+            "benchmarks": [{"name": f"test_{c['case']}", "extra_info": c} for c in cases]}
+    data = results.seal(data) if seal else data
+    path = root / "benchmarks" / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return data
+
+
+README = """# Series
+
+Intro without figures.
+
+<!-- gen:status -->
+stale
+<!-- /gen:status -->
+
+fetch_kv runs at <!-- fig:fetch_kv.speedup_32k -->9.9×<!-- /fig --> upstream's gather
+(<!-- fig:fetch_kv.copy_32k -->old<!-- /fig --> of copy); MLA: <!-- fig:mla_rope_cache.prefill_speedup -->x<!-- /fig -->.
+
+<!-- gen:claims:fetch-kv -->
+<!-- /gen:claims:fetch-kv -->
+
+<!-- bench:begin (generated by `make report`) -->
+old table
+<!-- bench:end -->
+
+<!-- gen:skipped -->
+<!-- /gen:skipped -->
+"""
+
+DOCS = """# Benchmarks
+
+<!-- gen:sentence:paged_context -->
+<!-- /gen:sentence:paged_context -->
+
+<!-- gen:kernel:fetch_kv -->
+<!-- /gen:kernel:fetch_kv -->
+"""
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "series"
+    (root / "patches").mkdir(parents=True)
+    (root / "patches" / "0250-paged.patch").write_text(
+        'Subject: x\n---\n+        os.getenv("VLLM_ROCM_AITER_FA_PAGED_CONTEXT_MAX_TOKENS", "512")\n')
+    (root / "README.md").write_text(README)
+    (root / "docs").mkdir()
+    (root / "docs" / "benchmarks.md").write_text(DOCS)
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "series")
+    commit = git(root, "rev-parse", "HEAD")
+    write(root, "20261101-old.json", "2026-11-01T00:00:00", commit,
+          [fetch_case(8, 1.5, 0.5)])
+    write(root, "20261120-new.json", "2026-11-20T00:00:00", commit,
+          [fetch_case(1, 2.04, 0.894), fetch_case(4, 2.27, 0.90), fetch_case(8, 2.35, 0.901)]
+          + [paged_case(1, 8192, 128, 70.0, 100.0, 250.0), paged_case(4, 32768, 128, 800.0, 950.0, 1100.0),
+             paged_case(1, 8192, 1024, 460.0, 520.0, 480.0)])
+    # Newer files that may not back claims:
+    write(root, "20261121-dirty.json", "2026-11-21T00:00:00", commit, [fetch_case(1, 7.0, 0.7)], dirty=True)
+    write(root, "20261122-noted.json", "2026-11-22T00:00:00", commit, [fetch_case(1, 7.1, 0.7)],
+          note="corrected after the run")
+    edited = write(root, "20261123-edited.json", "2026-11-23T00:00:00", commit, [fetch_case(1, 7.2, 0.7)])
+    edited["benchmarks"][0]["extra_info"]["speedup"] = 7.3
+    (root / "benchmarks" / "results" / "20261123-edited.json").write_text(json.dumps(edited))
+    write(root, "20261124-elsewhere.json", "2026-11-24T00:00:00", "1" * 40, [fetch_case(1, 7.4, 0.7)])
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "results")
+    write(root, "20261130-uncommitted.json", "2026-11-30T00:00:00", commit, [fetch_case(1, 7.5, 0.7)])
+    return root
+
+
+def test_report_writes_every_region_from_clean_committed_results(repo, capsys):
+    assert bench_report.main(["--root", str(repo)]) == 0
+    out = capsys.readouterr().out
+    readme = (repo / "README.md").read_text()
+    # Inline figures, rounded; a kernel without clean results reads n/a.
+    assert ("fetch_kv runs at <!-- fig:fetch_kv.speedup_32k -->2.0–2.4×<!-- /fig --> upstream's gather\n"
+            "(<!-- fig:fetch_kv.copy_32k -->89–90%<!-- /fig --> of copy); "
+            "MLA: <!-- fig:mla_rope_cache.prefill_speedup -->n/a<!-- /fig -->.") in readme
+    assert "stale" not in readme and "old table" not in readme
+    status = readme.split("<!-- gen:status -->\n", 1)[1].split("\n<!-- /gen:status -->", 1)[0]
+    assert status.splitlines()[0] == "| topic | what changes | checked on | headline result | details |"
+    row = next(ln for ln in status.splitlines() if ln.startswith("| `fetch-kv` |"))
+    assert "CPU tier; NVIDIA H200 (benchmarks); ROCm: not run" in row
+    assert "2.0–2.4× upstream's gather, 89–90% of copy (32K tokens, cold L2)" in row
+    assert "≤ 512 new tokens: 1.4–3.6× gather + FA2, 1.2–1.4× gather + same kernel" in row
+    assert "[fetch_kv](benchmarks/RESULTS.md#fetch_kv-on-nvidia-h200)" in row
+    assert "no clean result yet" in next(ln for ln in status.splitlines() if "`mla-fusion`" in ln)
+    assert ("- `fetch_kv` gathers cached K/V at 2.0–2.4× the speed of upstream's `cp_mha_gather_cache` and "
+            "89–90% of a same-bytes copy (32K tokens, bf16, NHD, D 128, H_kv 1/4/8; NVIDIA H200, cold L2).") \
+        in readme
+    assert "[`20261120-new.json`](benchmarks/results/20261120-new.json)" in readme
+    for name, reason in (("20261121-dirty.json", "from a dirty tree"),
+                         ("20261122-noted.json", "its commit was edited after the run"),
+                         ("20261123-edited.json", "edited after the run (series_seal does not match"),
+                         ("20261124-elsewhere.json", f"series commit {'1' * 40} is not in this repository")):
+        assert f"- `benchmarks/results/{name}`: {reason}" in readme
+        assert f"benchmarks/results/{name}: not used ({reason}" in out
+    assert "uncommitted" not in readme and "7." not in readme
+    docs = (repo / "docs" / "benchmarks.md").read_text()
+    assert ("the steps the paged route takes (≤ 512 new tokens in total, 8K–32K cached tokens) run at "
+            "1.4–3.6× the speed of gather + FlashAttention-2 and 1.2–1.4× the speed of gather + the same "
+            "Triton kernel over the workspace (1 of 2 at ≥ 1.25×)") in docs
+    assert "### fetch_kv on NVIDIA H200" in docs and "| nhd_bf16_h8_d128_b16_32k | cold ×4 |" in docs
+    details = (repo / "benchmarks" / "RESULTS.md").read_text()
+    assert "## fetch_kv on NVIDIA H200" in details and "## paged_context on NVIDIA H200" in details
+    assert "| r1_ctx8k_new128 | cold ×2 | 70.0 | 100.0 | 250.0 | 10.0 | 1.0 | 1.43× | 3.57× |" in details
+    assert "From `benchmarks/results/20261120-new.json`" in details and "1.50×" not in details
+    assert (repo / "benchmarks" / "results" / "plots" / "fetch_kv-nvidia-h200.png").read_bytes()[:4] == b"\x89PNG"
+    # Run again: nothing changes (the regions are rewritten in place).
+    before = {p: p.read_text() for p in (repo / "README.md", repo / "docs" / "benchmarks.md")}
+    assert bench_report.main(["--root", str(repo), "--no-plots"]) == 0
+    assert {p: p.read_text() for p in before} == before
+
+
+def test_an_unknown_region_stops_the_report_before_writing(repo, capsys):
+    readme = repo / "README.md"
+    readme.write_text(README + "\n<!-- fig:fetch_kv.speedup_64k -->?<!-- /fig -->\n")
+    details = repo / "benchmarks" / "RESULTS.md"
+    assert bench_report.main(["--root", str(repo), "--no-plots"]) == 2
+    assert "fig:fetch_kv.speedup_64k: no such figure" in capsys.readouterr().err
+    assert "stale" in readme.read_text() and not details.exists()
+    for bad, message in (("<!-- gen:kernel:nope -->\n<!-- /gen:kernel:nope -->", "unknown kernel 'nope'"),
+                         ("<!-- gen:claims:nope -->\n<!-- /gen:claims:nope -->", "unknown topic 'nope'"),
+                         ("<!-- gen:tables -->\n<!-- /gen:tables -->", "unknown generated block 'tables'")):
+        readme.write_text(README + bad + "\n")
+        assert bench_report.main(["--root", str(repo), "--no-plots"]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_hand_typed_figures_are_warned_about_and_strict_fails(repo, capsys):
+    readme = repo / "README.md"
+    readme.write_text(README.replace("Intro without figures.", "Intro: fetch_kv is 2.3x upstream."))
+    assert bench_report.main(["--root", str(repo), "--no-plots"]) == 0
+    assert "README.md:3: hand-typed figure '2.3x'" in capsys.readouterr().out
+    assert bench_report.main(["--root", str(repo), "--no-plots", "--strict"]) == 1
+
+
+def test_list_prints_the_figure_names(repo, capsys):
+    assert bench_report.main(["--root", str(repo), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "fetch_kv.speedup_32k = 2.0–2.4×" in out and "paged_context.routed_at_goal = 1 of 2" in out
+    assert not (repo / "benchmarks" / "RESULTS.md").exists()
+
+
+# --- the repository's own results ------------------------------------------------------------
+
+def test_every_committed_result_names_a_commit_of_this_history():
+    """A result's commit must exist here (a typo or a commit from another clone cannot back it)."""
+    shallow = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--is-shallow-repository"],
+                             capture_output=True, text=True)
+    if shallow.returncode or shallow.stdout.strip() == "true":
+        pytest.skip("not a full clone: older commits are absent")
+    bad = {f.path: results.commit_problem(REPO, f.commit) for f in results.committed(REPO)}
+    assert {path: why for path, why in bad.items() if why} == {}

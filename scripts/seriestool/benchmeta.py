@@ -48,23 +48,48 @@ def copy_fraction(case: dict):
     return case.get("frac_copy")
 
 
-def case_table(cases: list[dict]) -> str:
-    """Markdown: every measured variant of every case, speedup and fraction of copy."""
+def _mode(case: dict) -> str:
+    """cold ×N (buffer sets) / warm / flushed (do_bench's L2 flush, files before the rotation)."""
+    mode = case.get("mode") or ("warm" if case.get("graph") else "flushed")
+    sets = case.get("buffer_sets")
+    return f"{mode} ×{sets}" if mode == "cold" and sets else mode
+
+
+def _over(case: dict, impl: str, key: str = "results"):
+    a = case.get(key, {}).get(impl, {})
+    b = case.get(key, {}).get("ours", {})
+    return a["us"] / b["us"] if isinstance(a, dict) and isinstance(b, dict) and a.get("us") \
+        and b.get("us") else None
+
+
+def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
+    """Markdown: every measured variant of every case, speedup and fraction of copy.
+
+    ``compare``: implementations that also get a ratio column (their µs / ours).
+    Cases timed cold carry their warm speedup and fraction of copy beside.
+    """
     extra = sorted({impl for case in cases for impl in case.get("results", {})}
                    - {"ours", "baseline", "copy"})
-    head = "| case | ours µs | baseline µs | " + "".join(f"{impl} µs | " for impl in extra)
-    rows = [head + "copy µs | speedup vs baseline | ours GB/s | of copy BW |",
-            "|---|" + "---:|" * (len(extra) + 6)]
+    warm = any("results_warm" in case for case in cases)
+    head = ("| case | timing | ours µs | baseline µs | " + "".join(f"{impl} µs | " for impl in extra)
+            + "copy µs | speedup vs baseline | " + "".join(f"vs {impl} | " for impl in compare)
+            + "ours GB/s | of copy BW |" + (" warm: speedup | warm: of copy |" if warm else ""))
+    rows = [head, "|---|---|" + "---:|" * (len(extra) + len(compare) + 6 + (2 if warm else 0))]
     for case in cases:
         ours = case.get("results", {}).get("ours", {})
         frac = copy_fraction(case)
-        rows.append(
-            f"| {case.get('case', '?')}{' (graph)' if case.get('graph') else ''} | "
-            f"{_us(case, 'ours')} | {_us(case, 'baseline')} | "
-            + "".join(f"{_us(case, impl)} | " for impl in extra)
-            + f"{_us(case, 'copy')} | {_fmt(case.get('speedup'))}× | "
-            f"{_fmt(ours.get('gbps'), '.0f')} | "
-            f"{_fmt(100 * frac if isinstance(frac, (int, float)) else None, '.0f')}% |")
+        frac_warm = case.get("frac_copy_warm") if case.get("copy_ceiling") is not False else None
+        row = (f"| {case.get('case', '?')} | {_mode(case)} | "
+               f"{_us(case, 'ours')} | {_us(case, 'baseline')} | "
+               + "".join(f"{_us(case, impl)} | " for impl in extra)
+               + f"{_us(case, 'copy')} | {_fmt(case.get('speedup'))}× | "
+               + "".join(f"{_fmt(_over(case, impl))}× | " for impl in compare)
+               + f"{_fmt(ours.get('gbps'), '.0f')} | "
+               f"{_fmt(100 * frac if isinstance(frac, (int, float)) else None, '.0f')}% |")
+        if warm:
+            row += (f" {_fmt(case.get('speedup_warm'))}× | "
+                    f"{_fmt(100 * frac_warm if isinstance(frac_warm, (int, float)) else None, '.0f')}% |")
+        rows.append(row)
     return "\n".join(rows)
 
 

@@ -12,19 +12,21 @@ the changed files, inside the scratch checkout so that the pinned tree's own
 pyproject.toml configures ruff: ``ruff format --check``, ``ruff check`` and
 ``python -m py_compile``.  Then ``dist/<topic>/`` gets ``git format-patch
 --signoff`` output and PR_DESCRIPTION.md, which follows the pinned tree's
-.github/PULL_REQUEST_TEMPLATE.md and is filled from the patch headers and the
-committed benchmark results of the topic's kernels.
+.github/PULL_REQUEST_TEMPLATE.md (Overview, Claims, Validation, Details) and is
+filled from the patch headers and the committed, clean benchmark results of the
+topic's kernels (seriestool/results.py, headlines.py): an overview of two lines,
+at most six claims with rounded figures and hardware, the commands, and the
+per-case tables and per-patch notes folded in ``<details>`` (at most
+MAX_BODY_LINES lines outside the folds).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +34,16 @@ import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import SeriesError, benchmeta, buildtree, gitrepo, patchfile, topics
+from . import (
+    SeriesError,
+    benchmeta,
+    buildtree,
+    gitrepo,
+    headlines,
+    patchfile,
+    results,
+    topics,
+)
 from .pins import load_pins
 
 # Exported commits get the series' fixed date, so the same inputs and the same
@@ -248,62 +259,19 @@ def overlay_message(topic: str, files: list[str]) -> str:
 
 # --- results and the PR description ------------------------------------------------------
 
-def committed_results(root: Path) -> list[tuple[str, dict]]:
-    """(path, parsed JSON) of every benchmarks/results/*.json in the series repo's HEAD."""
-    proc = gitrepo.git(root, "ls-tree", "-r", "--name-only", "HEAD", "--", RESULTS_DIR, check=False)
-    if proc.returncode:
-        return []
-    out = []
-    for path in sorted(proc.stdout.split("\n")):
-        if not path.endswith(".json"):
-            continue
-        blob = gitrepo.git(root, "show", f"HEAD:{path}", check=False).stdout
-        try:
-            data = json.loads(blob)
-        except ValueError:
-            continue
-        if isinstance(data, dict):
-            out.append((path, data))
-    return out
+# The PR body keeps at most this many lines outside <details> folds.
+MAX_BODY_LINES = 60
+MAX_CLAIMS = 6
+_REF_RE = re.compile(r"vllm#(\d+)(?:\s*\(([^)]*)\))?")
+_STATUS_RE = re.compile(r"\b(merged|open|closed|not merged|draft)\b", re.I)
 
 
-def _cases(data: dict, kernel: str) -> list[dict]:
-    return [b["extra_info"] for b in data.get("benchmarks", [])
-            if isinstance(b, dict) and isinstance(b.get("extra_info"), dict)
-            and b["extra_info"].get("kernel") == kernel]
-
-
-def _machine(data: dict) -> dict:
-    info = data.get("machine_info", {})
-    return info.get("series", info) if isinstance(info, dict) else {}
-
-
-def _is_rocm(data: dict) -> bool:
-    return bool(_machine(data).get("hip"))
-
-
-def _hardware(path: str, data: dict) -> str:
-    m = _machine(data)
-    if m.get("hip"):
-        runtime = f"ROCm/HIP {m['hip']}"
-    else:
-        runtime = f"CUDA {m['cuda']}" if m.get("cuda") else "no GPU runtime"
-    commit = str(m.get("commit", "unknown"))[:12]
-    dirty = " (uncommitted changes)" if m.get("dirty") is True else ""
-    return (f"{m.get('device', 'unknown device')}, {runtime}, torch {m.get('torch', '?')}, "
-            f"triton {m.get('triton', '?')}; series commit {commit}{dirty}; "
-            f"{data.get('datetime', 'date unknown')}; `{path}`")
-
-
-def results_for(root: Path, kernels: tuple[str, ...]) -> dict[str, tuple[str, dict] | None]:
-    """Per kernel, the latest committed results file that has cases of it."""
-    files = committed_results(root)
-    chosen: dict[str, tuple[str, dict] | None] = {}
-    for kernel in kernels:
-        having = [(p, d) for p, d in files if _cases(d, kernel)]
-        latest = max(having, key=lambda pd: (str(pd[1].get("datetime", "")), pd[0])) if having else None
-        chosen[kernel] = latest
-    return chosen
+def _hardware(result: results.ResultFile) -> str:
+    m = result.series
+    runtime = f"ROCm/HIP {m['hip']}" if m.get("hip") else (f"CUDA {m['cuda']}" if m.get("cuda")
+                                                           else "no GPU runtime")
+    return (f"{result.device}, {runtime}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}; "
+            f"series commit {result.commit[:12] or 'unknown'}")
 
 
 def test_files_of(root: Path, topic: str, overlay: list[str], patches: list[patchfile.Patch]) -> list[str]:
@@ -342,6 +310,21 @@ def _benchmarked(root: Path, kernels: tuple[str, ...]) -> list[str]:
     return [k for k in kernels if f'kernel="{k}"' in sources or f"kernel='{k}'" in sources]
 
 
+def related_refs(upstream_fields: list[str]) -> list[str]:
+    """``vllm#N (status)`` for every upstream PR/issue the headers name, once each, in order."""
+    out: dict[str, str] = {}
+    for text in upstream_fields:
+        for match in _REF_RE.finditer(text):
+            status = _STATUS_RE.search(match.group(2) or text[match.end():match.end() + 40])
+            out.setdefault(match.group(1), status.group(1).lower() if status else "")
+    return [f"vllm#{n}" + (f" ({st})" if st else "") for n, st in out.items()]
+
+
+def _first_sentence(text: str) -> str:
+    match = re.match(r"(.+?[.!?])(?:\s|$)", text.strip())
+    return (match.group(1) if match else text.strip()).rstrip()
+
+
 def _sections(template: str) -> tuple[str, list[tuple[str, str]], str]:
     """(preamble, [(heading line, body)], footer from the first '---' line on)."""
     lines = template.splitlines()
@@ -360,80 +343,92 @@ def _sections(template: str) -> tuple[str, list[tuple[str, str]], str]:
 
 
 def render_description(template: str, title: str, content: dict[str, str]) -> str:
-    """Fill the template's sections; purpose, test plan and test result always appear."""
-    slots = {"overview": ("purpose",), "purpose": ("purpose",), "summary": ("purpose",),
+    """Fill the template's sections; the overview, claims, validation and details always appear.
+
+    Content keys: ``overview``, ``claims``, ``plan`` (commands), ``result`` (results, folded
+    tables) and ``details``.  The pinned template's Validation takes plan and result; the classic
+    template's Purpose takes overview and claims.
+    """
+    slots = {"overview": ("overview",), "purpose": ("overview", "claims"), "summary": ("overview",),
              "claims": ("claims",), "validation": ("plan", "result"), "test plan": ("plan",),
              "test result": ("result",), "test results": ("result",), "details": ("details",)}
-    headings = {"plan": "### Test Plan", "result": "### Test Result"}
     preamble, sections, footer = _sections(template)
     used: set[str] = set()
     parts = [f"# {title}", ""]
     if preamble.strip():
         parts += [preamble.strip(), ""]
     for heading, body in sections:
-        keys = slots.get(heading[3:].strip().lower())
-        parts.append(heading)
-        parts.append("")
+        keys = [k for k in slots.get(heading[3:].strip().lower(), ()) if k not in used]
+        parts += [heading, ""]
         if not keys:
-            parts += [body.strip(), ""] if body.strip() else []
+            kept = re.sub(r"<!--.*?-->", "", body, flags=re.S).strip()
+            parts += [kept, ""] if kept else []
             continue
         for key in keys:
-            if len(keys) > 1:
-                parts += [headings[key], ""]
-            parts += [content[key].strip(), ""]
+            if content.get(key, "").strip():
+                parts += [content[key].strip(), ""]
             used.add(key)
-    for key, heading in (("purpose", "## Purpose"), ("plan", "## Test Plan"), ("result", "## Test Result")):
-        if key not in used:
-            parts += [heading, "", content[key].strip(), ""]
+    for key, heading in (("overview", "## Overview"), ("claims", "## Claims"), ("plan", "## Validation"),
+                         ("result", None), ("details", "## Details")):
+        if key not in used and content.get(key, "").strip():
+            parts += ([heading, ""] if heading else []) + [content[key].strip(), ""]
     if footer.strip():
         parts.append(footer.strip())
     return "\n".join(parts).rstrip() + "\n"
 
 
+def lines_outside_folds(text: str) -> int:
+    """Lines of a Markdown body outside <details> ... </details> (what a reviewer scrolls)."""
+    count, depth = 0, 0
+    for line in text.splitlines():
+        opens, closes = line.count("<details"), line.count("</details>")
+        if depth == 0 and not opens:
+            count += 1
+        depth = max(0, depth + opens - closes)
+    return count
+
+
+def _fold(summary: str, body: str) -> list[str]:
+    return ["<details>", f"<summary>{summary}</summary>", "", body.strip(), "", "</details>"]
+
+
 def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches: list[patchfile.Patch],
              overlay: list[str], changed: list[str], template: str | None, series_commit: str) -> str:
+    """The PR body in the pinned template's sections (Overview, Claims, Validation, Details):
+    short, with every figure rounded from committed results (seriestool/headlines.py) and the
+    per-case tables and per-patch notes folded."""
     root = layout.root
     kernels = topics.TOPIC_KERNELS.get(topic, ())
     title = f"[ROCm] {topics.TOPIC_TITLES.get(topic, topic)}"
     fields = [p.fields() for p in patches]
+    selection = results.select(root)
+    heads = {k: headlines.headline(root, k, f) for k in kernels if (f := selection.latest(k))}
 
-    why = [f["Why"] for f in fields if f.get("Why")]
-    links = list(dict.fromkeys(r for f in fields if (r := related(f.get("Upstream", "")))))
-    purpose = [f"**Purpose.** {topics.TOPIC_TITLES.get(topic, topic)}."]
-    purpose += [f"- {w}" for w in why]
-    purpose += [f"- New `{f}`: {_docstring_line(layout.overlay / f)}" for f in overlay]
-    purpose += ["", "**Related issues/PRs:** " + ("; ".join(links) if links else "none")]
+    problem = next((_first_sentence(f["Why"]) for f in fields if f.get("Why")), "")
+    refs = related_refs([f.get("Upstream", "") for f in fields])
+    overview = [f"**{topics.TOPIC_TITLES.get(topic, topic)}** (vLLM {pins['VLLM_VERSION']})."
+                + (f" {problem}" if problem else ""),
+                "Related: " + (", ".join(refs) if refs else "none") + "."]
 
-    chosen = results_for(root, kernels)
-    claims = [f"- {p.subject}" for p in patches]
-    if overlay:
-        claims.append(f"- New files: {', '.join(f'`{f}`' for f in overlay)}")
-    for kernel, found in chosen.items():
-        if not found:
-            continue
-        cases = _cases(found[1], kernel)
-        speedups = [c["speedup"] for c in cases if isinstance(c.get("speedup"), (int, float))]
-        speedups = speedups or [r["speedup"] for r in benchmeta.host_cases(found[1], kernel)
-                                if isinstance(r.get("speedup"), (int, float))]
-        if speedups:
-            device = _machine(found[1]).get("device", "unknown device")
-            claims.append(f"- `{kernel}`: {min(speedups):g}–{max(speedups):g}× the speed of its baseline "
-                          f"(median {statistics.median(speedups):.2f}×) over {len(speedups)} "
-                          f"cases on {device} (baseline and table under Test Result)")
+    claims = [c for k in kernels if k in heads for c in heads[k].claims][:MAX_CLAIMS]
+    for patch in patches:
+        if len(claims) >= MAX_CLAIMS:
+            break
+        claims.append(f"{patch.subject}.")
+    if overlay and len(claims) < MAX_CLAIMS:
+        claims.append(f"New files: {', '.join(f'`{f}`' for f in overlay)}.")
 
     py = [f for f in changed if f.endswith((".py", ".pyi"))]
     tests = test_files_of(root, topic, overlay, patches)
     upstream_tests = [f for f in changed if f.startswith("tests/") and Path(f).name.startswith("test_")]
-    plan = ["Upstream CI's lint on the changed files, from the vLLM checkout (its pyproject.toml):", "",
-            "```sh"]
+    plan = ["From a vLLM checkout with this PR (upstream CI's lint, its pyproject.toml):", "", "```sh"]
     if py:
         plan += [f"ruff format --check {' '.join(py)}", f"ruff check {' '.join(py)}",
                  f"python -m py_compile {' '.join(py)}"]
     if upstream_tests:
         plan += [f"pytest -q {' '.join(upstream_tests)}"]
-    plan += ["```", "",
-             f"In the series repository (vLLM {pins['VLLM_VERSION']} + the AITER series; "
-             "`make pr TOPIC=" + topic + "` runs the lint above):", "", "```sh",
+    plan += ["```", "", f"In the series repository (vLLM {pins['VLLM_VERSION']} + the AITER series; "
+             f"`make pr TOPIC={topic}` runs the lint above):", "", "```sh",
              "make apply venv   # pinned sdist, build/vllm, CPU test environment"]
     if tests:
         plan += [f"PYTHONPATH=build/vllm .venv/bin/python -m pytest -q -p no:cacheprovider {' '.join(tests)}"
@@ -446,55 +441,51 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
                  "   # GPU tier: compiled, real sizes"]
     benched = _benchmarked(root, kernels)
     if benched:
-        plan += ["make bench   # GPU: writes benchmarks/results/<date>-<device>-<commit>.json "
-                 f"(kernels {', '.join(benched)} among them)"]
+        plan += [f"make bench   # GPU: benchmarks/results/<date>-<device>-<commit>.json ({', '.join(benched)})"]
     plan += ["```"]
 
     result: list[str] = []
-    for kernel in kernels:
-        found = chosen.get(kernel)
-        if not found:
-            result += [f"**`{kernel}`**: no committed benchmark results.", ""]
-            continue
-        path, data = found
-        cases = _cases(data, kernel)
-        host = benchmeta.host_cases(data, kernel)
-        result += [f"**`{kernel}`** on {_hardware(path, data)}", ""]
-        if host and not any("results" in c for c in cases):
-            result += ["Host (CPU) cost per step, the unpatched functions (before) vs this PR "
-                       "(after), timed by pytest-benchmark:", "", benchmeta.host_table(host), ""]
-            continue
-        baseline = benchmeta.baseline_of(root, kernel, cases)
-        if baseline:
-            result += [f"Baseline: {baseline}. `copy` is a same-bytes device copy in the same run.", ""]
-        result += [benchmeta.case_table(cases), ""]
-    if not kernels:
-        result += ["No benchmark kernels belong to this topic.", ""]
-    tested = [(p.name, p.fields().get("Tested on", "")) for p in patches]
-    if tested:
-        result += ["Tests, as each patch header records them:", ""]
-        result += [f"- `{name}`: {text or 'not recorded'}" for name, text in tested]
-        result.append("")
-    rocm = {k for k in kernels if any(_is_rocm(d) and _cases(d, k) for _, d in committed_results(root))}
+    files = list(dict.fromkeys(h.result.path for h in heads.values()))
+    for path in files:
+        kern = [k for k, h in heads.items() if h.result.path == path]
+        result.append(f"Results: `{path}` ({_hardware(heads[kern[0]].result)}; "
+                      f"{', '.join(f'`{k}`' for k in kern)}).")
+    missing = [k for k in kernels if k not in heads]
+    if missing:
+        result.append(f"No committed clean results for {', '.join(f'`{k}`' for k in missing)}.")
+    rocm = {k for k, h in heads.items() if h.result.rocm}
     not_rocm = [f"benchmarks of {', '.join(f'`{k}`' for k in kernels if k not in rocm)}"] \
         if any(k not in rocm for k in kernels) else []
-    not_rocm.append("the AITER code paths (tests marked `rocm`): "
-                    "the series repository holds no ROCm test results")
-    result.append("Not run on ROCm hardware: " + "; ".join(not_rocm) + ".")
+    not_rocm.append("the AITER code paths (tests marked `rocm`): the series repository holds no ROCm "
+                    "test results")
+    result += ["", "Not run on ROCm hardware: " + "; ".join(not_rocm) + "."]
+    for kernel, h in heads.items():
+        cases = h.result.cases(kernel)
+        host = benchmeta.host_cases(h.result.data, kernel) if not cases else []
+        baseline = ("the unpatched functions, host code timed by pytest-benchmark" if host
+                    else benchmeta.baseline_of(root, kernel, cases))
+        body = "\n\n".join(x for x in [h.sentence, f"Baseline: {baseline}." if baseline else "",
+                                       benchmeta.host_table(host) if host
+                                       else benchmeta.case_table(cases, h.compare)] if x)
+        result += [""] + _fold(f"Per-case results: <code>{kernel}</code> on {h.device}", body)
 
-    details = []
-    for patch, f in zip(patches, fields, strict=True):
-        details += [f"**{patch.subject}** (`{', '.join(patch.files())}`)", ""]
-        details += [f"- {k}: {f[k]}" for k in ("Why", "How", "Upstream", "Drop when") if f.get(k)]
-        details.append("")
+    details = [f"- `{p.name}`: {_first_sentence(f.get('How') or p.subject)}"
+               for p, f in zip(patches, fields, strict=True)]
     if overlay:
-        details += ["New files (none replaces an upstream file):", ""] + [f"- `{f}`" for f in overlay] + [""]
-    details.append(f"Generated by `make pr TOPIC={topic}` from series commit {series_commit}; applies on "
-                   f"vLLM {pins['VLLM_VERSION']} (upstream {pins['VLLM_COMMIT']}) by itself, without the "
-                   f"series' other topics.")
+        details.append(f"- New files (none replaces an upstream file): {', '.join(f'`{f}`' for f in overlay)}.")
+    notes = []
+    for patch, f in zip(patches, fields, strict=True):
+        notes += [f"**{patch.subject}** (`{', '.join(patch.files())}`)", ""]
+        notes += [f"- {k}: {f[k]}" for k in ("Why", "How", "Upstream", "Drop when", "Tested on") if f.get(k)]
+        notes.append("")
+    notes += [f"- `{f}`: {_docstring_line(layout.overlay / f)}" for f in overlay]
+    details += [""] + _fold("Why and how, per patch", "\n".join(notes))
+    details += ["", f"Generated by `make pr TOPIC={topic}` from series commit {series_commit}; applies on "
+                f"vLLM {pins['VLLM_VERSION']} (upstream {pins['VLLM_COMMIT']}) by itself, without the "
+                f"series' other topics."]
 
-    content = {"purpose": "\n".join(purpose), "claims": "\n".join(claims), "plan": "\n".join(plan),
-               "result": "\n".join(result), "details": "\n".join(details)}
+    content = {"overview": "\n".join(overview), "claims": "\n".join(f"- {c}" for c in claims),
+               "plan": "\n".join(plan), "result": "\n".join(result), "details": "\n".join(details)}
     return render_description(template or FALLBACK_TEMPLATE, title, content)
 
 

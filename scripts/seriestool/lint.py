@@ -4,6 +4,10 @@ Findings, each one line naming the file:
   * series entries that do not exist, duplicates, patch files not in series,
     names not of the form NNNN-slug.patch;
   * headers missing a field (patchfile.HEADER_FIELDS) or naming an unknown topic;
+  * headers carrying a figure (figures.find_figures: ratios, %, times, rates,
+    test counts) or naming a result file (benchmarks/results/...) that is not
+    committed: figures live in result files and the text made from them;
+    headers longer than MAX_HEADER_LINES (15) lines;
   * diffs with ``index`` lines (not refreshed);
   * overlay files that shadow a file upstream already has;
   * overlay files with no topic or an unknown one (patches/overlay-topics);
@@ -20,7 +24,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, export, gitrepo, patchfile, sdist, topics
+from . import SeriesError, export, figures, gitrepo, patchfile, sdist, topics
 from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
@@ -68,8 +72,51 @@ def lint_series_files(layout: Layout) -> list[str]:
     return findings
 
 
+MAX_HEADER_LINES = 15
+
+
+def lint_header_claims(layout: Layout) -> list[str]:
+    """Patch headers state stable facts, briefly: no figure, only committed result files,
+    at most MAX_HEADER_LINES lines.
+
+    A header's ``Tested on`` names tiers and the result files or test ids that
+    back it; the numbers are in those files and rendered by ``make report`` /
+    ``make pr``.  A result file must be committed (``git ls-files``; on disk
+    when the series repository is not a git checkout).  A header longer than
+    MAX_HEADER_LINES is an essay: the design notes belong in docs/ or the PR.
+    """
+    findings = []
+    tracked = None
+    if gitrepo.is_repo(layout.root):
+        listed = gitrepo.git(layout.root, "ls-files", "--", "benchmarks/results", check=False)
+        tracked = set(listed.stdout.splitlines()) if listed.returncode == 0 else None
+    for name in dict.fromkeys(patchfile.read_series(layout.patches)):
+        path = layout.patches / name
+        if not path.is_file():
+            continue  # lint_series_files reports it
+        try:
+            header = patchfile.parse(path).header
+        except SeriesError:
+            continue
+        if len(header) > MAX_HEADER_LINES:
+            findings.append(f"patches/{name}: header has {len(header)} lines, more than "
+                            f"{MAX_HEADER_LINES}: keep Subject/Topic/Why/How/Upstream/Drop when/"
+                            "Tested on to the stable facts")
+        for lineno, line in enumerate(header, 1):
+            for fig in figures.find_figures(line):
+                findings.append(f"patches/{name}:{lineno}: header carries a figure ({fig.kind}) "
+                                f"{fig.text!r}: name the result file or test instead")
+            for ref in figures.RESULT_FILE_RE.findall(line):
+                ref = ref.rstrip(".:")
+                known = ref in tracked if tracked is not None else (layout.root / ref).is_file()
+                if not known:
+                    findings.append(f"patches/{name}:{lineno}: header names {ref}, which is not a "
+                                    f"committed result file")
+    return findings
+
+
 def lint(layout: Layout) -> list[str]:
-    findings = lint_series_files(layout)
+    findings = lint_series_files(layout) + lint_header_claims(layout)
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     pristine = _pristine_files(sdist_file)

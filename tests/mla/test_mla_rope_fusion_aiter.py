@@ -1,12 +1,14 @@
 """The AITER decode path: rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla.
 
-CPU tier: a fake ``aiter`` package in ``sys.modules`` whose op records its
-arguments (the mapping from vLLM's layouts: cos/sin halves as views of vLLM's
-cache, the fp8 cache as fp8 not uint8, dense ``q_nope``, 2-D ``k_pe``) and
-computes AITER's documented semantics in torch, so the whole layer can run
-the AITER path; version skew (a changed signature, a missing op) must make
-the decision fall back, never crash.  ROCm tier: the real op against the
-Triton kernel.
+CPU tier: the strict fake of AITER's op (``tests/fakes/aiter_mla.py``),
+exported as real AITER exports it -- ``(*args, **kwargs)`` over a
+``torch.ops.aiter`` op whose schema names the arguments -- and reading its
+inputs by raw pointer as the HIP kernel does (cos / sin with no stride).
+Checked: detection on that export, the wrapper against a float64 RoPE
+reference at every position (NeoX and GPT-J, padded slots, fp8 caches in both
+e4m3 formats), the cos / sin tensors built once per rotary cache, DCP limits
+decided before the AITER path is chosen, a changed schema failing loudly.
+ROCm tier: the real op against the Triton kernel.
 """
 
 import inspect
@@ -22,18 +24,167 @@ pytest.importorskip(
 )
 
 import _mla_rope_harness as h
+import fake_aiter
 import vllm._aiter_ops as aiter_ops
-from vllm._aiter_ops import rocm_aiter_ops
+from aiter_export import AiterExport
+from aiter_mla import MLA_OP, AiterCheckError, FakeMlaRopeOp
+from vllm._aiter_ops import AiterSchemaError, rocm_aiter_ops
 from vllm.model_executor.layers.attention import mla_rope_kv_cache
 from vllm.model_executor.layers.attention.mla_rope_fusion import (
     RopeKVDecision,
+    RopeKVFacts,
     RopeKVPath,
+    decide_rope_kv_path,
 )
 
+FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+ARCH_OF = {FN: "gfx950", FNUZ: "gfx942"}
 
-def _rotate(x, cos, sin, is_neox):
-    """AITER's RoPE on [..., R] with cos / sin [..., R/2], in fp32."""
-    x = x.float()
+
+def _clear():
+    aiter_ops._aiter_mla_rope_kv_op.cache_clear()
+    aiter_ops._AITER_COS_SIN.clear()
+
+
+@pytest.fixture
+def strict_aiter():
+    """Install the strict fake (as importing real AITER would); returns a
+    function (arch) -> the fake op, which records its calls."""
+    installed = []
+
+    def install(arch=ARCH_OF[h.fp8_dtype()]):
+        fake = fake_aiter.install(arch)
+        installed.append(fake)
+        _clear()
+        return fake.mla_op
+
+    yield install
+    for fake in reversed(installed):
+        fake.uninstall()
+    _clear()
+
+
+# --- detection on the real export shape ----------------------------------------
+
+def test_detected_through_the_guard_export(strict_aiter):
+    op = strict_aiter()
+    from aiter.ops.cache import fused_qk_rope_concat_and_cache_mla as export
+
+    # What patch 0302's first probe read: nothing but (*args, **kwargs).
+    assert list(inspect.signature(export).parameters) == ["args", "kwargs"]
+    assert rocm_aiter_ops.mla_rope_kv_op_support() == (None, True)
+    assert not op.calls
+
+
+def _skewed_export(params: str, annotations: dict | None = None) -> AiterExport:
+    """An AITER whose stub (hence registered schema) has ``params``."""
+    scope = {"Tensor": torch.Tensor}
+    exec(f"def {MLA_OP}({params}) -> None: ...", scope)  # noqa: S102
+    stub = scope[MLA_OP]
+    export = AiterExport()
+    export.register_guarded("aiter.ops.cache", stub, lambda *a, **k: None)
+    return export.install()
+
+
+TENSORS = ("q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_scale, q_scale, "
+           "positions, cos_cache, sin_cache").split(", ")
+ALL = ", ".join(f"{n}: Tensor" for n in TENSORS) + ", is_neox: bool, is_nope_first: bool"
+
+SKEW = [
+    ("without_compute_all_q_rope", ALL, None, False),
+    ("with_compute_all_q_rope", ALL + ", compute_all_q_rope: bool = False", None, True),
+    ("renamed", ALL.replace("cos_cache: Tensor, sin_cache: Tensor",
+                            "cos_sin_cache: Tensor, unused: Tensor"), "schema", None),
+    ("reordered", ALL.replace("q_out: Tensor, slot_mapping: Tensor",
+                              "slot_mapping: Tensor, q_out: Tensor"), "schema", None),
+    ("retyped", ALL.replace("is_neox: bool", "is_neox: int"), "schema", None),
+    ("new_required", ALL + ", rot_dim: int", "schema", None),
+    ("new_optional_unknown", ALL + ", scale_fmt: int = 0", "schema", None),
+    ("fewer", ALL.replace(", is_nope_first: bool", ""), "schema", None),
+]
+
+
+@pytest.mark.parametrize("params, problem, all_q_rope", [s[1:] for s in SKEW],
+                         ids=[s[0] for s in SKEW])
+def test_schema_skew(params, problem, all_q_rope):
+    export = _skewed_export(params)
+    _clear()
+    try:
+        if problem is None:
+            assert rocm_aiter_ops.mla_rope_kv_op_support() == (None, all_q_rope)
+        else:
+            with pytest.raises(AiterSchemaError) as err:
+                rocm_aiter_ops.mla_rope_kv_op_support()
+            msg = str(err.value)
+            # Loud: the op, what the series expects and what AITER registered.
+            assert f"aiter::{MLA_OP}" in msg and "expected:" in msg and "found:" in msg
+            assert "Tensor cos_cache" in msg and "VLLM_ROCM_USE_AITER_MLA_ROPE_KV_FUSION=0" in msg
+            with pytest.raises(AiterSchemaError):
+                rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(*([None] * 12))
+    finally:
+        export.uninstall()
+        _clear()
+
+
+def test_schema_skew_fails_the_layer_at_startup(monkeypatch):
+    """With the AITER fusion asked for, building the layer raises: no model
+    runs with an op whose arguments moved."""
+    from vllm.platforms import current_platform
+
+    export = _skewed_export(ALL.replace("q_out: Tensor, slot_mapping: Tensor",
+                                        "slot_mapping: Tensor, q_out: Tensor"))
+    _clear()
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(rocm_aiter_ops, "is_mla_rope_kv_fusion_enabled",
+                        classmethod(lambda c: True))
+    try:
+        with pytest.raises(AiterSchemaError, match=MLA_OP):
+            mla_rope_kv_cache.MLARopeKVFusion.for_layer(
+                h.make_layer(h.CASES_BY_NAME["decode_only"]), h.make_rope("neox"))
+    finally:
+        export.uninstall()
+        _clear()
+
+
+def test_exported_but_not_registered_is_a_reason(monkeypatch):
+    """An AITER that exports the op without a torch.library registration
+    cannot be checked: refused with a reason, not called blind."""
+    mod = types.ModuleType("aiter.ops.cache")
+    setattr(mod, MLA_OP, lambda *a, **k: None)
+    for name in ("aiter", "aiter.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "aiter.ops.cache", mod)
+    monkeypatch.setattr(torch.ops, "aiter", types.SimpleNamespace())
+    _clear()
+    try:
+        problem, _ = rocm_aiter_ops.mla_rope_kv_op_support()
+    finally:
+        _clear()
+    assert "not registered" in problem
+
+
+def test_missing_op_and_broken_import_are_reasons(monkeypatch):
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("HIP runtime mismatch")
+
+    monkeypatch.setitem(sys.modules, "aiter", Broken("aiter"))
+    monkeypatch.delitem(sys.modules, "aiter.ops", raising=False)
+    monkeypatch.delitem(sys.modules, "aiter.ops.cache", raising=False)
+    _clear()
+    try:
+        problem, _ = rocm_aiter_ops.mla_rope_kv_op_support()
+        assert problem.startswith("import failed:")
+        with pytest.raises(RuntimeError, match="import failed"):
+            rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(*([None] * 12))
+    finally:
+        _clear()
+
+
+# --- the wrapper through the strict fake vs a float64 reference ----------------
+
+def _rope64(x, cos, sin, is_neox):
+    x = x.double()
     if is_neox:
         x1, x2 = x.chunk(2, dim=-1)
     else:
@@ -42,183 +193,233 @@ def _rotate(x, cos, sin, is_neox):
     return torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
 
 
-def _quant(x, scale, dtype):
-    if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        finfo = torch.finfo(dtype)
-        return (x / scale.float()).clamp(finfo.min, finfo.max).to(dtype)
-    return x.to(dtype)
+def _decode_inputs(t, heads, lora, rot, dtype, max_pos, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    inv = 1.0 / 10000 ** (torch.arange(0, rot, 2).double() / rot)
+    freqs = torch.arange(max_pos).double()[:, None] * inv
+    cos_sin64 = torch.cat((freqs.cos(), freqs.sin()), -1)
+    return dict(
+        # The W_UK bmm output is [H, T, L] transposed: not dense.
+        ql_nope=torch.randn(heads, t, lora, generator=g).to(dtype).transpose(0, 1),
+        q_pe=torch.randn(t, heads, 3 * rot, generator=g).to(dtype)[..., rot:2 * rot],
+        kv_c=torch.randn(t, lora, generator=g).to(dtype),
+        k_pe=torch.randn(t, lora + rot, generator=g).to(dtype)[:, lora:].unsqueeze(1),
+        cos_sin64=cos_sin64,
+    )
 
 
-class FakeAiterOp:
-    """Stands in for aiter.ops.cache.fused_qk_rope_concat_and_cache_mla."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-
-    def __call__(self, q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_scale, q_scale,
-                 positions, cos_cache, sin_cache, is_neox, is_nope_first,
-                 compute_all_q_rope=False):
-        self.calls.append(dict(inspect.currentframe().f_locals))
-        cos, sin = cos_cache[positions].float(), sin_cache[positions].float()
-        q = torch.cat((q_nope.float(), _rotate(q_pe, cos[:, None], sin[:, None], is_neox)), -1)
-        rows = torch.cat((kv_c.float(), _rotate(k_pe, cos, sin, is_neox)), -1)
-        flat = kv_cache.view(-1, kv_cache.shape[-1])
-        for t, slot in enumerate(slot_mapping.tolist()):
-            if slot >= 0 or compute_all_q_rope:
-                q_out[t] = _quant(q[t], q_scale, q_out.dtype)
-            if slot >= 0:
-                flat[slot] = _quant(rows[t], k_scale, flat.dtype)
+def _reference(inp, positions, slots, is_neox, rot):
+    half = rot // 2
+    cos = inp["cos_sin64"][positions, :half]
+    sin = inp["cos_sin64"][positions, half:]
+    q = torch.cat((inp["ql_nope"].double(),
+                   _rope64(inp["q_pe"], cos[:, None], sin[:, None], is_neox)), -1)
+    rows = torch.cat((inp["kv_c"].double(), _rope64(inp["k_pe"].squeeze(1), cos, sin,
+                                                    is_neox)), -1)
+    return q, rows
 
 
-@pytest.fixture
-def fake_aiter(monkeypatch):
-    """Install a fake aiter package; returns a setter for its op."""
-    cache_mod = types.ModuleType("aiter.ops.cache")
-    ops_mod = types.ModuleType("aiter.ops")
-    aiter_mod = types.ModuleType("aiter")
-    ops_mod.cache, aiter_mod.ops = cache_mod, ops_mod
-    for name, mod in (("aiter", aiter_mod), ("aiter.ops", ops_mod), ("aiter.ops.cache", cache_mod)):
-        monkeypatch.setitem(sys.modules, name, mod)
-
-    def set_op(op):
-        if op is None:
-            monkeypatch.delattr(cache_mod, "fused_qk_rope_concat_and_cache_mla", raising=False)
-        else:
-            monkeypatch.setattr(cache_mod, "fused_qk_rope_concat_and_cache_mla", op, raising=False)
-        aiter_ops._aiter_mla_rope_kv_op.cache_clear()
-        return op
-
-    yield set_op
-    aiter_ops._aiter_mla_rope_kv_op.cache_clear()
-
-
-def test_argument_mapping(fake_aiter):
-    op = fake_aiter(FakeAiterOp())
-    g = torch.Generator().manual_seed(0)
-    t, max_pos = 3, h.MAX_POS
-    ql_nope = torch.randn(h.N, t, h.L, generator=g).transpose(0, 1)  # bmm output view
-    q = torch.randn(t, h.N, h.P + h.R, generator=g)
-    kv_lora = torch.randn(t, h.L + h.R, generator=g)
-    kv_c = torch.randn(t, h.L, generator=g)
-    cache_u8 = torch.zeros(h.NUM_BLOCKS, h.BLOCK_SIZE, h.L + h.R, dtype=torch.uint8)
-    q_out = torch.empty(t, h.N, h.L + h.R, dtype=h.fp8_dtype())
-    cos_sin = h.make_rope("deepseek_yarn").cos_sin_cache
-    slots = torch.tensor([[9], [4], [-1]])
-    positions = torch.tensor([1, max_pos - 1, 0])
-    k_scale, q_scale = torch.tensor(h.K_SCALE), torch.tensor(h.Q_SCALE)
+@pytest.mark.parametrize("is_neox", [False, True], ids=["gptj", "neox"])
+@pytest.mark.parametrize("heads, lora, rot, block_size, target", [
+    (4, 512, 64, 16, "opt"),        # DeepSeek dims, vLLM's block size 16
+    (2, 512, 64, 1, "per_head"),    # AITER MLA's block size 1
+    (2, 32, 16, 16, "general"),     # small dims: the general decode kernel
+])
+def test_wrapper_matches_float64_rope(strict_aiter, is_neox, heads, lora, rot, block_size,
+                                      target):
+    op = strict_aiter()
+    t, max_pos, dtype = 5, 40, torch.float16
+    inp = _decode_inputs(t, heads, lora, rot, dtype, max_pos)
+    cos_sin = inp["cos_sin64"].to(dtype)  # the rotary cache in the model dtype
+    positions = torch.tensor([1, 7, max_pos - 1, 0, 23])
+    slots = torch.tensor([[1], [-1], [block_size * 2 + 2], [0], [block_size * 8 - 1]])
+    cache = torch.zeros(8, block_size, lora + rot, dtype=dtype)
+    q_out = torch.full((t, heads, lora + rot), float("nan"), dtype=dtype)
+    one = torch.ones(1)
     rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
-        ql_nope, q[..., h.P:], kv_c, kv_lora[:, h.L:].unsqueeze(1), cache_u8, q_out, slots,
-        positions, cos_sin, False, k_scale, q_scale)
+        inp["ql_nope"], inp["q_pe"], inp["kv_c"], inp["k_pe"], cache, q_out, slots,
+        positions, cos_sin, is_neox, one, one)
+    assert [c["target"] for c in op.calls] == [target]
 
-    (a,) = op.calls
-    assert a["q_nope"].is_contiguous() and torch.equal(a["q_nope"], ql_nope)
-    assert a["q_pe"].data_ptr() == q[..., h.P:].data_ptr()  # unit last stride: passed as is
-    assert a["k_pe"].shape == (t, h.R) and a["k_pe"].data_ptr() == kv_lora[:, h.L:].data_ptr()
-    assert a["kv_cache"].dtype == h.fp8_dtype() and a["kv_cache"].data_ptr() == cache_u8.data_ptr()
-    assert a["kv_cache"].shape == cache_u8.shape
-    half = h.R // 2
-    for name, offset in (("cos_cache", 0), ("sin_cache", half)):
-        c = a[name]
-        assert c.shape == (cos_sin.shape[0], half) and c.stride(-1) == 1
-        assert c.data_ptr() == cos_sin.data_ptr() + offset * cos_sin.element_size()  # a view
-        assert torch.equal(c, cos_sin[:, offset:offset + half])
-    assert a["slot_mapping"].shape == (t,) and torch.equal(a["slot_mapping"], slots.flatten())
-    assert a["positions"] is positions and a["k_scale"] is k_scale and a["q_scale"] is q_scale
-    assert a["q_out"] is q_out and a["is_neox"] is False and a["is_nope_first"] is True
-    assert a["compute_all_q_rope"] is False  # not passed unless asked for
+    q_ref, rows_ref = _reference(inp, positions, slots, is_neox, rot)
+    keep = slots.flatten() >= 0
+    torch.testing.assert_close(q_out[keep].double(), q_ref[keep], rtol=2e-3, atol=2e-3)
+    assert q_out[~keep].isnan().all()  # slot -1: q_out rows untouched
+    flat = cache.view(-1, lora + rot)
+    written = torch.zeros(flat.shape[0], dtype=torch.bool)
+    for i, s in enumerate(slots.flatten().tolist()):
+        if s >= 0:
+            torch.testing.assert_close(flat[s].double(), rows_ref[i], rtol=2e-3, atol=2e-3)
+            written[s] = True
+    assert not flat[~written].any()  # nothing else written
 
 
-def test_non_unit_last_stride_is_made_contiguous(fake_aiter):
-    op = fake_aiter(FakeAiterOp())
-    t = 2
-    q_pe = torch.randn(t, h.N, 2 * h.R)[..., ::2]  # last stride 2
+@pytest.mark.parametrize("fp8", [FN, FNUZ], ids=["e4m3fn-gfx950", "e4m3fnuz-gfx942"])
+@pytest.mark.parametrize("quant_query", [False, True], ids=["model-q", "fp8-q"])
+def test_wrapper_fp8_cache(strict_aiter, monkeypatch, fp8, quant_query):
+    """vLLM allocates fp8 caches as uint8: the op gets the platform fp8 type,
+    and values / k_scale (q_out / q_scale) in it."""
+    monkeypatch.setattr(aiter_ops, "FP8_DTYPE", fp8)
+    op = strict_aiter(ARCH_OF[fp8])
+    t, heads, lora, rot, bs, max_pos, dtype = 3, 4, 512, 64, 16, 32, torch.bfloat16
+    inp = _decode_inputs(t, heads, lora, rot, dtype, max_pos, seed=1)
+    positions, slots = torch.tensor([5, 31, 2]), torch.tensor([7, -1, 40])
+    cache = torch.zeros(4, bs, lora + rot, dtype=torch.uint8)
+    q_out = torch.zeros(t, heads, lora + rot, dtype=fp8 if quant_query else dtype)
+    k_scale, q_scale = torch.tensor([0.5]), torch.tensor([0.25])
     rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
-        torch.randn(t, h.N, h.L), q_pe, torch.randn(t, h.L), torch.randn(t, h.R),
-        torch.zeros(h.NUM_BLOCKS, h.BLOCK_SIZE, h.L + h.R), torch.empty(t, h.N, h.L + h.R),
-        torch.tensor([0, 1]), torch.tensor([0, 1]), h.make_rope("neox").cos_sin_cache, True,
-        torch.tensor(1.0), torch.tensor(1.0))
-    assert op.calls[0]["q_pe"].stride(-1) == 1 and torch.equal(op.calls[0]["q_pe"], q_pe)
+        inp["ql_nope"], inp["q_pe"], inp["kv_c"], inp["k_pe"], cache, q_out, slots,
+        positions, inp["cos_sin64"].to(dtype), False, k_scale,
+        q_scale if quant_query else torch.ones(1))
+    (call,) = op.calls
+    assert call["kv_cache"].dtype is fp8 and call["kv_cache"].data_ptr() == cache.data_ptr()
+    q_ref, rows_ref = _reference(inp, positions, slots, False, rot)
+    fp8_rel = 2.0 ** -3  # e4m3: 3 mantissa bits
+    got = cache.view(fp8).view(-1, lora + rot).double() * 0.5
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            torch.testing.assert_close(got[s], rows_ref[i], rtol=fp8_rel, atol=2e-2)
+    qo = q_out.double() * (0.25 if quant_query else 1.0)
+    tol = fp8_rel if quant_query else 1e-2
+    for i in (0, 2):
+        torch.testing.assert_close(qo[i], q_ref[i], rtol=tol, atol=2e-2)
 
 
-def _op_with(params: str):
-    scope: dict = {}
-    exec(f"def fused_qk_rope_concat_and_cache_mla({params}):\n    pass\n", scope)  # noqa: S102
-    return scope["fused_qk_rope_concat_and_cache_mla"]
+def test_cos_sin_built_once_per_rotary_cache(strict_aiter):
+    """One contiguous [max_pos, R/2] cos and sin in the kv_c dtype per rotary
+    cache, shared by every layer and call (not a view of cat(cos, sin))."""
+    op = strict_aiter()
+    t, heads, lora, rot, dtype = 2, 2, 32, 16, torch.float16
+    inp = _decode_inputs(t, heads, lora, rot, dtype, 16)
+    cos_sin = inp["cos_sin64"].float()  # fp32 cache, fp16 model
+    for _layer in range(3):
+        rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
+            inp["ql_nope"], inp["q_pe"], inp["kv_c"], inp["k_pe"],
+            torch.zeros(2, 16, lora + rot, dtype=dtype),
+            torch.empty(t, heads, lora + rot, dtype=dtype), torch.tensor([1, 2]),
+            torch.tensor([3, 4]), cos_sin, True, torch.ones(1), torch.ones(1))
+    cos0, sin0 = op.calls[0]["cos_cache"], op.calls[0]["sin_cache"]
+    assert cos0.is_contiguous() and sin0.is_contiguous() and cos0.shape == (16, rot // 2)
+    assert cos0.dtype is dtype and torch.equal(cos0, cos_sin[:, : rot // 2].to(dtype))
+    assert torch.equal(sin0, cos_sin[:, rot // 2:].to(dtype))
+    assert all(c["cos_cache"] is cos0 and c["sin_cache"] is sin0 for c in op.calls)
+    assert len(aiter_ops._AITER_COS_SIN) == 1
 
 
-ALL = ("q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_scale, q_scale, positions, "
-       "cos_cache, sin_cache, is_neox, is_nope_first")
-
-SKEW = [
-    ("v0_1_26", ALL, None, False),
-    ("with_compute_all_q_rope", ALL + ", compute_all_q_rope=False", None, True),
-    ("renamed_argument", ALL.replace("cos_cache, sin_cache", "cos_sin_cache, unused"),
-     "unexpected signature", False),
-    ("reordered", ALL.replace("q_out, slot_mapping", "slot_mapping, q_out"),
-     "unexpected signature", False),
-    ("new_required_argument", ALL + ", new_arg", "unexpected signature", False),
-    ("fewer_arguments", ALL.replace(", is_nope_first", ""), "unexpected signature", False),
-]
-
-
-@pytest.mark.parametrize("params, problem, all_q_rope", [s[1:] for s in SKEW],
-                         ids=[s[0] for s in SKEW])
-def test_version_skew_is_detected(fake_aiter, params, problem, all_q_rope):
-    fake_aiter(_op_with(params))
-    got_problem, got_all_q_rope = rocm_aiter_ops.mla_rope_kv_op_support()
-    assert got_all_q_rope is all_q_rope
-    assert got_problem is None if problem is None else problem in got_problem
-
-
-def test_missing_op_is_detected(fake_aiter):
-    fake_aiter(None)
-    problem, _ = rocm_aiter_ops.mla_rope_kv_op_support()
-    assert problem.startswith("import failed: ImportError")
-    with pytest.raises(RuntimeError, match="import failed"):
-        rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(*([None] * 12))
-
-
-def test_broken_aiter_import_is_detected(monkeypatch):
-    class Broken(types.ModuleType):
-        def __getattr__(self, name):
-            raise RuntimeError("HIP runtime mismatch")
-
-    monkeypatch.setitem(sys.modules, "aiter", Broken("aiter"))
-    monkeypatch.delitem(sys.modules, "aiter.ops", raising=False)
-    monkeypatch.delitem(sys.modules, "aiter.ops.cache", raising=False)
-    aiter_ops._aiter_mla_rope_kv_op.cache_clear()
+def test_the_fake_misreads_a_strided_cos_view_like_the_kernel():
+    """The defect the old wrapper had: cat(cos, sin)[:, :R/2] views.  The HIP
+    kernel reads pos * R/2 with no stride; so does the fake."""
+    fake = fake_aiter.install("gfx950")
     try:
-        problem, _ = rocm_aiter_ops.mla_rope_kv_op_support()
+        t, heads, lora, rot, dtype = 2, 2, 32, 16, torch.float16
+        inp = _decode_inputs(t, heads, lora, rot, dtype, 16)
+        cos_sin = inp["cos_sin64"].to(dtype)
+        q_out = torch.empty(t, heads, lora + rot, dtype=dtype)
+        from aiter.ops.cache import fused_qk_rope_concat_and_cache_mla as real_export
+
+        real_export(inp["ql_nope"].contiguous(), inp["q_pe"], inp["kv_c"],
+                    inp["k_pe"].squeeze(1), torch.zeros(2, 16, lora + rot, dtype=dtype), q_out,
+                    torch.tensor([0, 1]), torch.ones(1), torch.ones(1), torch.tensor([0, 3]),
+                    cos_sin[:, : rot // 2], cos_sin[:, rot // 2:], True, True)
+        q_ref, _ = _reference(inp, torch.tensor([0, 3]), None, True, rot)
+        torch.testing.assert_close(q_out[0].double(), q_ref[0], rtol=2e-3, atol=2e-3)  # pos 0
+        assert not torch.allclose(q_out[1].double(), q_ref[1], rtol=2e-3, atol=2e-3)
     finally:
-        aiter_ops._aiter_mla_rope_kv_op.cache_clear()
-    assert problem.startswith("import failed:")
+        fake.uninstall()
 
 
-@pytest.mark.parametrize("params, path, words", [
-    (ALL, RopeKVPath.AITER, "decode through AITER"),
-    (ALL.replace("q_out, slot_mapping", "slot_mapping, q_out"), RopeKVPath.TRITON,
-     "unexpected signature"),
-], ids=["usable", "skewed"])
-def test_layer_decision_with_aiter_requested(fake_aiter, monkeypatch, params, path, words):
-    """AITER on, the op usable or skewed: AITER decode, or Triton -- never a crash."""
+# --- the fake refuses what the real launcher / kernel refuses -----------------
+
+def _direct_args(**over):
+    t, heads, lora, rot = 2, 2, 32, 16
+    a = dict(q_nope=torch.randn(t, heads, lora), q_pe=torch.randn(t, heads, rot),
+             kv_c=torch.randn(t, lora), k_pe=torch.randn(t, rot),
+             kv_cache=torch.zeros(2, 16, lora + rot), q_out=torch.empty(t, heads, lora + rot),
+             slot_mapping=torch.tensor([0, 1]), k_scale=torch.ones(1), q_scale=torch.ones(1),
+             positions=torch.tensor([0, 1]), cos_cache=torch.randn(8, rot // 2),
+             sin_cache=torch.randn(8, rot // 2), is_neox=True, is_nope_first=True)
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(kv_cache=torch.zeros(2, 16, 48, dtype=torch.uint8)), "not supported"),
+    (dict(kv_cache=torch.zeros(2, 16, 48, dtype=FN)), "gfx942 kernels store"),
+    (dict(positions=torch.tensor([0, 1], dtype=torch.int32)), "int64"),
+    (dict(slot_mapping=torch.tensor([0, 1], dtype=torch.int32)), "int64"),
+    (dict(k_scale=torch.ones(1, dtype=torch.float16)), "float32"),
+    (dict(cos_cache=torch.randn(8, 8, dtype=torch.float16)), "kv_c type"),
+    (dict(q_nope=torch.randn(2, 2, 64)[..., ::2]), "last-dim stride"),
+    (dict(kv_c=torch.randn(2, 64)[:, ::2]), "last-dim|stride"),
+    (dict(q_out=torch.empty(2, 2, 40)), "AITER_CHECK"),
+    (dict(kv_c=torch.randn(2, 24)), "kv_lora_rank and qk_lora_rank"),
+    (dict(kv_c=torch.randn(2, 1, 1, 32)), "Unsupported tensor dimensions"),
+    (dict(q_out=torch.empty(2, 2, 48, dtype=FNUZ)), "auto and q_out data type is fp8"),
+])
+def test_fake_rejects_what_aiter_rejects(over, match):
+    with pytest.raises(AiterCheckError, match=match):
+        FakeMlaRopeOp("gfx942")(**_direct_args(**over))
+
+
+def test_fake_compute_all_q_rope_only_where_aiter_honours_it():
+    op = FakeMlaRopeOp("gfx942")
+    with pytest.raises(AiterCheckError, match="compute_all_q_rope is only supported"):
+        op(**_direct_args(compute_all_q_rope=True))  # general kernel: AITER_CHECK
+    big = _direct_args(q_nope=torch.randn(2, 4, 512), q_pe=torch.randn(2, 4, 64),
+                       kv_c=torch.randn(2, 512), k_pe=torch.randn(2, 64),
+                       kv_cache=torch.zeros(2, 16, 576), q_out=torch.empty(2, 4, 576),
+                       slot_mapping=torch.tensor([-1, 3]), cos_cache=torch.randn(8, 32),
+                       sin_cache=torch.randn(8, 32), compute_all_q_rope=True)
+    op(**big)
+    assert op.calls[-1]["target"] == "opt"
+    assert not big["q_out"][0].isnan().any()  # slot -1 still gets its q_out row
+
+
+# --- the layer: DCP limits decided up front, the whole layer through AITER -----
+
+def _facts(**over):
+    base = dict(triton_requested=False, aiter_requested=True, aiter_op_problem=None,
+                aiter_op_all_q_rope=True, gpu=True, rope_problem=None,
+                model_dtype="bfloat16", kv_cache_dtype="auto")
+    base.update(over)
+    return RopeKVFacts(**base)
+
+
+@pytest.mark.parametrize("over, path, words", [
+    (dict(dcp_world_size=2), RopeKVPath.AITER, "decode through AITER"),
+    (dict(dcp_world_size=2, kv_lora_rank=256), RopeKVPath.TRITON, "kv_lora_rank 512"),
+    (dict(dcp_world_size=2, qk_rope_head_dim=32), RopeKVPath.TRITON, "qk_rope_head_dim 64"),
+    (dict(dcp_world_size=2, num_heads=2), RopeKVPath.TRITON, "2 heads"),
+    (dict(dcp_world_size=2, aiter_op_all_q_rope=False), RopeKVPath.TRITON,
+     "no compute_all_q_rope"),
+    (dict(dcp_world_size=1, num_heads=2, kv_lora_rank=256), RopeKVPath.AITER, "AITER"),
+])
+def test_dcp_limits_are_decided_before_the_aiter_path(over, path, words):
+    decision = decide_rope_kv_path(_facts(**over))
+    assert decision.path is path and words in decision.reason
+    assert decision.aiter_all_q_rope is (path is RopeKVPath.AITER and over["dcp_world_size"] > 1)
+
+
+def test_layer_decision_with_the_strict_fake(strict_aiter, monkeypatch, caplog):
     from vllm.platforms import current_platform
 
-    fake_aiter(_op_with(params))
+    strict_aiter()
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
-    monkeypatch.setattr(rocm_aiter_ops, "is_mla_rope_kv_fusion_enabled", classmethod(lambda c: True))
+    monkeypatch.setattr(rocm_aiter_ops, "is_mla_rope_kv_fusion_enabled",
+                        classmethod(lambda c: True))
     monkeypatch.setattr(torch, "get_default_dtype", lambda: torch.bfloat16)
-    layer = h.make_layer(h.CASES_BY_NAME["decode_only"])
-    fusion = mla_rope_kv_cache.MLARopeKVFusion.for_layer(layer, h.make_rope("neox"))
-    assert fusion is not None and fusion.decision.path is path and words in fusion.decision.reason
-    assert fusion.use_aiter is (path is RopeKVPath.AITER)
+    fusion = mla_rope_kv_cache.MLARopeKVFusion.for_layer(
+        h.make_layer(h.CASES_BY_NAME["decode_only"]), h.make_rope("neox"))
+    assert fusion.decision.path is RopeKVPath.AITER and fusion.use_aiter
 
 
 @pytest.mark.parametrize("case", [h.CASES_BY_NAME[n] for n in (
-    "decode_only", "mixed_decode_first", "fp8_cache_fp8_query", "fp8_cache_model_query")],
-    ids=lambda c: c.name)
-def test_layer_through_the_aiter_path(fake_aiter, case):
-    """Decode rows through the (fake) AITER op, prefill rows through Triton."""
-    op = fake_aiter(FakeAiterOp())
+    "decode_only", "mixed_decode_first", "mixed_padded", "fp8_cache_fp8_query",
+    "fp8_cache_model_query")], ids=lambda c: c.name)
+def test_layer_through_the_aiter_path(strict_aiter, case):
+    """Decode rows through the strict fake, prefill rows through Triton: the
+    same cache, output and MQA query as upstream's unfused path."""
+    op = strict_aiter()
     rope = h.make_rope(case.rope)
     inputs = h.make_inputs(case)
     unfused = h.run(h.make_layer(case), rope, inputs, via="impl", fused=False)
@@ -244,9 +445,10 @@ def test_real_aiter_op_matches_the_triton_kernel(kv_cache_dtype, neox):
     from vllm.platforms import current_platform
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_concat_and_cache
 
+    pytest.importorskip("aiter", reason="needs AITER")
+    _clear()
     problem, _ = rocm_aiter_ops.mla_rope_kv_op_support()
-    if problem is not None:
-        pytest.skip(f"installed AITER: {problem}")
+    assert problem is None, f"AITER is installed but its op is unusable: {problem}"
     dev, bf16 = "cuda", torch.bfloat16
     t, heads, lora, rot, bs, blocks = 64, 16, 512, 64, 16, 32768
     g = torch.Generator(device=dev).manual_seed(0)
@@ -288,19 +490,3 @@ def test_real_aiter_op_matches_the_triton_kernel(kv_cache_dtype, neox):
     h.assert_within_one_ulp(ca[:, lora:].contiguous(), ct[:, lora:].contiguous(), "cache k_pe")
     h.assert_within_one_ulp(q_a[keep, :, lora:].contiguous(), q_t[keep, :, lora:].contiguous(),
                             "q_out q_pe")
-
-
-def test_aiter_gets_the_cos_sin_cache_in_the_model_dtype_once():
-    """AITER's op wants cos/sin in the query dtype; the Triton kernel reads any."""
-    rope = h.make_rope("neox")  # fp32 cache
-    layer = h.make_layer(h.CASES_BY_NAME["decode_only"])
-    aiter = mla_rope_kv_cache.MLARopeKVFusion(
-        RopeKVDecision(RopeKVPath.AITER, "test", requested=True), rope, layer)
-    triton = mla_rope_kv_cache.MLARopeKVFusion(
-        RopeKVDecision(RopeKVPath.TRITON, "test", requested=True), rope, layer)
-    dev = rope.cos_sin_cache.device
-    assert triton.cos_sin_cache(dev, torch.bfloat16) is rope.cos_sin_cache
-    assert aiter.cos_sin_cache(dev, torch.float32) is rope.cos_sin_cache
-    first = aiter.cos_sin_cache(dev, torch.bfloat16)
-    assert first.dtype == torch.bfloat16 and torch.equal(first, rope.cos_sin_cache.bfloat16())
-    assert aiter.cos_sin_cache(dev, torch.bfloat16) is first  # converted once

@@ -48,7 +48,8 @@ def flags(monkeypatch):
 # --- env flags and their rocm_aiter_ops snapshot -----------------------------
 
 @pytest.mark.parametrize("name, value, expected", [
-    (FLAG_AITER, None, True),  # default on
+    (FLAG_AITER, None, False),  # default off: never run on AMD hardware
+    (FLAG_AITER, "1", True),
     (FLAG_AITER, "0", False),
     (FLAG_AITER, "false", False),
     (FLAG_TRITON, None, False),  # default off
@@ -61,7 +62,8 @@ def test_env_flags(flags, name, value, expected):
 
 
 @pytest.mark.parametrize("aiter, aiter_mla, fusion, expected", [
-    ("1", "1", None, True),  # VLLM_ROCM_USE_AITER=1: on by default
+    ("1", "1", None, False),  # off by default, also with VLLM_ROCM_USE_AITER=1
+    ("1", "1", "1", True),
     ("1", "1", "0", False),
     ("0", "1", "1", False),  # acts only with VLLM_ROCM_USE_AITER ...
     ("1", "0", "1", False),  # ... and AITER MLA
@@ -235,7 +237,9 @@ def test_for_layer_falls_back_with_one_line(flags, monkeypatch, log_records):
                                      "'fp8_ds_mla'")
 
 
-def test_flags_off_logs_at_debug_only():
+def test_every_decision_logs_at_info_once():
+    """Which path runs and why, also when nothing asked for a fusion (the
+    AITER path not taken must be visible without debug logging)."""
     calls = []
 
     class Logger:
@@ -247,7 +251,8 @@ def test_flags_off_logs_at_debug_only():
 
     log_rope_kv_decision(Logger(), decide_rope_kv_path(BASE))
     log_rope_kv_decision(Logger(), decide_rope_kv_path(TRITON_ON))
-    assert [c[0] for c in calls] == ["debug", "info"]
+    assert [c[0] for c in calls] == ["info", "info"]
+    assert "unfused path" in calls[0][1][0] % calls[0][1][1:]
 
 
 def test_flags_off_gives_no_fusion(flags):

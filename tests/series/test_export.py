@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 
@@ -221,54 +220,6 @@ def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
     assert proc.returncode == 2
     assert "vllm/ops/new_kernel.py: python -m py_compile failed" in proc.stderr
     assert "'return' outside function" in proc.stderr
-
-
-def test_pr_description_follows_the_pinned_template_with_committed_results(fake_series, tmp_path):
-    fs = fake_series
-    _repack(fs, {".github/PULL_REQUEST_TEMPLATE.md": TEMPLATE})
-    patch = (fs.patches / "0002-check-sub.patch").read_text()
-    (fs.patches / "0002-check-sub.patch").write_text(
-        patch.replace("Upstream: none", "Upstream: vllm#25763 (merged)"))
-    results = fs.root / "benchmarks" / "results"
-    results.mkdir(parents=True)
-
-    def result(device: str, speedups: list[float], when: str, hip=None) -> dict:
-        cases = [{"kernel": "fetch_kv", "case": f"case_{i}", "speedup": s, "frac_copy": 0.9,
-                  "results": {"ours": {"us": 10.0}, "baseline": {"us": 10.0 * s}, "copy": {"us": 9.0}}}
-                 for i, s in enumerate(speedups)]
-        return {"datetime": when, "benchmarks": [{"extra_info": c} for c in cases],
-                "machine_info": {"series": {"device": device, "cuda": None if hip else "13.0", "hip": hip,
-                                            "torch": "2.11.0", "triton": "3.6.0", "commit": "abc123"}}}
-
-    (results / "2026-11-01-old.json").write_text(json.dumps(result("OLD GPU", [1.1], "2026-11-01T00:00:00")))
-    (results / "2026-11-20-h200.json").write_text(
-        json.dumps(result("NVIDIA H200", [2.0, 2.5, 3.0], "2026-11-20T00:00:00")))
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "series with results", cwd=fs.root)
-    # Newer, but not committed: not a result the PR may quote.
-    (results / "2026-11-29-mi300.json").write_text(
-        json.dumps(result("AMD Instinct MI300X", [9.0], "2026-11-29T00:00:00", hip="7.0")))
-
-    _ok(fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path)))
-    text = (fs.root / "dist" / "fetch-kv" / "PR_DESCRIPTION.md").read_text()
-    assert text.startswith("# [ROCm] AITER FA: faster KV-cache fetch")
-    headings = [ln for ln in text.splitlines() if ln.startswith("## ") or ln.startswith("### ")]
-    assert headings == ["## Overview", "## Claims", "## Validation", "### Test Plan", "### Test Result",
-                        "## Details"]
-    assert "**Related issues/PRs:** vllm#25763 (merged)" in text
-    assert "- because the test says so, on two lines." in text
-    assert ("`fetch_kv`: 2–3× the speed of its baseline (median 2.50×) over 3 cases "
-            "on NVIDIA H200") in text
-    assert "**`fetch_kv`** on NVIDIA H200, CUDA 13.0, torch 2.11.0" in text
-    assert "`benchmarks/results/2026-11-20-h200.json`" in text
-    assert "| case_2 | 10.0 | 30.0 | 9.0 | 3.00× |" in text
-    assert "OLD GPU" not in text and "MI300X" not in text
-    assert "**`paged_context`**: no committed benchmark results." in text
-    assert ("Not run on ROCm hardware: benchmarks of `fetch_kv`, `fetch_kv_plan`, `paged_context`; the AITER code paths "
-            "(tests marked `rocm`)") in text
-    assert "- `0002-check-sub.patch`: CPU (fake tree)" in text
-    assert "- [ ] **Testing and Validation:** the fake checklist item." in text
-    assert "<!-- Summarize the change. -->" not in text
 
 
 # --- patches/overlay-topics ---------------------------------------------------------

@@ -24,8 +24,9 @@ Paths:
     flag below when the installed AITER cannot serve the decode form.
   * ``aiter``: decode through AITER's ``fused_qk_rope_concat_and_cache_mla``,
     prefill through the Triton kernel: ``VLLM_ROCM_USE_AITER_MLA_ROPE_KV_FUSION``
-    (default on), which acts only with ``VLLM_ROCM_USE_AITER=1`` and AITER MLA
-    on a supported ROCm GPU.
+    (default off: the AITER op path has not run on AMD hardware yet), which
+    acts only with ``VLLM_ROCM_USE_AITER=1`` and AITER MLA on a supported ROCm
+    GPU.  An AITER whose op has another schema fails at startup.
   * ``unfused``: upstream, unchanged -- both flags off, or a layer the fused
     kernels cannot serve (the reason names it).
 
@@ -41,6 +42,7 @@ __all__ = [
     "RopeKVDecision",
     "RopeKVFacts",
     "RopeKVPath",
+    "aiter_all_q_rope_problem",
     "decide_rope_kv_path",
     "log_rope_kv_decision",
     "rope_fusion_problem",
@@ -104,6 +106,10 @@ class RopeKVFacts:
     pcp: bool = False  # prefill context parallelism
     q_pad_num_heads: int | None = None  # the backend wants a head-padded query
     backend_cache_writer: bool = False  # the backend overrides do_kv_cache_update
+    # The layer's MLA dims (rank-local heads): what AITER's dispatch depends on.
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    num_heads: int = 128
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,33 @@ def _layer_problem(f: RopeKVFacts) -> str | None:
     return None
 
 
+# AITER's launcher honours compute_all_q_rope only in its per-head and "opt"
+# decode kernels, and AITER_CHECKs every other case (csrc/kernels/
+# cache_kernels.cu, fused_qk_rope_concat_and_cache_mla, at v0.1.20-46).  The
+# per-head kernel also needs block size 1 and < 256 tokens per call, which a
+# step does not guarantee, so DCP takes the AITER path only where "opt" runs.
+_AITER_OPT_KV_LORA_RANK = 512
+_AITER_OPT_ROPE_DIM = 64
+_AITER_OPT_MIN_LORA_X_HEADS = 2048
+
+
+def aiter_all_q_rope_problem(f: RopeKVFacts) -> str | None:
+    """Why AITER's op cannot serve compute_all_q_rope=True for this layer."""
+    if (
+        f.qk_rope_head_dim == _AITER_OPT_ROPE_DIM
+        and f.kv_lora_rank == _AITER_OPT_KV_LORA_RANK
+        and f.kv_lora_rank * f.num_heads >= _AITER_OPT_MIN_LORA_X_HEADS
+    ):
+        return None
+    return (
+        "DCP needs compute_all_q_rope, which AITER's op serves only with "
+        f"qk_rope_head_dim {_AITER_OPT_ROPE_DIM}, kv_lora_rank "
+        f"{_AITER_OPT_KV_LORA_RANK} and kv_lora_rank x heads >= "
+        f"{_AITER_OPT_MIN_LORA_X_HEADS} (this layer: {f.qk_rope_head_dim}, "
+        f"{f.kv_lora_rank}, {f.num_heads} heads)"
+    )
+
+
 def decide_rope_kv_path(f: RopeKVFacts) -> RopeKVDecision:
     """The path of one layer and why; a pure function of ``f``."""
     if not (f.aiter_requested or f.triton_requested):
@@ -228,6 +261,8 @@ def decide_rope_kv_path(f: RopeKVFacts) -> RopeKVDecision:
             "DCP needs RoPE on the query of every token and the installed AITER "
             "op has no compute_all_q_rope"
         )
+    elif f.dcp_world_size > 1 and aiter_all_q_rope_problem(f) is not None:
+        why = aiter_all_q_rope_problem(f)
     else:
         return RopeKVDecision(
             RopeKVPath.AITER,
@@ -240,8 +275,8 @@ def decide_rope_kv_path(f: RopeKVFacts) -> RopeKVDecision:
 
 
 def log_rope_kv_decision(logger, decision: RopeKVDecision) -> None:
-    """The one line saying which path runs and why (once per distinct line)."""
-    log = logger.info_once if decision.requested else logger.debug_once
-    log(
+    """The one line saying which path runs and why, at info level, once per
+    process for each distinct line (every layer of a model gives the same)."""
+    logger.info_once(
         "MLA RoPE + KV-cache write: %s path (%s).", decision.path.value, decision.reason
     )

@@ -235,6 +235,9 @@ def rope_kv_facts(layer, rotary_emb) -> RopeKVFacts:
         pcp=bool(layer.use_pcp),
         q_pad_num_heads=layer.q_pad_num_heads,
         backend_cache_writer=not standard_writer,
+        kv_lora_rank=layer.kv_lora_rank,
+        qk_rope_head_dim=layer.qk_rope_head_dim,
+        num_heads=layer.num_heads,
     )
 
 
@@ -263,17 +266,17 @@ class MLARopeKVFusion:
         log_rope_kv_decision(logger, decision)
         return cls(decision, rotary_emb, layer) if decision.fused else None
 
-    def cos_sin_cache(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The rotary embedding's cos/sin cache on ``device``; in ``dtype`` for
-        AITER (the Triton kernel reads any float type).  A converted copy is
-        made once, as RotaryEmbedding does for its own forward."""
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """The rotary embedding's cos/sin cache on ``device`` (both kernels
+        read any float type; AITER's wrapper converts and splits it once per
+        cache).  A moved copy is made once, as RotaryEmbedding does."""
         cache = self.rotary_emb.cos_sin_cache
-        if cache.device == device and (not self.use_aiter or cache.dtype == dtype):
+        if cache.device == device:
             return cache
-        key = (cache.data_ptr(), device, dtype if self.use_aiter else cache.dtype)
+        key = (cache.data_ptr(), device)
         converted = self._converted_caches.get(key)
         if converted is None:
-            converted = cache.to(device=device, dtype=key[2])
+            converted = cache.to(device=device)
             self._converted_caches = {key: converted}  # keep only the latest
         return converted
 
@@ -298,22 +301,20 @@ class MLARopeKVFusion:
             nope = self.nope_dim
             q[..., nope:], k_pe = self.rotary_emb(positions, q[..., nope:], k_pe)
             return None, k_pe
-        step = _RopeKVStep(self, layer, kv_cache, positions, slot_mapping, q.dtype)
+        step = _RopeKVStep(self, layer, kv_cache, positions, slot_mapping)
         return step, k_pe
 
 
 class _RopeKVStep:
     """One forward of a fused layer: the batch's cache, positions and slots."""
 
-    def __init__(
-        self, fusion: MLARopeKVFusion, layer, kv_cache, positions, slots, dtype
-    ):
+    def __init__(self, fusion: MLARopeKVFusion, layer, kv_cache, positions, slots):
         self.fusion = fusion
         self.kv_cache = kv_cache
         self.positions = positions
         self.slot_mapping = slots
         self.k_scale = layer._k_scale
-        self.cos_sin_cache = fusion.cos_sin_cache(kv_cache.device, dtype)
+        self.cos_sin_cache = fusion.cos_sin_cache(kv_cache.device)
 
     def prefill(
         self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, start: int

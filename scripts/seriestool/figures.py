@@ -1,0 +1,90 @@
+"""What counts as a figure: a measured or counted result, as opposed to an identifier or a shape.
+
+Figures belong in result files and the text generated from them (``make
+report``, ``make pr``), never typed into a patch header or prose by hand: a
+typed figure drifts from the data.  Used by ``make check`` (patch headers) and
+by ``make report`` (README / docs prose outside generated regions).
+
+A figure is a number attached to a unit of a measurement or of a test run:
+
+* a ratio: ``2.3x``, ``2.28-3.51x``, ``3 ×`` (the ``x`` attached to the number; a
+  product like ``1 x 128`` or ``4x4`` is a shape, ``0x7f`` a literal);
+* a percentage: ``45%``, ``92-94 %``;
+* a time: ``2.2 us``, ``17µs``, ``1.5ms``, ``40 ns``, ``170 s``, ``5.9 minutes``;
+* a rate: ``5.4 TB/s``, ``900 GB/s``, ``120 tok/s``, ``3 TFLOPS``;
+* an error in units of roundoff: ``2.0 ulp``;
+* a test count: ``457 passed``, ``66 fail``, ``test_x.py 16/16``;
+* a before -> after count: ``46 -> 0``;
+* and a bare ``µs`` (a column of timings follows: ``min µs at 8/64/256: 48/59/51``).
+
+Not figures: identifiers and versions (``vllm#25763``, ``0.33.0``, ``v0.1.26``,
+``fp8``, ``e4m3``, ``gfx942``, ``H200``, ``cp312``: digits inside a word or a
+dotted version), shapes and settings (``D 128``, ``32K tokens``, ``block 16/32``,
+``GQA 8/4``, ``2**31 elements``, ``default 512``), sizes (``60 MB``: a
+property of the hardware or the data, not a result) and spelled-out words
+(``one ulp``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# A number that is not part of an identifier or a version: not preceded by a
+# letter, digit, '_', '.', '#', '/', '-' or '*' (vllm#123, v0.1, e4m3, 8/4, 2**31).
+_DIGITS = r"\d+(?:,\d{3})*(?:\.\d+)?"
+_NUM = rf"(?<![\w.#/*-]){_DIGITS}"
+_RANGE = rf"{_NUM}(?:\s*(?:-|–|—|to)\s*{_DIGITS})?"
+_END = r"(?![\w/])"
+
+_PATTERNS = (
+    ("ratio", rf"{_RANGE}(?:[x×]|\s×)(?!\s*\d)(?![\w])"),
+    ("percent", rf"{_RANGE}\s?%"),
+    ("time", rf"{_RANGE}\s?(?:µs|μs|us|ms|ns){_END}"),
+    ("time", rf"{_RANGE}\s(?:s|sec|secs|seconds?|mins?|minutes?|hours?){_END}"),
+    ("rate", rf"{_RANGE}\s?(?:[KMGTP]i?B/s|[KMGTP]bit/s|tok(?:ens)?/s|req(?:uests)?/s|it/s|"
+             rf"[KMGTP]?FLOP/?s|[KMGTP]?FLOPS)(?![\w])"),
+    ("roundoff", rf"{_RANGE}\s?(?:ulps?|units? of roundoff){_END}"),
+    ("test count", rf"{_NUM}\s(?:passed|failed|skipped|xfailed|xpassed|errors?|pass|fail|"
+                   rf"tests? pass(?:ed)?){_END}"),
+    ("test count", rf"\.py\s+\d+/\d+{_END}"),
+    ("test count", rf"{_NUM}/\d+\s(?:passed|pass|tests?){_END}"),
+    ("before -> after", rf"{_NUM}\s*(?:->|→)\s*{_DIGITS}{_END}"),
+    ("bare µs", r"(?<![\w])[µμ]s(?![\w])"),
+)
+_FIGURE_RE = re.compile("|".join(f"(?P<k{i}>{p})" for i, (_, p) in enumerate(_PATTERNS)))
+_KINDS = {f"k{i}": kind for i, (kind, _) in enumerate(_PATTERNS)}
+
+
+# A result file named in text (a patch header's Tested on, prose).
+RESULT_FILE_RE = re.compile(r"benchmarks/results/[^\s`'\"()\[\],;]+")
+
+
+@dataclass(frozen=True)
+class Figure:
+    kind: str
+    text: str
+    start: int
+
+
+def find_figures(text: str) -> list[Figure]:
+    """Every figure in ``text``, in order (see the module docstring)."""
+    return [Figure(_KINDS[m.lastgroup], " ".join(m.group(0).split()), m.start())
+            for m in _FIGURE_RE.finditer(text)]
+
+
+# Generated regions of Markdown: block and inline markers (scripts/bench_report.py).
+GENERATED_RE = re.compile(
+    r"<!-- gen:(?P<block>[\w.:-]+) -->.*?<!-- /gen:(?P=block) -->"
+    r"|<!-- fig:[\w.:-]+ -->.*?<!-- /fig -->"
+    r"|<!-- bench:begin[^>]*-->.*?<!-- bench:end -->"
+    r"|<!-- series-table:begin[^>]*-->.*?<!-- series-table:end -->",
+    re.S)
+
+
+def hand_typed(text: str) -> list[tuple[int, Figure]]:
+    """(line number, figure) of every figure outside generated regions and code spans."""
+    blanked = GENERATED_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    blanked = re.sub(r"```.*?```|`[^`\n]*`", lambda m: re.sub(r"[^\n]", " ", m.group(0)), blanked,
+                     flags=re.S)
+    return [(blanked.count("\n", 0, f.start) + 1, f) for f in find_figures(blanked)]

@@ -23,6 +23,7 @@ max_tokens).  No tokenizer: prompts and outputs are token ids.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import json
 import os
 import random
@@ -141,6 +142,12 @@ def run(model_dir: str, out_json: str, dtype: str, fake_aiter: bool) -> None:
         import fake_aiter
 
         aiter = fake_aiter.install()
+        # An imported package has a __spec__; vLLM modules call find_spec("aiter")
+        # at import (vllm/_aiter_ops.py, vllm/kernels/aiter_ops.py), which raises
+        # ValueError for a sys.modules entry without one.
+        for name, module in list(sys.modules.items()):
+            if (name == "aiter" or name.startswith("aiter.")) and module.__spec__ is None:
+                module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
     t0 = time.time()
     recorder = StepRecorder()
     recorder.install()

@@ -20,8 +20,9 @@ Verdict, against the expectations file:
     under ``[[differs]]`` (with both outcomes, the patch that changes it and why),
     and every listed difference must happen;
   * every test that fails on both trees (or a file that fails to collect) must
-    match an ``[[environment]]`` entry, which says why (no CUDA, a missing
-    model file, ...); those are not counted;
+    match an ``[[environment]]`` entry (``tests`` patterns, fnmatch, and an
+    optional ``message``: a substring of the failure's first error lines), which
+    says why (no CUDA, a missing model file, ...); those are not counted;
   * every test of the ``series`` run must pass, skip, or match ``[[environment]]``.
 Anything else fails the run (exit 1), naming the tests.  Exit 2: setup failed.
 Standard library only; the tests run with ``--python``.
@@ -79,15 +80,22 @@ class Expectations:
         for entry in environment:
             if not entry.get("tests") or not entry.get("reason"):
                 raise SetupError(f"{path}: [[environment]] entry {entry} needs tests and reason")
+            entry["used"] = 0
         files = data.get("files", [])
         if not files:
             raise SetupError(f"{path}: no files to run")
         return cls(files, differs, environment, float(data.get("timeout_s", 1200)))
 
-    def environment_reason(self, test: str) -> str | None:
+    def environment_reason(self, test: str, message: str = "") -> str | None:
+        """The reason of the first [[environment]] entry matching ``test`` (its
+        ``tests`` patterns, and ``message`` if the entry has one), else None."""
         for entry in self.environment:
-            if any(fnmatch.fnmatchcase(test, pattern) for pattern in entry["tests"]):
-                return entry["reason"]
+            if not any(fnmatch.fnmatchcase(test, pattern) for pattern in entry["tests"]):
+                continue
+            if entry.get("message") and entry["message"] not in message:
+                continue
+            entry["used"] += 1
+            return entry["reason"]
         return None
 
 
@@ -227,23 +235,26 @@ def compare(pristine: dict, patched: dict, series: dict | None,
     both = [t for t in a if a[t] in FAILED and b.get(t) in FAILED]
     collect = sorted(pristine["collect_errors"].keys() | patched["collect_errors"].keys())
     for test in both + collect:
-        reason = exp.environment_reason(test)
+        msg = pristine["messages"].get(test) or pristine["collect_errors"].get(test) or ""
+        reason = exp.environment_reason(test, msg)
         if reason is None:
-            msg = pristine["messages"].get(test) or pristine["collect_errors"].get(test) or ""
             problems.append(f"fails on both trees and is not listed under [[environment]]: "
                             f"{test}\n      {msg}")
         else:
             environment.setdefault(reason, []).append(test)
     if series is not None:
         for test, outcome in sorted(series["tests"].items()):
-            if outcome in FAILED + ("xpassed",) and exp.environment_reason(test) is None:
+            msg = series["messages"].get(test, "")
+            if outcome in FAILED + ("xpassed",) and exp.environment_reason(test, msg) is None:
                 problems.append(f"series' own test {outcome}: {test}\n      "
                                 f"{series['messages'].get(test, '')}")
         for path, msg in series["collect_errors"].items():
-            if exp.environment_reason(path) is None:
+            if exp.environment_reason(path, msg) is None:
                 problems.append(f"series' own test file does not collect: {path}: {msg}")
+    stale = [e["reason"] for e in exp.environment if not e["used"]]
     summary = {"differences": {t: list(v) for t, v in diffs.items()},
-               "environment": {r: len(ts) for r, ts in environment.items()}}
+               "environment": {r: len(ts) for r, ts in environment.items()},
+               "unused_environment_entries": stale}
     return problems, summary
 
 
@@ -294,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         note = f" -- {entry['patch']}" if entry else " -- NOT EXPECTED"
         print(f"  differs: {test}: pristine {was}, patched {now}{note}")
     for reason, n in summary["environment"].items():
-        print(f"  fails on both trees ({n}): {reason}")
+        print(f"  fails on both trees, not counted ({n}): {reason}")
+    for reason in summary["unused_environment_entries"]:
+        print(f"  note: no test matched the [[environment]] entry {reason!r}")
     (args.work / "summary.json").write_text(json.dumps(
         {**summary, "problems": problems,
          "counts": {name: counts(run.result) for name, run in runs.items()},

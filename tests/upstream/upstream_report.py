@@ -2,9 +2,10 @@
 
 Loaded into the upstream tree's own pytest run with ``-p upstream_report``
 (this folder on ``PYTHONPATH``); writes ``$UPSTREAM_REPORT``: ``{"tests":
-{nodeid: outcome}, "collect_errors": {path: message}}`` with outcome one of
+{nodeid: outcome}, "messages": {nodeid: text}, "collect_errors": {path: message},
+"seconds": {path: seconds}}`` with outcome one of
 passed, failed, error (setup / teardown), skipped, xfailed, xpassed.  The
-first line of each failure's message is kept under ``"messages"``.
+first lines of each failure's message are kept under ``"messages"``.
 """
 
 import json
@@ -14,10 +15,10 @@ _RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "xpassed": 2, "failed": 3, "er
 
 
 def _first_line(report) -> str:
-    """The first ``E`` line of a failure (else its last line), shortened."""
+    """The first three ``E`` lines of a failure (else its last line), shortened."""
     text = str(report.longrepr) if report.longrepr is not None else ""
-    errors = [ln for ln in text.splitlines() if ln.startswith("E ")]
-    return (errors or text.splitlines()[-1:] or [""])[0][:300]
+    errors = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+    return " | ".join(errors[:3] or text.splitlines()[-1:])[:500]
 
 
 class _Report:
@@ -26,6 +27,7 @@ class _Report:
         self.tests: dict[str, str] = {}
         self.messages: dict[str, str] = {}
         self.collect_errors: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}  # per test file: setup + call + teardown
 
     def _set(self, nodeid: str, outcome: str, report) -> None:
         old = self.tests.get(nodeid)
@@ -35,6 +37,8 @@ class _Report:
                 self.messages[nodeid] = _first_line(report)
 
     def pytest_runtest_logreport(self, report):
+        path = report.nodeid.split("::")[0]
+        self.seconds[path] = self.seconds.get(path, 0.0) + report.duration
         if hasattr(report, "wasxfail"):
             outcome = "xfailed" if report.skipped else "xpassed"
             if report.when == "call" or report.skipped:
@@ -54,7 +58,9 @@ class _Report:
     def pytest_sessionfinish(self, session):
         with open(self.path, "w") as f:
             json.dump({"tests": self.tests, "messages": self.messages,
-                       "collect_errors": self.collect_errors}, f, indent=0, sort_keys=True)
+                       "collect_errors": self.collect_errors,
+                       "seconds": {k: round(v, 1) for k, v in self.seconds.items()}},
+                      f, indent=0, sort_keys=True)
 
 
 def pytest_configure(config):

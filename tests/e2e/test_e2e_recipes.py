@@ -116,6 +116,7 @@ def test_cpu_mode_runs_the_same_path_and_labels_the_file(tmp_path, stand_in):
     saved = json.loads(Path(docs[0]["path"]).read_text())
     assert saved["machine_info"]["series"]["device"] == "CPU Stand-in (2 cores)"
     assert saved["options"]["device"] == "cpu" and saved["failed"] is None
+    assert "not performance data" in saved["note"]
     env = saved["benchmarks"][0]["extra_info"]["env"]
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and "VLLM_ROCM_USE_AITER" not in env
     assert json.loads(log.read_text().splitlines()[0])[:2] == ["bench", "throughput"]

@@ -194,12 +194,19 @@ def test_mixed_verdicts():
     assert recipes.compare_mixed(good, {**ref, "needle_found": False})["verdict"] == "inconclusive"
 
 
-def test_mixed_gate_in_cpu_mode_records_without_gating():
-    benches = [{"extra_info": {"install": n, "results": {"verdict": v}}}
-               for n, v in (("upstream", "inconclusive"), ("patched", "not-triggered"))]
-    gate = recipes.mixed_gate(benches, device="cpu")
+def test_mixed_gate_in_cpu_mode_gates_on_the_tokens():
+    def benches(patched: dict) -> list:
+        up = {"verdict": "inconclusive", "mixed_steps": 2, "long_prompt_agreement": 1.0,
+              "fresh_prompts_agreement_min": 1.0, "decoder_agreement": 1.0}
+        return [{"extra_info": {"install": "upstream", "results": up}},
+                {"extra_info": {"install": "patched", "results": {**up, **patched}}}]
+
+    assert recipes.mixed_gate(benches({}), device="cpu")["passed"] is True
+    assert recipes.mixed_gate(benches({"long_prompt_agreement": 0.5}), device="cpu")["passed"] \
+        is False
+    gate = recipes.mixed_gate(benches({"verdict": "not-triggered", "mixed_steps": 0}), device="cpu")
     assert gate["passed"] is None and gate["patched_verdict"] == "not-triggered"
-    assert recipes.mixed_gate(benches)["passed"] is False
+    assert recipes.mixed_gate(benches({}))["passed"] is False  # ROCm: the needle verdict
 
 
 def test_mixed_batch_helpers_need_no_vllm():

@@ -153,7 +153,6 @@ def run(model_dir: str, out_json: str, dtype: str, fake_aiter: bool) -> None:
     recorder.install()
 
     import torch
-
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

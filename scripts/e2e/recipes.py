@@ -554,8 +554,7 @@ def mixed_gate(benchmarks: list[dict], device: str = "rocm") -> dict:
         return {**{f"{k}_verdict": v for k, v in verdicts.items()}, "passed": passed,
                 "rule": "CPU mode: patched, after mixed decode + extend + prefill steps, "
                         "generates every request's tokens exactly as the unchunked reference "
-                        "(no gate when no such step formed, e.g. MLA, which the CPU platform runs "
-                        "without chunked prefill; the needle verdicts are recorded)"}
+                        "(no gate when no such step formed; the needle verdicts are recorded)"}
     return {**{f"{k}_verdict": v for k, v in verdicts.items()},
             "passed": None if patched is None else patched == "pass",
             "rule": "patched: the long prompt's answer holds the needle after mixed "

@@ -14,10 +14,12 @@
         KV-cache rows of every finished request whose blocks no later request
         reused (OUT_JSON, and OUT_JSON with .pt for the rows).
 
-The CPU platform turns chunked prefill and prefix caching off for MLA, so steps
-are pure prefill (the first), pure decode, or decodes plus fresh prompts
-admitted as slots free up (max_num_seqs < number of prompts, staggered
-max_tokens).  No tokenizer: prompts and outputs are token ids.
+The CPU platform turns chunked prefill and prefix caching off for MLA, but
+``long_prefill_token_threshold`` still splits the long prompt into chunks, so
+steps are pure prefill (the first), pure decode, or mixed: decodes with the long
+prompt's extends and fresh prompts admitted as slots free up (max_num_seqs <
+number of prompts, staggered max_tokens).  No tokenizer: prompts and outputs are
+token ids.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ from pathlib import Path
 VOCAB = 512  # tiny_models.VOCAB
 MAX_NUM_SEQS = 4
 BLOCK_SIZE = 16  # the CPU MLA backend's only block size
-# (prompt length, max_tokens): more prompts than slots, finishing at different steps.
-REQUESTS = ((5, 8), (17, 5), (9, 11), (40, 6), (12, 9), (7, 4), (21, 7), (3, 10), (26, 5))
+# (prompt length, max_tokens): more prompts than slots, finishing at different steps;
+# the 100-token prompt is prefilled in LONG_PREFILL_CHUNK-token chunks, each after the
+# first an extend over the chunks already cached.
+REQUESTS = ((5, 8), (17, 5), (9, 11), (100, 6), (12, 9), (7, 4), (21, 7), (3, 10), (26, 5))
+LONG_PREFILL_CHUNK = 32
 
 
 def make_model(out_dir: str, q_lora_rank: int | None, moe: bool) -> None:
@@ -98,7 +103,8 @@ class StepRecorder:
         step = []
         for req_id, n in out.num_scheduled_tokens.items():
             c = computed[req_id]
-            kind = "decode" if c >= sched.requests[req_id].num_prompt_tokens else "prefill"
+            prompt_len = sched.requests[req_id].num_prompt_tokens
+            kind = "decode" if c >= prompt_len else "extend" if c > 0 else "prefill"
             step.append([req_id, kind, n, c])
         if step:
             self.steps.append(step)
@@ -175,6 +181,9 @@ def run(model_dir: str, out_json: str, dtype: str, fake_aiter: bool) -> None:
         max_model_len=256,
         block_size=BLOCK_SIZE,
         attention_backend="CPU_MLA",  # not AMX_MLA where the host has AMX
+        # The CPU platform turns chunked prefill off for MLA, but the scheduler still
+        # caps a long prompt's tokens per step at this threshold: extends.
+        long_prefill_token_threshold=LONG_PREFILL_CHUNK,
         seed=0,
     )
     t_init = time.time() - t0

@@ -11,9 +11,10 @@ SDPA prefill.  Two tiny random DeepSeek-V2-style checkpoints
 
 Each run is one engine process (``run_mla_engine.py run``) on the same prompts,
 greedy, with staggered output lengths and fewer slots than prompts, so that the
-run has pure-prefill, pure-decode and mixed (decodes + fresh prompts) steps;
-the CPU platform turns chunked prefill and prefix caching off for MLA, so there
-are no extends.  Cases:
+run has pure-prefill, pure-decode and mixed steps (decodes with fresh prompts,
+and with extends: the CPU platform turns chunked prefill and prefix caching off
+for MLA, but ``long_prefill_token_threshold`` still cuts a long prompt into
+chunks, each after the first an extend over its cached context).  Cases:
 
   * pristine 0.33.0 vs patched, fusion flags off, both models: identical tokens,
     every layer on upstream's path;
@@ -122,6 +123,10 @@ def _step_kinds(steps: list) -> set[str]:
         present = {kind for _, kind, _, _ in step}
         kinds.add("pure-decode" if present == {"decode"}
                   else "pure-prefill" if present == {"prefill"} else "mixed")
+        if {"decode", "extend"} <= present:
+            kinds.add("extend-with-decodes")
+        if {"decode", "prefill"} <= present:
+            kinds.add("prefill-with-decodes")
     return kinds
 
 
@@ -158,7 +163,8 @@ def _assert_rows_close(a: tuple, b: tuple, dtype: str, what: str) -> None:
 def test_every_step_kind_ran(runs, name):
     res = _get(runs, name)
     kinds = _step_kinds(res[0]["steps"])
-    assert kinds == {"pure-decode", "pure-prefill", "mixed"}, f"{name}: step kinds {kinds}"
+    assert kinds == {"pure-decode", "pure-prefill", "mixed", "extend-with-decodes",
+                     "prefill-with-decodes"}, f"{name}: step kinds {kinds}"
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -10,10 +10,22 @@ VPY        := $(VENV)/bin/python
 GPU_PYTHON ?= python3
 # make test-gpu-backend installs .gpu_payload/ (make gpu-payload) here.
 GPU_SITE   ?= /tmp/site
+# make test TESTS="tests/series tests/order": the test folders/files to run (default: all).
+TESTS      ?= tests
 PYTEST_ARGS ?=
 FORCE      ?=
-# make bench writes here (default benchmarks/results/).
+# make bench writes here (default benchmarks/results/); make bench-host defaults to an ignored folder.
 BENCH_OUT  ?=
+HOST_BENCH_OUT ?= $(BUILD)/results
+# make sweep writes here (default an ignored folder named after the config file).
+SWEEP_OUT  ?=
+# make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y, then CONTINUE=1 or ABORT=1.
+VLLM_VERSION ?=
+VLLM_SDIST_SHA256 ?=
+CONTINUE   ?=
+ABORT      ?=
+# One clear line (exit 2) when GPU_PYTHON lacks what a GPU verb imports.
+NEED       = @$(GPU_PYTHON) scripts/require_modules.py
 # make pr / build / image (README "Upstream PRs, wheels and the ROCm image").
 TOPIC      ?=
 RUFF       ?= $(wildcard $(VENV)/bin/ruff)
@@ -23,7 +35,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh fetch readme venv test test-upstream test-gpu gpu-payload test-gpu-backend bench bench-host report sweep sweep-report e2e clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-gpu gpu-payload test-gpu-backend bench bench-host report sweep sweep-report e2e clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -40,43 +52,49 @@ check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowi
 refresh: ## Regenerate patches/ and vllm_overlay/ from commits in build/vllm
 	@$(SERIES) refresh
 
+rebase: ## Port the series to another vLLM: VLLM_VERSION=X VLLM_SDIST_SHA256=Y; then CONTINUE=1 or ABORT=1
+	@$(SERIES) rebase $(if $(ABORT),--abort,$(if $(CONTINUE),--continue,--version "$(VLLM_VERSION)" --sha256 "$(VLLM_SDIST_SHA256)"))
+
 readme: ## Regenerate README.md's series table from the patch headers
 	@$(SERIES) readme
 
 venv: apply ## Create/update .venv for the CPU tier (CPU torch, triton, vLLM's common requirements)
 	@$(PYTHON) scripts/make_venv.py --venv $(VENV) --tree $(TREE)
 
-test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRITON_INTERPRET=1
-	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRITON_INTERPRET=1 (TESTS= narrows)
+	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS)
 
 test-upstream: apply venv ## Upstream's own tests, pristine vs patched tree, against tests/upstream/upstream_tests.toml
 	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(VPY) $(if $(FILES),--files $(FILES))
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
+	$(NEED) test-gpu torch triton pytest
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
 gpu-payload: apply venv ## Pack what test-gpu-backend imports (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
 	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
 
 test-gpu-backend: ## GPU tier: AITER FA's extend path vs dense attention, vLLM from .gpu_payload/ (carry it)
+	$(NEED) test-gpu-backend torch triton pytest
 	@test -f .gpu_payload/vllm-src.zip || { echo "no .gpu_payload/: run make gpu-payload (and carry .gpu_payload)" >&2; exit 2; }
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .gpu_payload/whl/*.whl
 	rm -rf $(GPU_SITE)/vllm && $(GPU_PYTHON) -m zipfile -e .gpu_payload/vllm-src.zip $(GPU_SITE)
 	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/aiter_fa $(PYTEST_ARGS)
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
+	$(NEED) bench torch triton pytest pytest_benchmark
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
 
-bench-host: apply venv ## Host-side (CPU) benchmarks, e.g. the batch-order cost per step; JSON like make bench
-	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) --suite order_host $(PYTEST_ARGS)
+bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step) into build/results/ (BENCH_OUT= to keep)
+	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host $(PYTEST_ARGS)
 
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
 
-sweep: ## Run a Ray sweep: make sweep CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]
-	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)
+sweep: ## Ray sweep: CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]; into build/sweeps/<config>/ (SWEEP_OUT=)
+	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) --out $(or $(SWEEP_OUT),$(BUILD)/sweeps/$(basename $(notdir $(CONFIG)))) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)
 
-sweep-report: ## Rewrite and print a sweep's REPORT.md: make sweep-report DIR=benchmarks/results/sweeps/<name>
+sweep-report: ## Rewrite and print a sweep's REPORT.md: make sweep-report DIR=build/sweeps/<config>
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py report $(DIR)
 
 e2e: ## ROCm end-to-end recipes: make e2e RECIPES=all MODEL=... UPSTREAM=/path/python PATCHED=/path/python

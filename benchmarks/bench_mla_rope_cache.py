@@ -36,7 +36,7 @@ vLLM's CUDA kernel is compiled here from the pinned tree's ``csrc/`` (env
 ``VLLM_PINNED_TREE``, default ``build/vllm``; ``.pinned`` when the needed
 files were copied there by ``python benchmarks/bench_mla_rope_cache.py
 stage <tree> .pinned``): the kernel file and the headers it includes are
-copied into a scratch build folder (``$TMPDIR/vllm_mla_rope_fused_build``)
+copied into a scratch build folder (``$TMPDIR/vllm_mla_rope_fused_bench_build``)
 together with our ``benchmarks/csrc/
 torch_utils.h`` (the pinned one calls a stable-ABI shim newer than the
 benchmark machine's torch) and built with ``-DENABLE_FP8`` for the local GPU
@@ -116,25 +116,26 @@ def csrc_closure(csrc: Path, start: str = FUSED_KERNEL_FILE) -> list[str]:
     return sorted(seen)
 
 
-def stage_csrc(csrc: Path, dest: Path) -> None:
-    """Copy the fused kernel's file closure from ``csrc`` to ``dest`` (same layout)."""
-    for rel in csrc_closure(csrc):
+def stage_csrc(csrc: Path, dest: Path, start: str = FUSED_KERNEL_FILE) -> None:
+    """Copy ``start``'s file closure from ``csrc`` to ``dest`` (same layout)."""
+    for rel in csrc_closure(csrc, start):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(csrc / rel, dest / rel)
 
 
-def build_cuda_fused():
-    """Compile vLLM's ``concat_and_cache_mla_rope_fused``; returns the op or raises."""
+def build_pinned_extension(name: str, kernel_file: str, binding: str):
+    """Compile ``csrc/<kernel_file>`` of the pinned tree with our
+    ``benchmarks/csrc/<binding>``; returns the extension module or raises."""
     from torch.utils.cpp_extension import load
 
     csrc = pinned_csrc()
-    if not (csrc / FUSED_KERNEL_FILE).is_file():
-        raise FileNotFoundError(f"{csrc / FUSED_KERNEL_FILE} not found (set VLLM_PINNED_TREE)")
+    if not (csrc / kernel_file).is_file():
+        raise FileNotFoundError(f"{csrc / kernel_file} not found (set VLLM_PINNED_TREE)")
     # A fixed scratch folder: a second build with unchanged sources is a no-op.
-    build_dir = Path(tempfile.gettempdir()) / "vllm_mla_rope_fused_build"
+    build_dir = Path(tempfile.gettempdir()) / f"{name}_build"
     stage = build_dir / "csrc"
     stage.mkdir(parents=True, exist_ok=True)
-    stage_csrc(csrc, stage)
+    stage_csrc(csrc, stage, kernel_file)
     shutil.copy2(OUR_CSRC / "torch_utils.h", stage / "torch_utils.h")
     major, minor = torch.cuda.get_device_capability()
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
@@ -146,12 +147,15 @@ def build_cuda_fused():
                   "-DTORCH_TARGET_VERSION=0x020B000000000000ULL", "--expt-relaxed-constexpr",
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
-    mod = load(name="vllm_mla_rope_fused_bench",
-               sources=[str(stage / FUSED_KERNEL_FILE),
-                        str(OUR_CSRC / "mla_rope_fused_binding.cpp")],
-               extra_include_paths=[str(stage)], extra_cflags=["-O3"],
-               extra_cuda_cflags=cuda_flags, build_directory=str(build_dir), verbose=False)
-    return mod.concat_and_cache_mla_rope_fused
+    return load(name=name, sources=[str(stage / kernel_file), str(OUR_CSRC / binding)],
+                extra_include_paths=[str(stage)], extra_cflags=["-O3"],
+                extra_cuda_cflags=cuda_flags, build_directory=str(build_dir), verbose=False)
+
+
+def build_cuda_fused():
+    """Compile vLLM's ``concat_and_cache_mla_rope_fused``; returns the op or raises."""
+    return build_pinned_extension("vllm_mla_rope_fused_bench", FUSED_KERNEL_FILE,
+                                  "mla_rope_fused_binding.cpp").concat_and_cache_mla_rope_fused
 
 
 @pytest.fixture(scope="module")

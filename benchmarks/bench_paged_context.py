@@ -116,7 +116,7 @@ def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
     return out, lse
 
 
-def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale=SCALE):
     """Fallback with FA2's contract (out [T, H, D], lse [H, T]); float32 math."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
@@ -124,7 +124,7 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
     for b in range(cu_q.numel() - 1):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         s = torch.einsum("nhd,mhd->hnm", q[qs:qe].float(),
-                         k[ks:ke].float().repeat_interleave(group, 1)) * SCALE
+                         k[ks:ke].float().repeat_interleave(group, 1)) * scale
         if causal:
             n, m = qe - qs, ke - ks
             keep = torch.arange(m, device=q.device)[None] <= (torch.arange(n, device=q.device)

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from seriestool import SeriesError  # noqa: E402
+from seriestool import SeriesError, progress  # noqa: E402
 from seriestool.pins import load_pins  # noqa: E402
 
 STAMP = ".series-venv-stamp"
@@ -56,13 +56,15 @@ def main() -> int:
         return 0
     python = args.venv / "bin" / "python"
     if not python.exists():
-        venv.create(args.venv, with_pip=True)
+        with progress.stage("venv", f"creating {args.venv}"):
+            venv.create(args.venv, with_pip=True)
     cmd = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pinned]
     for path in files:
         cmd += ["-r", str(path)]
-    print(f"installing the test environment into {args.venv} (first time: a few minutes) ...",
-          flush=True)
-    if subprocess.run(cmd).returncode != 0:
+    with progress.stage("venv", f"pip install of CPU torch, triton and vLLM's requirements into {args.venv} "
+                                f"(first time: about 2.8 GB, a few minutes)", tick_s=10):
+        status = subprocess.run(cmd).returncode
+    if status != 0:
         print(f"error: pip install failed (see above); {args.venv} left as it is", file=sys.stderr)
         return 2
     stamp.write_text(digest.hexdigest() + "\n")
@@ -70,4 +72,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    progress.interrupts_raise()
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("venv: interrupted; the next `make venv` installs again (the stamp is written only "
+              "after pip succeeds)", file=sys.stderr)
+        sys.exit(130)

@@ -9,19 +9,28 @@ The history of ``build/vllm`` *is* the series:
 ``.git/series-state.json`` records the HEAD and the input hash that the last
 apply/refresh produced, so apply can tell "up to date", "rebuild" and "someone
 has work here" apart, and never clobbers the last one without ``--force``.
+
+Crash safety: apply builds the next tree in ``build/.vllm.new`` and renames it
+into place only when it is complete (the previous tree is renamed to
+``build/.vllm.old`` first and then deleted).  An interrupted or killed run
+leaves the previous tree, or no tree, never half of one; the next apply
+removes both scratch names before it starts.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import SeriesError, gitrepo, patchfile, sdist
+from . import Interrupted, SeriesError, gitrepo, patchfile, progress, sdist
 from .pins import load_pins
 
 STATE_FILE = "series-state.json"
@@ -143,13 +152,23 @@ def apply_patch(build: Path, patch: patchfile.Patch) -> str:
 
 
 def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str],
-               record_state: bool = True) -> str:
-    """Create layout.build from scratch; return its HEAD. Stops at a failing patch."""
+               record_state: bool = True, verb: str = "apply", shown_as: Path | None = None) -> str:
+    """Create layout.build from scratch; return its HEAD. Stops at a failing patch.
+
+    The directory is a git repository from its first moment (``git init``, then
+    the sdist is unpacked into it), so no git command run there ever falls
+    through to an enclosing repository.  ``shown_as`` is the path named in
+    messages (where a scratch tree is going to be moved).
+    """
     build = layout.build
-    sdist.unpack(sdist_file, build)
+    shown = shown_as or build
+    build.mkdir(parents=True)
     gitrepo.git(build, "init", "-q", "-b", "main")
-    gitrepo.commit_all(build, f"vLLM {pins['VLLM_VERSION']} pristine (upstream {pins['VLLM_COMMIT']})\n\n"
-                              f"From the PyPI sdist, sha256 {pins['VLLM_SDIST_SHA256']}.\n")
+    with progress.stage(verb, f"unpacking {sdist_file.name}"):
+        sdist.unpack(sdist_file, build)
+    with progress.stage(verb, f"committing pristine vLLM {pins['VLLM_VERSION']}"):
+        gitrepo.commit_all(build, f"vLLM {pins['VLLM_VERSION']} pristine (upstream {pins['VLLM_COMMIT']})\n\n"
+                                  f"From the PyPI sdist, sha256 {pins['VLLM_SDIST_SHA256']}.\n")
     files = overlay_files(layout)
     if files:
         pristine = gitrepo.files_at(build, "HEAD")
@@ -158,42 +177,136 @@ def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str],
             raise SeriesError("vllm_overlay/ must only add files; these already exist upstream "
                               "(edit them with a patch instead):\n" +
                               "\n".join(f"  vllm_overlay/{f}" for f in shadowing))
-        for rel in files:
-            dest = build / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(layout.overlay / rel, dest)
-            dest.chmod((layout.overlay / rel).stat().st_mode)
-        gitrepo.commit_all(build, f"{OVERLAY_SUBJECT}\n\n" + "\n".join(files) + "\n", paths=files)
+        with progress.stage(verb, f"overlay: {len(files)} new files"):
+            for rel in files:
+                dest = build / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(layout.overlay / rel, dest)
+                dest.chmod((layout.overlay / rel).stat().st_mode)
+            gitrepo.commit_all(build, f"{OVERLAY_SUBJECT}\n\n" + "\n".join(files) + "\n", paths=files)
     inputs = inputs_hash(layout)
+    patches = series_patches(layout)
     try:
-        for patch in series_patches(layout):
-            apply_patch(build, patch)
+        for i, patch in enumerate(patches, 1):
+            with progress.stage(verb, f"patch {i}/{len(patches)} {patch.name}"):
+                apply_patch(build, patch)
     except SeriesError as exc:
         if record_state:
             write_state(build, head=gitrepo.head(build), inputs=None)
         last = gitrepo.out(build, "log", "-1", "--format=%h %s")
-        raise SeriesError(f"{exc}\n{build} is left at the last good commit: {last}") from None
+        raise PatchFailed(f"{exc}\n{shown} is left at the last good commit: {last}") from None
     if record_state:
         write_state(build, head=gitrepo.head(build), inputs=inputs)
     return gitrepo.head(build)
+
+
+class PatchFailed(SeriesError):
+    """A patch of the series does not apply; the tree is a valid series up to the patch before."""
+
+
+# --- make apply: build in a scratch directory, then swap it in -----------------
+
+def scratch_path(build: Path) -> Path:
+    """Where make apply builds the next tree (next to build/vllm, same file system)."""
+    return build.parent / f".{build.name}.new"
+
+
+def retired_path(build: Path) -> Path:
+    """Where the previous tree waits for deletion while the new one is renamed in."""
+    return build.parent / f".{build.name}.old"
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def remove_leftovers(build: Path) -> list[str]:
+    """Scratch and retired trees of an interrupted run. Both are make apply's own:
+    a retired tree passed the safety checks (or FORCE=1) before it was retired."""
+    removed = []
+    for path in (scratch_path(build), retired_path(build)):
+        if path.exists() or path.is_symlink():
+            _remove(path)
+            removed.append(path.name)
+    return removed
+
+
+@contextmanager
+def _apply_lock(build: Path):
+    lock_path = build.parent / f".{build.name}.lock"
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SeriesError(f"another `make apply` is building {build} (lock {lock_path}); "
+                              f"wait for it to finish") from None
+        yield
+
+
+def _swap_in(scratch: Path, build: Path) -> None:
+    """Rename the finished scratch tree to build/vllm, the previous one out of the way first.
+    Between the two renames build/vllm is absent (never half a tree); the next apply recovers."""
+    retired = retired_path(build)
+    if build.exists():
+        os.rename(build, retired)
+    os.rename(scratch, build)
+
+
+def _after_interrupt(build: Path, existed: bool, swapping: bool) -> str:
+    """One line on what an interrupted apply left (once swapping: read from the file system)."""
+    if swapping and not gitrepo.is_repo(build):
+        return f"{build} is absent (never half a tree); a plain `make apply` builds it again"
+    if swapping and not scratch_path(build).exists():
+        return f"{build} is the new tree (what is left of the previous one goes with the next `make apply`)"
+    return (f"{build} untouched" if existed else f"no {build} was made") + "; a plain `make apply` starts again"
 
 
 def apply(layout: Layout, force: bool = False) -> str:
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     build = layout.build
-    if build.exists():
-        if not force:
+    build.parent.mkdir(parents=True, exist_ok=True)
+    with _apply_lock(build):
+        removed = remove_leftovers(build)
+        if removed:
+            progress.say("apply", f"removed what an interrupted run left: {', '.join(removed)}")
+        existed = build.exists()
+        if existed and not force:
             guard_existing(build)
             if read_state(build).get("inputs") == inputs_hash(layout):
                 print(f"{build} is up to date (tree {gitrepo.tree_of(build)})")
                 return gitrepo.head(build)
-        shutil.rmtree(build)
-    build.parent.mkdir(parents=True, exist_ok=True)
-    head = build_tree(layout, sdist_file, pins)
-    count = len(patchfile.read_series(layout.patches))
-    print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay files "
-          f"+ {count} patches (tree {gitrepo.tree_of(build)})")
+        scratch = scratch_path(build)
+        swapping = False
+        failure: PatchFailed | None = None
+        try:
+            try:
+                build_tree(Layout(root=layout.root, build=scratch), sdist_file, pins, shown_as=build)
+            except PatchFailed as exc:
+                failure = exc           # a valid tree up to the patch before: it replaces build/vllm
+            except BaseException:
+                try:
+                    _remove(scratch)
+                except BaseException:   # a second Ctrl-C: the next run removes it
+                    pass
+                raise
+            swapping = True
+            with progress.stage("apply", f"moving the new tree to {build}"):
+                _swap_in(scratch, build)
+            if retired_path(build).exists():
+                with progress.stage("apply", f"removing the previous tree ({retired_path(build).name})"):
+                    shutil.rmtree(retired_path(build))
+            if failure:
+                raise failure
+            head = gitrepo.head(build)
+            count = len(patchfile.read_series(layout.patches))
+            print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay "
+                  f"files + {count} patches (tree {gitrepo.tree_of(build)})")
+        except KeyboardInterrupt:
+            raise Interrupted(_after_interrupt(build, existed, swapping)) from None
     return head
 
 
@@ -218,8 +331,61 @@ def _still_exact(build: Path, path: Path, header: list[str], commit: str, owned:
     return gitrepo.git(build, "diff", "--quiet", tree, commit, "--", *owned, check=False).returncode == 0
 
 
-def refresh(layout: Layout) -> list[str]:
-    """Regenerate patches/ and vllm_overlay/ from the build tree's commits."""
+def header_problems(header: list[str]) -> list[str]:
+    """What a patch header lacks: missing or empty fields, an unknown topic."""
+    fields = patchfile.Patch(path=Path("-"), header=header, diff="").fields()
+    problems = [f for f in patchfile.HEADER_FIELDS if not fields.get(f)]
+    topic = fields.get("Topic")
+    if topic and topic not in patchfile.TOPICS:
+        problems.append(f"Topic {topic!r} is not one of {', '.join(patchfile.TOPICS)}")
+    return problems
+
+
+def _patch_commits(build: Path, root: str, pristine: set[str]) -> list[tuple[str, list[str], list[str], str | None]]:
+    """(commit, owned files, header, patch name from the trailer) of every commit that
+    changes files upstream owns, oldest first."""
+    out = []
+    for commit in gitrepo.out(build, "rev-list", "--reverse", f"{root}..HEAD").split():
+        changed = gitrepo.out(build, "diff", "--name-only", "--no-renames", f"{commit}^", commit).splitlines()
+        owned = sorted(p for p in changed if p in pristine)
+        if not owned:
+            continue
+        header, name = patchfile.header_from_commit_message(
+            gitrepo.out(build, "log", "-1", "--format=%B", commit))
+        out.append((commit, owned, header, name))
+    return out
+
+
+def _refuse_incomplete_headers(build: Path, commits) -> None:
+    bad = []
+    for commit, _, header, _ in commits:
+        problems = header_problems(header)
+        if problems:
+            subject = header[0].removeprefix("Subject:").strip() if header else ""
+            missing = [p for p in problems if p in patchfile.HEADER_FIELDS]
+            other = [p for p in problems if p not in patchfile.HEADER_FIELDS]
+            text = (f"lacks the header field(s) {', '.join(missing)}" if missing else "") + \
+                ("; " if missing and other else "") + "; ".join(other)
+            bad.append(f"  {commit[:10]} {subject!r}: {text}")
+    if bad:
+        raise SeriesError(
+            "refresh: these commits would become patches, but their messages are not complete "
+            "patch headers:\n" + "\n".join(bad) + "\n"
+            "A patch commit's message is its header: the subject line, a blank line, then one field a "
+            "line (continuation lines indented two spaces):\n"
+            + "\n".join(f"  {f}: " + (" | ".join(patchfile.TOPICS) if f == "Topic" else "...")
+                        for f in patchfile.HEADER_FIELDS[1:]) + "\n"
+            f"Reword the commit in {build} "
+            "(git commit --amend, or git rebase -i with 'reword') and run `make refresh` again.\n"
+            "Nothing was written.")
+
+
+def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Regenerate patches/ and vllm_overlay/ from the build tree's commits.
+
+    A patch file that still gives its commit exactly is kept byte for byte,
+    unless its name is in ``regenerate`` (make rebase: hunks that moved).
+    """
     build = layout.build
     if not gitrepo.is_repo(build):
         raise SeriesError(f"{build} does not exist: run `make apply` first")
@@ -229,6 +395,8 @@ def refresh(layout: Layout) -> list[str]:
                           f"(each commit becomes one patch):\n" + "\n".join("  " + c for c in changes[:10]))
     root = gitrepo.root_commit(build)
     pristine = gitrepo.files_at(build, root)
+    commits = _patch_commits(build, root, pristine)
+    _refuse_incomplete_headers(build, commits)
     report: list[str] = []
 
     # Overlay: every file at HEAD that upstream does not have.
@@ -249,13 +417,7 @@ def refresh(layout: Layout) -> list[str]:
     existing = [int(n[:4]) for n in patchfile.read_series(layout.patches) if n[:4].isdigit()]
     next_number = (max(existing) if existing else 0) + 1
     names: list[str] = []
-    for commit in gitrepo.out(build, "rev-list", "--reverse", f"{root}..HEAD").split():
-        changed = gitrepo.out(build, "diff", "--name-only", "--no-renames", f"{commit}^", commit).splitlines()
-        owned = sorted(p for p in changed if p in pristine)
-        if not owned:
-            continue
-        header, name = patchfile.header_from_commit_message(
-            gitrepo.out(build, "log", "-1", "--format=%B", commit))
+    for commit, owned, header, name in commits:
         if not name:  # a commit made by hand: reuse the file an earlier refresh wrote for it
             name = next((old for old in patchfile.read_series(layout.patches)
                          if old not in names and (layout.patches / old).exists()
@@ -264,7 +426,7 @@ def refresh(layout: Layout) -> list[str]:
             name = f"{next_number:04d}-{patchfile.slug(header[0].removeprefix('Subject:'))}.patch"
             next_number += 1
         path = layout.patches / name
-        if path.exists() and _still_exact(build, path, header, commit, owned):
+        if name not in regenerate and path.exists() and _still_exact(build, path, header, commit, owned):
             names.append(name)   # keep the file byte for byte (line offsets and all)
             continue
         diff = patchfile.strip_index_lines(gitrepo.diff(build, f"{commit}^", commit, owned))

@@ -1,4 +1,4 @@
-"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status,readme,pr}."""
+"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status,readme,pr,rebase}."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import SeriesError, buildtree, export, gitrepo, lint, readme, sdist
+from . import Interrupted, SeriesError, buildtree, export, gitrepo, lint, progress, readme, rebase, sdist
 from .pins import load_pins
 
 
@@ -29,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     pr_p.add_argument("--topic", required=True, help="one of the patch header topics")
     pr_p.add_argument("--dist", type=Path, default=None, help="output folder (default: ROOT/dist)")
     pr_p.add_argument("--ruff", default=None, help="the ruff executable (default: found next to python)")
+    reb = sub.add_parser("rebase", help="port the series to another vLLM release (git's three-way merges)")
+    reb.add_argument("--version", default=None, help="the vLLM release to port to (VLLM_VERSION)")
+    reb.add_argument("--sha256", default=None, help="its sdist's sha256 (VLLM_SDIST_SHA256)")
+    how = reb.add_mutually_exclusive_group()
+    how.add_argument("--continue", dest="resume", action="store_true", help="go on after resolving a conflict")
+    how.add_argument("--abort", action="store_true", help="drop the rebase in progress")
     args = parser.parse_args(argv)
+    progress.interrupts_raise()
     root = args.root.resolve()
     layout = buildtree.Layout(root=root, build=(args.build or root / "build" / "vllm").resolve())
     try:
@@ -57,10 +64,24 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "pr":
             report = export.export(layout, args.topic, (args.dist or root / "dist").resolve(), ruff=args.ruff)
             print("\n".join(report))
+        elif args.verb == "rebase":
+            if args.abort:
+                print(rebase.abort(layout))
+                return 0
+            if args.resume:
+                code, text = rebase.resume(layout)
+            else:
+                code, text = rebase.start(layout, args.version, args.sha256)
+            print(text)
+            return code
         elif args.verb == "readme":
             changed = readme.update(root)
             print("README.md: series table " + ("rewritten" if changed else "already current"))
     except SeriesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:   # Ctrl-C, or SIGTERM/SIGHUP (progress.interrupts_raise)
+        what = str(exc) if isinstance(exc, Interrupted) else "a plain rerun cleans up and starts again"
+        print(f"{args.verb}: interrupted; {what}", file=sys.stderr)
+        return 130
     return 0

@@ -41,6 +41,7 @@ from . import (
     gitrepo,
     headlines,
     patchfile,
+    progress,
     results,
     topics,
 )
@@ -75,19 +76,46 @@ FALLBACK_TEMPLATE = """## Purpose
 
 # --- identity, tree, branch --------------------------------------------------
 
-def git_identity(repo: Path) -> dict[str, str]:
-    """The configured user.name/user.email as author and committer, fixed date."""
-    name = gitrepo.git(repo, "config", "--get", "user.name", check=False).stdout.strip()
-    email = gitrepo.git(repo, "config", "--get", "user.email", check=False).stdout.strip()
-    if not name or not email:
-        missing = " and ".join(k for k, v in (("user.name", name), ("user.email", email)) if not v)
-        raise SeriesError(
-            f"git {missing} not set: the exported commits carry a DCO 'Signed-off-by:' line "
-            f"(vLLM requires it) from your git identity.\n"
-            f"  git config --global user.name 'Your Name'\n"
-            f"  git config --global user.email you@example.com")
-    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": EXPORT_DATE,
-            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": EXPORT_DATE}
+_IDENT_RE = re.compile(r"^(?P<name>.*) <(?P<email>[^<>]*)> \d+ [+-]\d{4}$")
+
+
+def _ask_git_var(repo: Path | None, var: str) -> subprocess.CompletedProcess:
+    """``git var VAR`` in repo, or outside any repository when repo is None."""
+    if repo is not None:
+        return gitrepo.git(repo, "var", var, check=False)
+    with tempfile.TemporaryDirectory(prefix="series-ident-") as tmp:
+        # Outside every repository: only the environment and the global/system config count.
+        env = {"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}
+        return gitrepo.git(Path(tmp), "var", var, check=False, env=env)
+
+
+def git_identity(build: Path) -> dict[str, str]:
+    """The author and committer git itself would use for a commit in build/vllm, fixed date.
+
+    ``git var GIT_AUTHOR_IDENT`` / ``GIT_COMMITTER_IDENT`` resolve it the way
+    ``git commit`` does: GIT_AUTHOR_* / GIT_COMMITTER_* from the environment,
+    then the tree's own config, then the global and system config.  Before
+    build/vllm exists, the same question is asked outside any repository.
+    """
+    repo = build if gitrepo.is_repo(build) else None
+    ident: dict[str, str] = {}
+    for role in ("AUTHOR", "COMMITTER"):
+        proc = _ask_git_var(repo, f"GIT_{role}_IDENT")
+        match = _IDENT_RE.match(proc.stdout.strip()) if proc.returncode == 0 else None
+        if not match or not match["name"].strip() or not match["email"].strip():
+            why = next((ln.removeprefix("fatal: ") for ln in proc.stderr.splitlines()
+                        if ln.startswith("fatal:")), proc.stderr.strip() or proc.stdout.strip())
+            raise SeriesError(
+                f"git has no {role.lower()} identity for a commit in {build} ({why}): the exported "
+                f"commits carry a DCO 'Signed-off-by:' line (vLLM requires it) from that identity.\n"
+                f"Set it the way git looks for it: GIT_{role}_NAME / GIT_{role}_EMAIL in the environment, "
+                f"`git -C {build} config user.email ...`, or\n"
+                f"  git config --global user.name 'Your Name'\n"
+                f"  git config --global user.email you@example.com")
+        ident[f"GIT_{role}_NAME"] = match["name"].strip()
+        ident[f"GIT_{role}_EMAIL"] = match["email"].strip()
+        ident[f"GIT_{role}_DATE"] = EXPORT_DATE
+    return ident
 
 
 def pristine_root(layout: buildtree.Layout, pins: dict[str, str]) -> str:
@@ -496,7 +524,7 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
         raise SeriesError(f"unknown topic {topic!r}: make pr TOPIC=<{'|'.join(patchfile.TOPICS)}>")
     pins = load_pins(layout.root)
     build = layout.build
-    ident = git_identity(layout.root)
+    ident = git_identity(build)
     ruff_cmd = find_ruff(layout.root, ruff)
     all_patches = buildtree.series_patches(layout)
     mine = [p for p in all_patches if p.topic == topic]
@@ -510,12 +538,14 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
     if not mine and not overlay:
         raise SeriesError(f"topic {topic} has no patches and no overlay files: nothing to export")
     root = pristine_root(layout, pins)
-    problem = topic_alone_problem(build, root, all_patches, topic)
+    with progress.stage("pr", f"topic {topic} alone on pristine upstream"):
+        problem = topic_alone_problem(build, root, all_patches, topic)
     if problem:
         raise SeriesError(problem + f"\nNothing was exported; {build} is untouched.")
 
     branch = f"pr/{topic}"
     report: list[str] = []
+    progress.say("pr", f"checking out pristine vLLM {pins['VLLM_VERSION']} in a scratch worktree ...")
     with scratch_worktree(build, f"pr-{topic}", root) as tree:
         if overlay:
             for rel in overlay:
@@ -525,7 +555,8 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
             gitrepo.git(tree, "add", "-f", "--", *overlay)
             gitrepo.git(tree, "commit", "-q", "-s", "-F", "-", input_text=overlay_message(topic, overlay),
                         env=ident)
-        for patch in mine:
+        for i, patch in enumerate(mine, 1):
+            progress.say("pr", f"patch {i}/{len(mine)} {patch.name}")
             try:
                 buildtree.apply_patch(tree, patch)
             except SeriesError as exc:
@@ -535,7 +566,8 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
         changed = gitrepo.out(tree, "diff", "--name-only", "--no-renames", "--diff-filter=d",
                               root, "HEAD").splitlines()
         try:
-            report += upstream_ci_checks(tree, changed, ruff_cmd)
+            with progress.stage("pr", f"ruff format --check, ruff check, py_compile on {len(changed)} file(s)"):
+                report += upstream_ci_checks(tree, changed, ruff_cmd)
         except SeriesError as exc:
             raise SeriesError(f"{exc}\nThe export stopped: {branch} and dist/{topic}/ "
                               "were not written.") from None

@@ -77,12 +77,15 @@ def files_at(repo: Path, rev: str) -> set[str]:
     return set(out(repo, "ls-tree", "-r", "--name-only", "-z", rev).split("\0")) - {""}
 
 
-def diff(repo: Path, a: str, b: str, paths: list[str]) -> str:
-    if not paths:
+_DIFF_FLAGS = ("--no-color", "--no-ext-diff", "--no-textconv", "--no-renames", "--diff-algorithm=myers",
+               "--src-prefix=a/", "--dst-prefix=b/")
+
+
+def diff(repo: Path, a: str, b: str, paths: list[str] | None, context: int = 3) -> str:
+    """The series' diff format between two revisions; paths None means every file."""
+    if paths is not None and not paths:
         return ""
-    return git(repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
-               "--diff-algorithm=myers", "-U3", "--src-prefix=a/", "--dst-prefix=b/",
-               a, b, "--", *paths).stdout
+    return git(repo, "diff", *_DIFF_FLAGS, f"-U{context}", a, b, "--", *(paths or [])).stdout
 
 
 # What the series is made of; uncommitted changes here make a build or export "dirty".

@@ -24,7 +24,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, export, figures, gitrepo, patchfile, sdist, topics
+from . import SeriesError, export, figures, gitrepo, patchfile, progress, sdist, topics
 from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
@@ -119,7 +119,8 @@ def lint(layout: Layout) -> list[str]:
     findings = lint_series_files(layout) + lint_header_claims(layout)
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
-    pristine = _pristine_files(sdist_file)
+    with progress.stage("check", f"listing {sdist_file.name}"):
+        pristine = _pristine_files(sdist_file)
     for rel in overlay_files(layout):
         if rel in pristine:
             findings.append(f"vllm_overlay/{rel}: shadows a file upstream has (use a patch)")
@@ -129,14 +130,15 @@ def lint(layout: Layout) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:
         scratch = Layout(root=layout.root, build=Path(tmp) / "vllm")
         try:
-            build_tree(scratch, sdist_file, pins, record_state=False)
+            build_tree(scratch, sdist_file, pins, record_state=False, verb="check")
         except SeriesError as exc:
             findings.append(str(exc).splitlines()[0])
             return findings
         patches = series_patches(layout)
         root = gitrepo.root_commit(scratch.build)
         for topic in patchfile.TOPICS:
-            problem = export.topic_alone_problem(scratch.build, root, patches, topic)
+            with progress.stage("check", f"topic {topic} alone on pristine upstream"):
+                problem = export.topic_alone_problem(scratch.build, root, patches, topic)
             if problem:
                 findings.append(problem)
     return findings

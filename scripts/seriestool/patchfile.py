@@ -98,6 +98,48 @@ class Patch:
         return names
 
 
+@dataclass
+class Hunk:
+    file: str                  # the b/ side's path (the a/ side's for a deletion)
+    index: int                 # within its file, from 1
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    header: str                # the whole "@@ ... @@ context" line
+    lines: list[str]           # the body: " ", "-", "+" and "\\ No newline" lines
+
+
+def diff_hunks(diff: str) -> list[Hunk]:
+    """Every hunk of a unified git diff, in order (bodies read by their line counts)."""
+    hunks: list[Hunk] = []
+    current, index = "", 0
+    old_left = new_left = 0
+    for line in diff.splitlines():
+        if old_left > 0 or new_left > 0:
+            tag = line[:1]
+            if tag == "\\":
+                hunks[-1].lines.append(line)
+                continue
+            old_left -= tag in (" ", "-", "")
+            new_left -= tag in (" ", "+", "")
+            hunks[-1].lines.append(line)
+            continue
+        if hunks and line.startswith("\\"):
+            hunks[-1].lines.append(line)     # "\ No newline at end of file" after the last line
+        elif line.startswith("diff --git "):
+            current, index = line.split(" b/", 1)[-1], 0
+        elif line.startswith("+++ ") and line[4:].strip() != "/dev/null":
+            current = line[4:].strip().removeprefix("b/")
+        elif (match := _HUNK_RE.match(line)):
+            index += 1
+            old_left = 1 if match.group(2) is None else int(match.group(2))
+            new_left = 1 if match.group(4) is None else int(match.group(4))
+            hunks.append(Hunk(current, index, int(match.group(1)), old_left, int(match.group(3)), new_left,
+                              line, []))
+    return hunks
+
+
 def parse(path: Path) -> Patch:
     text = path.read_text()
     lines = text.splitlines()

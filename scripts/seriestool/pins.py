@@ -26,3 +26,23 @@ def load_pins(root: Path) -> dict[str, str]:
     if missing:
         raise SeriesError(f"{path}: missing pins: {', '.join(missing)}")
     return pins
+
+
+def update_pins(root: Path, values: dict[str, str]) -> list[str]:
+    """Set KEY=VALUE lines of pins.env in place (comments and order kept); return "KEY: old -> new"."""
+    path = root / "pins.env"
+    lines = path.read_text().splitlines()
+    changed, seen = [], set()
+    for i, raw in enumerate(lines):
+        key, sep, old = raw.partition("=")
+        key = key.strip()
+        if sep and not raw.lstrip().startswith("#") and key in values:
+            seen.add(key)
+            if old.strip() != values[key]:
+                lines[i] = f"{key}={values[key]}"
+                changed.append(f"{key}: {old.strip()} -> {values[key]}")
+    missing = [k for k in values if k not in seen]
+    if missing:
+        raise SeriesError(f"{path}: no line for {', '.join(missing)}")
+    path.write_text("\n".join(lines) + "\n")
+    return changed

@@ -22,7 +22,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from . import SeriesError
+from . import SeriesError, progress
 
 FETCH_TOOLS = ("setuptools>=77,<81", "setuptools-scm", "setuptools-rust", "packaging",
                "jinja2", "wheel")
@@ -100,9 +100,9 @@ def fetch(pins: dict[str, str], cache: Path) -> Path:
         verify(target, pins["VLLM_SDIST_SHA256"])
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"fetching vllm=={pins['VLLM_VERSION']} sdist with pip (hash-checked) ...", flush=True)
     try:
-        python = _tools_python(cache)
+        with progress.stage("fetch", f"preparing pip's download environment in {cache / 'fetch-venv'}"):
+            python = _tools_python(cache)
         with tempfile.TemporaryDirectory(dir=cache, prefix="download-") as tmp:
             tmp_path = Path(tmp)
             standin = tmp_path / "standin"
@@ -115,9 +115,11 @@ def fetch(pins: dict[str, str], cache: Path) -> Path:
             env = dict(os.environ, PYTHONPATH=str(standin), VLLM_TARGET_DEVICE="empty",
                        VLLM_SKIP_VERSION_SUFFIX="1")
             out = tmp_path / "out"
-            proc = _run([str(python), "-m", "pip", "download", "-q", "--no-deps",
-                         "--no-binary", ":all:", "--no-build-isolation", "--require-hashes",
-                         "--retries", "1", "-r", str(req), "-d", str(out)], env=env)
+            with progress.stage("fetch", f"downloading vllm=={pins['VLLM_VERSION']} sdist with pip "
+                                         f"(hash-checked) into {cache}"):
+                proc = _run([str(python), "-m", "pip", "download", "-q", "--no-deps",
+                             "--no-binary", ":all:", "--no-build-isolation", "--require-hashes",
+                             "--retries", "1", "-r", str(req), "-d", str(out)], env=env)
             if proc.returncode != 0:
                 raise SeriesError(f"pip download failed: {_last_error(proc)}")
             got = out / target.name
@@ -133,8 +135,8 @@ def fetch(pins: dict[str, str], cache: Path) -> Path:
 
 
 def unpack(sdist: Path, dest: Path) -> None:
-    """Extract the sdist into dest, dropping its top-level ``vllm-X.Y.Z/`` folder."""
-    dest.mkdir(parents=True)
+    """Extract the sdist into dest (made if absent), dropping its top-level ``vllm-X.Y.Z/`` folder."""
+    dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
         members = []
         for member in tar.getmembers():

@@ -84,8 +84,10 @@ def read_rules(patches_dir: Path) -> tuple[list[Rule], list[str]]:
             findings.append(f"{where}: expected '<glob> <topic>', got {raw.strip()!r}")
             continue
         glob, topic = parts
-        if topic not in TOPICS:
-            findings.append(f"{where}: unknown topic {topic!r} (one of {', '.join(TOPICS)})")
+        # "a,b": a shared file that ships with each of those topics' PRs.
+        for one in topic.split(","):
+            if one not in TOPICS:
+                findings.append(f"{where}: unknown topic {one!r} (one of {', '.join(TOPICS)})")
         rules.append(Rule(lineno, glob.removeprefix("vllm_overlay/"), topic, glob_regex(
             glob.removeprefix("vllm_overlay/"))))
     return rules, findings
@@ -99,8 +101,9 @@ def overlay_topic(rules: list[Rule], rel: str) -> tuple[str | None, str | None]:
     if len(topics) > 1:
         return None, f"vllm_overlay/{rel}: matches rules of several topics ({', '.join(topics)}) " \
                      f"in patches/{OVERLAY_TOPICS}"
-    if topics[0] not in TOPICS:
-        return None, f"vllm_overlay/{rel}: unknown topic {topics[0]!r} from patches/{OVERLAY_TOPICS}"
+    unknown = [t for t in topics[0].split(",") if t not in TOPICS]
+    if unknown:
+        return None, f"vllm_overlay/{rel}: unknown topic {unknown[0]!r} from patches/{OVERLAY_TOPICS}"
     return topics[0], None
 
 
@@ -118,4 +121,4 @@ def lint_overlay_topics(patches_dir: Path, files: list[str]) -> list[str]:
 
 def overlay_files_of(patches_dir: Path, files: list[str], topic: str) -> list[str]:
     rules, _ = read_rules(patches_dir)
-    return [rel for rel in files if overlay_topic(rules, rel)[0] == topic]
+    return [rel for rel in files if topic in (overlay_topic(rules, rel)[0] or "").split(",")]

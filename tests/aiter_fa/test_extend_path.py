@@ -21,14 +21,17 @@ What is real and what is faked:
     Triton placeholders whenever vLLM is not an installed package (it asks the
     package metadata for the version, and the tree runs from source), so the
     test loads that module with the real ``triton``; its CUDA op is not built;
-  * faked: the ``aiter`` package (absent off ROCm).  ``aiter.flash_attn_varlen_func``,
-    ``aiter.ops.triton.unified_attention.unified_attention`` and the
-    ``torch.ops.aiter.paged_attention_v1`` HIP op are written here in float64
-    torch, independent of the series' kernels: reference-side stand-ins,
-    exact up to one rounding of their output, on the CPU or, on the GPU tier,
-    in float64 on the GPU.  The fake varlen function also checks the host
-    maxima it is given (``max_seqlen_q/k``), since the real kernel sizes its
-    grid from them;
+  * faked: the ``aiter`` package (absent off ROCm), by tests/fakes/aiter_fa.py:
+    ``aiter.flash_attn_varlen_func`` (over the ``mha_varlen_fwd`` /
+    ``fmha_v3_varlen_fwd`` ops), ``aiter.ops.triton.unified_attention``'s
+    ``unified_attention`` and the ``torch.ops.aiter.paged_attention_v1`` op,
+    written from AITER's source (e4048607) and exported as AITER exports them:
+    they check what AITER checks, read their inputs as the kernels do (the
+    strides each kernel is given, ``min_seqlen_q``'s sequence skip, the launch
+    grid's ``max_seqlen_q``) and compute in float64 torch, independent of the
+    series' kernels: exact up to one rounding of their output, on the CPU or,
+    on the GPU tier, in float64 on the GPU (tests/aiter_fa/test_aiter_fa_fakes.py
+    pins what they refuse);
   * not run: ``do_kv_cache_update`` (needs vLLM's compiled ``_C_cache_ops``);
     the test writes the paged cache itself, as that op would.
 
@@ -40,22 +43,25 @@ tail entries name a free (NaN) block, as stale entries would.
 Tiers (tests/conftest.py): every test without the ``gpu`` marker runs on the
 ``device`` fixture, so on the CPU tier under the interpreter and on a GPU with
 compiled kernels: GQA 4 (8 query heads, 2 kv heads), head size 32, block size
-16, contexts of 21-55 tokens (not multiples of 16); fp32 (one mixed batch also
-fp16, and fp16 over an fp8 e4m3fn cache).  The ``gpu``-marked tests run the
+16, contexts of 21-55 tokens (not multiples of 16); fp16 (a mixed batch also
+over an fp8 e4m3fn cache): AITER's varlen kernels take fp16/bf16 only, and bf16
+math is wrong in the interpreter.  The ``gpu``-marked tests run the
 same routes at GPU-tier sizes (skipped on the CPU tier): bf16 and fp16 queries,
 GQA 8 (32 query / 4 kv heads, head size 128) and GQA 4 (32 / 8, head size 64),
 block size 16, contexts of 2,000-4,100 tokens (not multiples of 16), bf16 over
 an fp8 e4m3fn cache; decodes then take the ``paged_attention_v1`` op (head
 size >= 64).  bf16 runs on the GPU tier only: under ``TRITON_INTERPRET=1``
 (Triton 3.6) ``paged_context_attention`` returns bf16 results off by orders of
-magnitude where fp16 and fp32 are right, a limitation of the interpreter (the
+magnitude where fp16 is right, a limitation of the interpreter (the
 kernel's compiled bf16 is checked in tests/kernels on the GPU).
 
 Routes covered: 0250's paged context (default threshold, and a step at exactly
 the threshold); 0200's gather (flag 0, one token over the threshold, and 4-5
 context chunks through a shrunk ``_CP_TOKENS_PER_ITER_ROCM`` so the reused merge
 buffers alternate); 0200's other two fetch_kv call sites (KV-sharing layer with
-key=None, sliding-window extend).  Decodes run through the ``unified_attention``
+key=None, sliding-window extend); two batches out of order whose one-token rows
+run on the prefill / extend path (0260: not skipped by ``min_seqlen_q``).
+Decodes run through the ``unified_attention``
 fallback (head size < 64) or, at the GPU sizes, ``paged_attention_v1``; the
 SHUFFLE layout is not run here.
 
@@ -72,12 +78,13 @@ import json
 import math
 import os
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from aiter_export import AiterExport
+from aiter_fa import install_fa_fakes
 
 
 @dataclass(frozen=True)
@@ -101,13 +108,12 @@ BLOCK_SIZE = 16
 LAYER = "model.layers.0.self_attn.attn"
 BACKEND = "vllm.v1.attention.backends.rocm_aiter_fa"
 # Against a float64 reference, |err| <= TOL * (1 + |ref|), in units of the
-# dtype's unit roundoff u.  fp32 (u = 6e-8): dots of <= 55 context tokens, two
-# softmax normalisations and a merge, each a few u: 64 u = 3.8e-6 (observed
-# <= 5e-7).  fp16 (u = 4.9e-4): P, the partial outputs and the output are each
-# rounded once to fp16: 4 u = 2e-3 (observed <= 4.6e-4).
-# The same cases compiled on a GPU are held to these bounds (the kernels' fp32
+# dtype's unit roundoff u.  fp16 (u = 4.9e-4): P, the partial outputs and the
+# output are each rounded once to fp16: 4 u = 2e-3 (observed on the CPU
+# interpreter: <= 2 u, <= 0.25 of the bound, for up to 5 chunks).
+# The same cases compiled on a GPU are held to this bound (the kernels' fp32
 # dots use IEEE products, not tf32).
-TOL = {dt: n * torch.finfo(dt).eps / 2 for dt, n in ((torch.float32, 64), (torch.float16, 4))}
+TOL = {torch.float16: 4 * torch.finfo(torch.float16).eps / 2}
 # GPU-tier sizes (bf16/fp16, thousands of context tokens), per output element:
 # |err| <= (roundings * u + 256 * u32) * A + u * |ref|, where
 # A = sum_j p_j |v_j| is the attention average of |V| (the reference computes
@@ -136,7 +142,8 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 # --------------------------------------------------------------------------
-# The fake AITER (float64 torch; nothing from the series).
+# The reference, and the fake AITER (tests/fakes/aiter_fa.py: float64 torch,
+# written from AITER's source; nothing from the series).
 # --------------------------------------------------------------------------
 
 
@@ -164,118 +171,16 @@ def _attend(q, k, v, scale, causal, window_left=-1):
     return torch.einsum("hqk,khd->qhd", p, v), lse
 
 
-def _read_paged(key_cache, value_cache, block_row, seq_len):
-    """One sequence's first seq_len tokens from [num_blocks, block_size, Hkv, D] views."""
-    pos = torch.arange(seq_len, device=key_cache.device)
-    blocks = block_row.long()[pos // key_cache.shape[1]]
-    return (key_cache[blocks, pos % key_cache.shape[1]].double(),
-            value_cache[blocks, pos % key_cache.shape[1]].double())
-
-
-class FakeAiter:
-    """Torch stand-ins for the AITER functions AITER FA's forward calls."""
-
-    def __init__(self):
-        self.varlen_calls = []
-        self.decode_calls = []  # paged_attention_v1
-        self.kv_shape = None  # (H_kv, D) of the layer under test (make_backend)
-
-    def flash_attn_varlen_func(
-        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        min_seqlen_q=None, dropout_p=0.0, softmax_scale=None, causal=False,
-        window_size=None, alibi_slopes=None, return_lse=False, out=None, sink_ptr=None,
-    ):
-        assert dropout_p == 0.0 and alibi_slopes is None and sink_ptr is None
-        window_left, window_right = (-1, -1) if window_size is None else window_size
-        assert window_right in (-1, 0) and (window_left == -1 or causal)
-        assert q.dim() == 3 and k.shape == v.shape and k.shape[1:] == self.kv_shape
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        assert len(cq) == len(ck) and cq[0] == 0 and ck[0] == 0
-        assert cq[-1] <= q.shape[0] and ck[-1] <= k.shape[0]
-        q_lens = [b - a for a, b in itertools.pairwise(cq)]
-        k_lens = [b - a for a, b in itertools.pairwise(ck)]
-        # The real kernel sizes its launch from these host maxima.
-        assert max(q_lens) <= max_seqlen_q, (q_lens, max_seqlen_q)
-        assert max(k_lens) <= max_seqlen_k, (k_lens, max_seqlen_k)
-        if min_seqlen_q is not None:
-            assert min(q_lens) >= min_seqlen_q
-        self.varlen_calls.append({"causal": causal, "return_lse": return_lse,
-                                  "q_lens": q_lens, "k_lens": k_lens, "window": window_left})
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        res = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64,
-                         device=q.device)
-        for b in range(len(q_lens)):
-            o, l_ = _attend(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
-                            scale, causal, window_left)
-            res[cq[b]:cq[b + 1]] = o
-            lse[:, cq[b]:cq[b + 1]] = l_
-        if out is None:
-            out = torch.empty_like(q)
-        out.copy_(res.to(out.dtype))
-        return (out, lse.float()) if return_lse else out
-
-    def unified_attention(
-        self, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
-        softmax_scale, causal, alibi_slopes, window_size, block_table, softcap,
-        q_descale, k_descale, v_descale, sinks=None,
-    ):
-        """Paged decode: k/v are [num_blocks, block_size, Hkv, D] cache views."""
-        assert causal and alibi_slopes is None and sinks is None and softcap == 0
-        assert window_size[1] in (-1, 0)
-        cq = cu_seqlens_q.tolist()
-        lens = seqused_k.tolist()
-        assert max(lens) <= max_seqlen_k
-        for b, seq_len in enumerate(lens):
-            assert cq[b + 1] - cq[b] <= max_seqlen_q
-            kb, vb = _read_paged(k, v, block_table[b], seq_len)
-            if k_descale is not None:  # fp8 cache: [num_seqs, Hkv] descales
-                kb = kb * k_descale[b].double()[None, :, None]
-                vb = vb * v_descale[b].double()[None, :, None]
-            o, _ = _attend(q[cq[b]:cq[b + 1]], kb, vb, softmax_scale, True, window_size[0])
-            out[cq[b]:cq[b + 1]] = o.to(out.dtype)
-
-    def paged_attention_v1(
-        self, out, workspace_buffer, query, key_cache, value_cache, scale, block_tables,
-        cu_query_lens, context_lens, max_context_len, alibi_slopes, kv_cache_dtype,
-        kv_cache_layout, logits_soft_cap, k_scale, v_scale, fp8_out_scale, partition_size,
-        mtp, sliding_window,
-    ):
-        """``torch.ops.aiter.paged_attention_v1``: single-token decodes, head size >= 64."""
-        assert alibi_slopes is None and fp8_out_scale is None and logits_soft_cap == 0
-        assert kv_cache_layout == "NHD" and mtp == 1
-        lens = context_lens.tolist()
-        assert query.shape[0] == len(lens) == cu_query_lens.shape[0]
-        assert max(lens) <= max_context_len
-        self.decode_calls.append({"seq_lens": lens, "kv_cache_dtype": kv_cache_dtype})
-        for b, seq_len in enumerate(lens):
-            kb, vb = _read_paged(key_cache, value_cache, block_tables[b], seq_len)
-            if kv_cache_dtype.startswith("fp8"):  # per-tensor scales
-                kb, vb = kb * k_scale.double(), vb * v_scale.double()
-            o, _ = _attend(query[b:b + 1], kb, vb, scale, True, sliding_window - 1)
-            out[b:b + 1] = o.to(out.dtype)
-
-
 @pytest.fixture
-def fake_aiter(monkeypatch):
-    fake = FakeAiter()
-    pkg = types.ModuleType("aiter")
-    pkg.__path__ = []
-    pkg.flash_attn_varlen_func = fake.flash_attn_varlen_func
-    ops = types.ModuleType("aiter.ops")
-    ops.__path__ = []
-    ops_triton = types.ModuleType("aiter.ops.triton")
-    ops_triton.__path__ = []
-    unified = types.ModuleType("aiter.ops.triton.unified_attention")
-    unified.unified_attention = fake.unified_attention
-    pkg.ops, ops.triton, ops_triton.unified_attention = ops, ops_triton, unified
-    for mod in (pkg, ops, ops_triton, unified):
-        monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    # The HIP op AITER registers on import (decodes, head size >= 64).
-    monkeypatch.setattr(torch.ops, "aiter",
-                        types.SimpleNamespace(paged_attention_v1=fake.paged_attention_v1),
-                        raising=False)
-    return fake
+def fake_aiter():
+    """The FA-path AITER fakes (tests/fakes/aiter_fa.py), exported as AITER
+    exports them, installed for the test; ``varlen_calls`` / ``unified_calls`` /
+    ``decode_calls`` record the flash_attn_varlen_func / unified_attention /
+    paged_attention_v1 calls."""
+    export = AiterExport()
+    fake = install_fa_fakes(export)
+    with export:
+        yield fake
 
 
 # --------------------------------------------------------------------------
@@ -432,7 +337,7 @@ def make_backend(backend, model_dir, fake_aiter, cpu_host_staging, device, monke
     assert not backend.rocm_aiter_ops.is_shuffle_kv_cache_enabled()
 
     def make(paged_max_tokens=None, chunk_tokens=None, sliding_window=None, kv_bypass=False,
-             dtype=torch.float32, kv_scales=None, shape=SMALL):
+             dtype=torch.float16, kv_scales=None, shape=SMALL):
         if paged_max_tokens is None:
             monkeypatch.delenv("VLLM_ROCM_AITER_FA_PAGED_CONTEXT_MAX_TOKENS", raising=False)
         else:
@@ -462,7 +367,6 @@ def make_backend(backend, model_dir, fake_aiter, cpu_host_staging, device, monke
                               attn_backend=backend.AiterFlashAttentionBackend)
         assert isinstance(layer.impl, backend.AiterFlashAttentionImpl)
         layer.to(device)  # its k/v scale buffers, as loading the model would
-        fake_aiter.kv_shape = (shape.num_kv_heads, shape.head_size)
         # A layer whose model writes K/V itself and calls attention with key=None
         # (the KV-sharing route of forward).
         layer.kv_cache_update_bypass = kv_bypass
@@ -522,7 +426,7 @@ class Step:
     absavg: torch.Tensor  # float64 [T, Hq, D]: sum_j p_j |v_j|
 
 
-def make_step(reqs, device, seed=0, window=None, dtype=torch.float32, kv_scales=None,
+def make_step(reqs, device, seed=0, window=None, dtype=torch.float16, kv_scales=None,
               shape=SMALL):
     """Random q/k/v, a NaN-poisoned packed cache holding each request's sequence, the reference.
 
@@ -751,10 +655,9 @@ MIXED = [
 
 
 @pytest.mark.parametrize("dtype, kv_scales", [
-    (torch.float32, None),
     (torch.float16, None),
     (torch.float16, (0.25, 0.5)),
-], ids=["fp32", "fp16", "fp16-fp8kv"])
+], ids=["fp16", "fp16-fp8kv"])
 @pytest.mark.parametrize("route", ["paged", "gather-3-chunks"])
 def test_decode_extend_prefill_batch(make_backend, spies, fake_aiter, device, route, dtype,
                                      kv_scales):
@@ -813,6 +716,34 @@ def test_sliding_window_extend(make_backend, spies, fake_aiter, device):
     swa_calls = [c for c in fake_aiter.varlen_calls if c["window"] == 23]
     assert [c["k_lens"] for c in swa_calls if c["q_lens"] == [6, 3]] == [[30, 22]]
     assert_matches_reference(output, step)
+
+
+# Batches out of the decode -> extend -> prefill order that the split still
+# computes (batch_order.py): decode-like rows behind an extend run on the
+# extend path (with context) or the prefill path (without).  AITER's varlen
+# kernels skip every sequence of at most min_seqlen_q queries, so a one-token
+# row there must not reach them with min_seqlen_q = 1.
+OUT_OF_ORDER = {
+    "prompt-1-after-extend": ([Req(ctx=37, q=6), Req(ctx=0, q=1)], (0, 1, 1)),
+    "decode-after-extend": ([Req(ctx=37, q=6), Req(ctx=29, q=1)], (0, 2, 0)),
+}
+
+
+@pytest.mark.parametrize("route", ["paged", "gather"])
+@pytest.mark.parametrize("case", list(OUT_OF_ORDER))
+def test_out_of_order_one_token_rows_are_computed(make_backend, spies, fake_aiter, device,
+                                                  route, case):
+    """A one-token row on the extend or prefill path is attended, not skipped."""
+    reqs, split = OUT_OF_ORDER[case]
+    layer, builder = make_backend(**({} if route == "paged" else {"paged_max_tokens": 0}))
+    step = make_step(reqs, device, seed=7)
+    meta, output = run_forward(layer, builder, step)
+
+    assert (meta.num_decodes, meta.num_extends, meta.num_prefills) == split
+    assert bool(spies["paged_context_attention"]) == (route == "paged")
+    assert_matches_reference(output, step)
+    for call in fake_aiter.varlen_calls:  # none skips a row it was given
+        assert min(call["q_lens"]) > call["min_seqlen_q"], call
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import hashlib
 import os
 import subprocess
 
-from conftest import ENVS_PY, UPSTREAM, _tarball, envs_edit_1, envs_edit_2, make_patch
+from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_1, envs_edit_2, make_patch, write_sdist
 
 ADA = "Ada Lovelace <ada@example.com>"
 
@@ -58,7 +58,7 @@ def _add_patch(fs, name: str, text: str) -> None:
 
 def _repack(fs, extra: dict[str, str]) -> None:
     """Give the fake upstream more files (a pyproject.toml, a PR template) and re-pin it."""
-    _tarball(fs.sdist, {**UPSTREAM, **extra})
+    write_sdist(fs.sdist, {**UPSTREAM, **extra})
     sha = hashlib.sha256(fs.sdist.read_bytes()).hexdigest()
     pins = fs.root / "pins.env"
     lines = [f"VLLM_SDIST_SHA256={sha}" if ln.startswith("VLLM_SDIST_SHA256=") else ln
@@ -182,11 +182,45 @@ def test_a_topic_that_needs_another_topics_hunk_fails_clearly(fake_series, tmp_p
 
 def test_export_needs_a_git_identity_for_the_sign_off(fake_series, tmp_path):
     fs = fake_series
-    proc = fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path, name="Ada Lovelace", email=None))
+    env = _identity(tmp_path, name="Ada Lovelace", email=None)
+    with open(env["GIT_CONFIG_GLOBAL"], "a") as f:
+        f.write("\tuseConfigOnly = true\n")   # no guessing from the host name, on any machine
+    proc = fs.run("pr", "--topic", "fetch-kv", env=env)
     assert proc.returncode == 2
-    assert "git user.email not set" in proc.stderr and "Signed-off-by" in proc.stderr
-    assert "git config --global user.email" in proc.stderr
+    err = proc.stderr
+    assert "git has no author identity for a commit in" in err and "Signed-off-by" in err
+    assert "auto-detection is disabled" in err        # git's own reason
+    assert "GIT_AUTHOR_NAME / GIT_AUTHOR_EMAIL" in err and "git config --global user.email" in err
+    assert "Traceback" not in err
     assert not fs.build.exists() and not (fs.root / "dist").exists()
+
+
+def _authors(fs, topic: str) -> tuple[str, str]:
+    text = (fs.root / "dist" / topic / "0002-Comment-sub.patch").read_text()
+    sign_off = [ln for ln in text.splitlines() if ln.startswith("Signed-off-by: ")]
+    return next(ln for ln in text.splitlines() if ln.startswith("From: ")), sign_off[0]
+
+
+def test_export_uses_the_identity_git_would_use_in_the_build_tree(fake_series, tmp_path):
+    """Environment, then build/vllm's own config, then the global config: `git var` decides."""
+    fs = fake_series
+    env = _identity(tmp_path)                                   # global: Ada
+    _ok(fs.run("apply"))
+    _ok(fs.run("pr", "--topic", "fetch-kv", env=env))
+    assert _authors(fs, "fetch-kv") == (f"From: {ADA}", f"Signed-off-by: {ADA}")
+
+    fs.git("config", "user.name", "Grace Hopper")               # build/vllm's config wins over global
+    fs.git("config", "user.email", "grace@example.com")
+    _ok(fs.run("pr", "--topic", "fetch-kv", env=env))
+    grace = "Grace Hopper <grace@example.com>"
+    assert _authors(fs, "fetch-kv") == (f"From: {grace}", f"Signed-off-by: {grace}")
+
+    by_env = {**env, "GIT_AUTHOR_NAME": "Env Author", "GIT_AUTHOR_EMAIL": "author@example.com",
+              "GIT_COMMITTER_NAME": "Env Committer", "GIT_COMMITTER_EMAIL": "committer@example.com"}
+    _ok(fs.run("pr", "--topic", "fetch-kv", env=by_env))         # the environment wins over both
+    assert _authors(fs, "fetch-kv") == ("From: Env Author <author@example.com>",
+                                        "Signed-off-by: Env Committer <committer@example.com>")
+    assert fs.git("log", "-1", "--format=%an|%cn|%ad", "pr/fetch-kv").startswith("Env Author|Env Committer|")
 
 
 def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
@@ -252,3 +286,26 @@ def test_apply_ignores_overlay_topics(fake_series):
     assert (fs.git("rev-parse", "HEAD"), fs.tree()) == (head, tree)
     assert "overlay-topics" not in fs.git("log", "--format=%B")
     assert "series OK (2 patches, 1 overlay files)" in _ok(fs.run("check")).stdout
+
+
+def test_a_shared_overlay_file_ships_with_each_of_its_topics(tmp_path):
+    """A file two topics import (the Triton launcher) is listed "a,b": each
+    topic's PR carries it, so each imports on pristine upstream by itself."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from seriestool import topics
+
+    patches = tmp_path
+    (patches / topics.OVERLAY_TOPICS).write_text(
+        "vllm/ops/shared.py fetch-kv,mla-fusion\nvllm/ops/mla.py mla-fusion\n"
+        "vllm/ops/bad.py fetch-kv,misc\n")
+    files = ["vllm/ops/shared.py", "vllm/ops/mla.py"]
+    assert topics.lint_overlay_topics(patches, files) == [
+        "patches/overlay-topics:3: unknown topic 'misc' (one of "
+        f"{', '.join(topics.TOPICS)})",
+        "patches/overlay-topics:3: 'vllm/ops/bad.py' matches no overlay file"]
+    assert topics.overlay_files_of(patches, files, "fetch-kv") == ["vllm/ops/shared.py"]
+    assert topics.overlay_files_of(patches, files, "mla-fusion") == files
+    assert topics.overlay_files_of(patches, files, "order-contract") == []

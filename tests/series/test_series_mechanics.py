@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import ENVS_PY, UPSTREAM, envs_edit_1, envs_edit_2, make_patch
+from fake_upstream import ENVS_PY, UPSTREAM, commit_message, envs_edit_1, envs_edit_2, make_patch
 
 
 def _ok(proc):
@@ -187,13 +187,15 @@ def test_refresh_saves_new_commits_as_patches_and_overlay(fake_series):
     (fs.build / "vllm/utils.py").write_text((fs.build / "vllm/utils.py").read_text() + "\n\nMUL = 3\n")
     (fs.build / "vllm/ops/another.py").write_text("X = 1\n")
     fs.git("add", "-A")
-    fs.git("commit", "-qm", "Add MUL constant")
+    fs.git("commit", "-qm", commit_message("Add MUL constant"))
     edited_tree = fs.tree()
     report = _ok(fs.run("refresh")).stdout
     assert "patches/0003-add-mul-constant.patch" in report
     assert "vllm_overlay/vllm/ops/another.py" in report
     new_patch = (fs.patches / "0003-add-mul-constant.patch").read_text()
-    assert new_patch.startswith("Subject: Add MUL constant\n---\ndiff --git a/vllm/utils.py b/vllm/utils.py\n")
+    assert new_patch.startswith("Subject: Add MUL constant\nTopic: fetch-kv\nWhy: because the test says so,\n"
+                                "  on two lines.\n")
+    assert "\n---\ndiff --git a/vllm/utils.py b/vllm/utils.py\n" in new_patch
     assert "\nindex " not in new_patch and "+MUL = 3" in new_patch
     assert (fs.patches / "series").read_text().splitlines()[-1] == "0003-add-mul-constant.patch"
     assert "# utils" in (fs.patches / "series").read_text()  # comments survive
@@ -201,10 +203,29 @@ def test_refresh_saves_new_commits_as_patches_and_overlay(fake_series):
     assert "up to date" in _ok(fs.run("apply")).stdout
     _ok(fs.run("apply", "--force"))
     assert fs.tree() == edited_tree
-    # ... and check names what the new patch's header still lacks.
-    lint = fs.run("check")
-    assert lint.returncode == 1
-    assert "0003-add-mul-constant.patch: header field 'Why:' is missing" in lint.stdout
+    assert "series OK (3 patches, 2 overlay files)" in _ok(fs.run("check")).stdout
+
+
+def test_refresh_refuses_a_commit_without_header_fields(fake_series):
+    """A commit message that is not a patch header is refused before anything is written."""
+    fs = fake_series
+    _commit_repo(fs)
+    _ok(fs.run("apply"))
+    (fs.build / "vllm/utils.py").write_text((fs.build / "vllm/utils.py").read_text() + "\nMUL = 3\n")
+    (fs.build / "vllm/ops/another.py").write_text("X = 1\n")
+    fs.git("add", "-A")
+    fs.git("commit", "-qm", "Add MUL constant\n\nTopic: misc\nWhy: a reason.\nUpstream: none")
+    proc = fs.run("refresh")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "'Add MUL constant': lacks the header field(s) How, Drop when, Tested on" in err
+    assert "Topic 'misc' is not one of order-contract, fetch-kv, mla-fusion" in err
+    assert "Topic: order-contract | fetch-kv | mla-fusion" in err and "Nothing was written." in err
+    assert "Traceback" not in err
+    assert fs.git("status", "--porcelain", cwd=fs.root) == ""   # no patch, no overlay file written
+    # Reworded with the full header, the same commit is saved.
+    fs.git("commit", "-q", "--amend", "-m", commit_message("Add MUL constant"))
+    assert "patches/0003-add-mul-constant.patch" in _ok(fs.run("refresh")).stdout
 
 
 def test_refresh_is_deterministic(fake_series):
@@ -212,7 +233,7 @@ def test_refresh_is_deterministic(fake_series):
     _commit_repo(fs)
     _ok(fs.run("apply"))
     (fs.build / "vllm/utils.py").write_text("def add(a, b):\n    return b + a\n")
-    fs.git("commit", "-qam", "Swap operands")
+    fs.git("commit", "-qam", commit_message("Swap operands"))
     _ok(fs.run("refresh"))
     first = {p.name: p.read_text() for p in fs.patches.iterdir()}
     state = json.loads((fs.build / ".git/series-state.json").read_text())

@@ -21,7 +21,9 @@ separate ``unified_mla_kv_cache_update`` is not called for these layers.
 Both ops are registered with ``direct_register_custom_op`` and have fake
 implementations, so ``torch.compile`` traces them wherever ``forward_impl``
 is traced; the tensors they read (positions, slots, scales) are arguments,
-never captured host values.
+never captured host values.  Run eagerly (inside the attention custom op, once
+per layer), the step calls their implementations directly: the dispatcher
+round trip would cost about as much host time as the kernel launch.
 """
 
 import os
@@ -323,7 +325,12 @@ class _RopeKVStep:
         and write their cache rows."""
         end = start + q.shape[0]
         f = self.fusion
-        torch.ops.vllm.mla_rope_and_cache(
+        op = (
+            torch.ops.vllm.mla_rope_and_cache
+            if torch.compiler.is_compiling()
+            else _rope_and_cache_impl
+        )
+        op(
             q[..., f.nope_dim :],
             kv_c,
             k_pe,
@@ -352,7 +359,12 @@ class _RopeKVStep:
             (num_tokens, num_heads, f.kv_lora_rank + f.rope_dim),
             dtype=ql_nope.dtype if q_scale is None else f.fp8_dtype,
         )
-        torch.ops.vllm.mla_rope_concat_and_cache(
+        op = (
+            torch.ops.vllm.mla_rope_concat_and_cache
+            if torch.compiler.is_compiling()
+            else _rope_concat_and_cache_impl
+        )
+        op(
             ql_nope,
             q_pe,
             kv_c,

@@ -63,13 +63,23 @@ rows per item (block size x pages per program), not on the cache, its heads
 or its dtypes beyond their sizes, so one plan per step serves every layer;
 ``fetch_kv`` refuses a plan built for other rows or another batch size.  Both
 paths move the same pages and write the same bytes.
+
+Host cost: both wrappers check their arguments once per launch key (shapes,
+strides, dtypes, devices, host scalars; ``triton_launcher.LaunchCache``) and
+launch through the compiled kernel (``triton_launcher.KernelLaunch``), so a
+layer's call costs a key lookup and a driver launch.  With a plan, the request
+metadata is checked where the plan is built (once per step); ``fetch_kv`` then
+checks only that it has the plan's batch size and index dtypes (its kernel
+reads the plan, not the metadata).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
+
+from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fast_path
 
 __all__ = ["FetchKVPlan", "fetch_kv", "fetch_kv_plan"]
 
@@ -123,6 +133,16 @@ class FetchKVPlan:
     pages_per_program: int
     num_tokens: int  # upper bound on cu_seqlens_kv[-1] the plan covers
     num_reqs: int
+    # What fetch_kv's checks of the plan look at (its launch-cache key part).
+    key: tuple | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self):
+        t = self.table
+        if isinstance(t, torch.Tensor):
+            object.__setattr__(self, "key", (
+                t.shape, t.stride(), t.dtype, t.device, self.block_size,
+                self.pages_per_program, self.num_tokens, self.num_reqs,
+            ))  # fmt: skip
 
     @property
     def rows_per_item(self) -> int:
@@ -743,6 +763,55 @@ def fetch_kv_plan(
             first rows.
 
     """
+    bound = key = None
+    if fast_path():
+        try:
+            key = (
+                block_table.shape, block_table.stride(), block_table.dtype,
+                block_table.device, cu_seqlens_kv.shape, cu_seqlens_kv.stride(),
+                cu_seqlens_kv.dtype, cu_seqlens_kv.device, seq_starts.shape,
+                seq_starts.stride(), seq_starts.dtype, seq_starts.device, num_tokens,
+                type(num_tokens), block_size, type(block_size), head_size,
+                type(head_size), cache_dtype, out_dtype, kv_cache_layout,
+                None if out is None
+                else (out.shape, out.stride(), out.dtype, out.device),
+            )  # fmt: skip
+            bound = _PLAN_LAUNCHES.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable: checked below
+            key = None
+    if bound is None:
+        bound = _bind_fetch_kv_plan(
+            block_table, cu_seqlens_kv, seq_starts, num_tokens, block_size,
+            head_size, cache_dtype, out_dtype, kv_cache_layout, out,
+        )  # fmt: skip
+        if key is not None:
+            _PLAN_LAUNCHES.put(key, bound)
+    table_shape, pages_per_program, launch = bound
+    if out is None:
+        table = torch.empty(table_shape, dtype=torch.int32, device=block_table.device)
+    else:
+        table = out[: table_shape[0]]
+    if launch is not None:
+        launch(table, block_table, cu_seqlens_kv, seq_starts)
+    return FetchKVPlan(
+        table=table,
+        block_size=block_size,
+        pages_per_program=pages_per_program,
+        num_tokens=num_tokens,
+        num_reqs=seq_starts.shape[0],
+    )
+
+
+# fetch_kv_plan's checked launches by key: ((num_items, width), pages per
+# program, KernelLaunch or None when there is nothing to plan).
+_PLAN_LAUNCHES = LaunchCache()
+
+
+def _bind_fetch_kv_plan(
+    block_table, cu_seqlens_kv, seq_starts, num_tokens, block_size, head_size,
+    cache_dtype, out_dtype, kv_cache_layout, out,
+):  # fmt: skip
+    """Check fetch_kv_plan's arguments; return what its launch key fixes."""
     fn = "fetch_kv_plan"
     if kv_cache_layout not in _LAYOUTS:
         raise ValueError(
@@ -775,11 +844,7 @@ def fetch_kv_plan(
     num_reqs = seq_starts.shape[0]
     num_items = _num_items(num_tokens, pages_per_program * block_size, num_reqs)
     width = _plan_width(pages_per_program)
-    if out is None:
-        table = torch.empty(
-            (num_items, width), dtype=torch.int32, device=block_table.device
-        )
-    else:
+    if out is not None:
         _check_tensor("out", out, 2, fn)
         if (
             out.dtype != torch.int32
@@ -796,31 +861,27 @@ def fetch_kv_plan(
             raise ValueError(
                 f"{fn}: out is on {out.device}, block_table on {block_table.device}"
             )
-        table = out[:num_items]
+    launch = None
     if num_items > 0:
-        _fetch_kv_plan_kernel[(num_items,)](
-            table,
-            block_table,
-            cu_seqlens_kv,
-            seq_starts,
-            num_reqs,
-            *block_table.stride(),
-            cu_seqlens_kv.stride(0),
-            seq_starts.stride(0),
-            PAGE=block_size,
-            PAGES_PER_PROGRAM=pages_per_program,
-            PLAN_WIDTH=width,
-            PLAN_HEADER=_PLAN_HEADER,
-            REQ_STEP=_req_step(num_reqs),
+        launch = KernelLaunch(
+            _fetch_kv_plan_kernel,
+            (num_items,),
+            (
+                num_reqs,
+                *block_table.stride(),
+                cu_seqlens_kv.stride(0),
+                seq_starts.stride(0),
+            ),
+            dict(
+                PAGE=block_size,
+                PAGES_PER_PROGRAM=pages_per_program,
+                PLAN_WIDTH=width,
+                PLAN_HEADER=_PLAN_HEADER,
+                REQ_STEP=_req_step(num_reqs),
+            ),
             num_warps=_PLAN_NUM_WARPS,
         )
-    return FetchKVPlan(
-        table=table,
-        block_size=block_size,
-        pages_per_program=pages_per_program,
-        num_tokens=num_tokens,
-        num_reqs=num_reqs,
-    )
+    return (num_items, width), pages_per_program, launch
 
 
 def fetch_kv(
@@ -870,6 +931,70 @@ def fetch_kv(
     graph.
 
     """
+    bound = key = None
+    if fast_path():
+        try:
+            key = (
+                key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+                value_cache.shape, value_cache.stride(), value_cache.dtype,
+                value_cache.device, key_out.shape, key_out.stride(), key_out.dtype,
+                key_out.device, value_out.shape, value_out.stride(), value_out.dtype,
+                value_out.device, block_table.dtype, cu_seqlens_kv.dtype,
+                seq_starts.dtype, seq_starts.shape, kv_cache_layout, max_num_tokens,
+                type(max_num_tokens),
+            )  # fmt: skip
+            if plan is None:
+                key += (
+                    block_table.shape, block_table.stride(), block_table.device,
+                    cu_seqlens_kv.shape, cu_seqlens_kv.stride(), cu_seqlens_kv.device,
+                    seq_starts.stride(), seq_starts.device,
+                )  # fmt: skip
+            else:
+                key += (plan.key,)
+            if key_cache.dtype is not key_out.dtype:  # dequantisation reads the scales
+                key += (
+                    None if k_scale is None
+                    else (k_scale.shape, k_scale.dtype, k_scale.device),
+                    None if v_scale is None
+                    else (v_scale.shape, v_scale.dtype, v_scale.device),
+                )  # fmt: skip
+            bound = _FETCH_KV_LAUNCHES.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable: checked below
+            key = None
+    if bound is None:
+        bound = _bind_fetch_kv(
+            key_cache, value_cache, key_out, value_out, block_table, cu_seqlens_kv,
+            seq_starts, k_scale, v_scale, kv_cache_layout, max_num_tokens, plan,
+        )  # fmt: skip
+        if key is not None:
+            _FETCH_KV_LAUNCHES.put(key, bound)
+    launch, dequant = bound
+    if launch is None:
+        return
+    # Arguments the kernel does not read are filled with a tensor of fixed
+    # dtype: with a plan the request metadata (the plan's table), without
+    # dequantisation the scales.
+    unread = cu_seqlens_kv if plan is None else plan.table
+    if not dequant:
+        k_scale = v_scale = unread
+    if plan is None:
+        launch(key_cache, value_cache, key_out, value_out, block_table, cu_seqlens_kv,
+               seq_starts, unread, k_scale, v_scale)  # fmt: skip
+    else:
+        launch(key_cache, value_cache, key_out, value_out, unread, unread, unread,
+               unread, k_scale, v_scale)  # fmt: skip
+
+
+# fetch_kv's checked launches by key: (KernelLaunch or None when there is
+# nothing to fetch, dequantise).
+_FETCH_KV_LAUNCHES = LaunchCache()
+
+
+def _bind_fetch_kv(
+    key_cache, value_cache, key_out, value_out, block_table, cu_seqlens_kv,
+    seq_starts, k_scale, v_scale, kv_cache_layout, max_num_tokens, plan,
+):  # fmt: skip
+    """Check fetch_kv's arguments; return what its launch key fixes."""
     dequant, num_tokens = _check_args(
         key_cache,
         value_cache,
@@ -900,45 +1025,42 @@ def fetch_kv(
             max_num_tokens,
         )
     if num_tokens == 0:
-        return
+        return None, dequant
     if plan is None:
         num_items = _num_items(num_tokens, pages_per_program * page, num_reqs)
-        plan_table = cu_seqlens_kv  # never read
+        meta_strides = (
+            *block_table.stride(),
+            cu_seqlens_kv.stride(0),
+            seq_starts.stride(0),
+        )
     else:
         num_items = plan.num_items
-        plan_table = plan.table
-    if not dequant:  # the kernel never reads the scales then
-        k_scale = v_scale = cu_seqlens_kv
-    _fetch_kv_kernel[(num_items * num_kv_heads,)](
-        key_cache,
-        value_cache,
-        key_out,
-        value_out,
-        block_table,
-        cu_seqlens_kv,
-        seq_starts,
-        plan_table,
-        k_scale,
-        v_scale,
-        num_reqs,
-        num_kv_heads,
-        *block_table.stride(),
-        cu_seqlens_kv.stride(0),
-        seq_starts.stride(0),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        *key_out.stride(),
-        *value_out.stride(),
-        HEAD_SIZE=head_size,
-        BLOCK_D=triton.next_power_of_2(head_size),
-        PAGE=page,
-        PAGES_PER_PROGRAM=pages_per_program,
-        SHUFFLE=shuffle,
-        X=_VECTOR_BYTES // key_cache.element_size() if shuffle else 1,
-        DEQUANT=dequant,
-        PLAN=plan is not None,
-        PLAN_WIDTH=_plan_width(pages_per_program),
-        PLAN_HEADER=_PLAN_HEADER,
-        REQ_STEP=_req_step(num_reqs),
+        meta_strides = (0, 0, 0, 0)  # not read: the kernel reads the plan
+    launch = KernelLaunch(
+        _fetch_kv_kernel,
+        (num_items * num_kv_heads,),
+        (
+            num_reqs,
+            num_kv_heads,
+            *meta_strides,
+            *key_cache.stride(),
+            *value_cache.stride(),
+            *key_out.stride(),
+            *value_out.stride(),
+        ),
+        dict(
+            HEAD_SIZE=head_size,
+            BLOCK_D=triton.next_power_of_2(head_size),
+            PAGE=page,
+            PAGES_PER_PROGRAM=pages_per_program,
+            SHUFFLE=shuffle,
+            X=_VECTOR_BYTES // key_cache.element_size() if shuffle else 1,
+            DEQUANT=dequant,
+            PLAN=plan is not None,
+            PLAN_WIDTH=_plan_width(pages_per_program),
+            PLAN_HEADER=_PLAN_HEADER,
+            REQ_STEP=_req_step(num_reqs),
+        ),
         num_warps=_NUM_WARPS,
     )
+    return launch, dequant

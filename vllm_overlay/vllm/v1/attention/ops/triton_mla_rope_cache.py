@@ -66,6 +66,11 @@ contraction is off: ``x1 cos - x2 sin`` rounds like the unfused fp32 RoPE and
 both forms write identical cache bytes.  All token, head, block and slot
 offsets are computed in 64 bits.  No host synchronisation: both forms are
 CUDA-graph capturable.
+
+Host cost: a layer calls one form per step and token kind, 61 times a step
+for DeepSeek-V3; both check their arguments once per launch key (shapes,
+strides, dtypes, devices, ``is_neox``, ``kv_cache_dtype``;
+``triton_launcher.LaunchCache``) and launch through the compiled kernel.
 """
 
 import functools
@@ -73,6 +78,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fast_path
 
 __all__ = [
     "decode_q_out_dtype",
@@ -722,24 +729,27 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def _launch(
+def _kernel_launch(
     *,
-    ql_nope,
     q_pe,
     q_out,
     kv_c,
     k_pe,
     cache,
     slot_mapping,
-    positions,
     cos_sin_cache,
     is_neox,
-    k_scale,
-    q_scale,
     kv_fp8_max,
     q_fp8_max,
     decode,
-):
+    ql_nope=None,
+) -> KernelLaunch:
+    """The kernel's launch for these (checked) arguments.
+
+    Call it with ``(ql_nope, q_pe, q_out, kv_c, k_pe, cache, slot_mapping,
+    positions, cos_sin_cache, k_scale, q_scale)``; pointers the form does not
+    read must still be tensors (``q_pe`` / ``positions`` stand in).
+    """
     num_tokens, num_heads, rot_dim = q_pe.shape
     lora_rank = kv_c.shape[1]
     block_l = _pow2(lora_rank)
@@ -759,51 +769,73 @@ def _launch(
     )
     tile = max(block_t * block_h * row_elems, block_t * (block_l + 2 * block_half))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h) + 1)
-    # Pointers the chosen form does not read still need a valid tensor.
+    # Strides of the pointers the chosen form does not read: those of q_pe.
     ql_nope = q_pe if ql_nope is None else ql_nope
     q_out = q_pe if q_out is None else q_out
-    _mla_rope_cache_kernel[grid](
-        ql_nope,
-        q_pe,
-        q_out,
-        kv_c,
-        k_pe,
-        cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        k_scale if k_scale is not None else positions,
-        q_scale if q_scale is not None else positions,
-        num_tokens,
-        slot_mapping.shape[0],
-        num_heads,
-        cache.shape[1],
-        ql_nope.stride(0),
-        ql_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        kv_c.stride(0),
-        k_pe.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        cos_sin_cache.stride(0),
-        L=lora_rank,
-        HALF=rot_dim // 2,
-        BLOCK_L=block_l,
-        BLOCK_HALF=block_half,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        IS_NEOX=bool(is_neox),
-        DECODE=decode,
-        Q_FP8_MAX=q_fp8_max,
-        KV_FP8_MAX=kv_fp8_max,
+    return KernelLaunch(
+        _mla_rope_cache_kernel,
+        grid,
+        (
+            num_tokens,
+            slot_mapping.shape[0],
+            num_heads,
+            cache.shape[1],
+            ql_nope.stride(0),
+            ql_nope.stride(1),
+            q_pe.stride(0),
+            q_pe.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            kv_c.stride(0),
+            k_pe.stride(0),
+            cache.stride(0),
+            cache.stride(1),
+            cos_sin_cache.stride(0),
+        ),
+        dict(
+            L=lora_rank,
+            HALF=rot_dim // 2,
+            BLOCK_L=block_l,
+            BLOCK_HALF=block_half,
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
+            IS_NEOX=bool(is_neox),
+            DECODE=decode,
+            Q_FP8_MAX=q_fp8_max,
+            KV_FP8_MAX=kv_fp8_max,
+        ),
         num_warps=8 if tile >= _BIG_TILE_ELEMS else 4,
         # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32
         # RoPE, and both forms (separately compiled) write identical bytes.
         enable_fp_fusion=False,
     )
+
+
+def _common_key(
+    q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+    kv_cache_dtype, k_scale,
+):  # fmt: skip
+    """Launch-key part of the arguments both forms take (raises
+    AttributeError / TypeError for non-tensors: the checks say what is wrong)."""
+    return (
+        q_pe.shape, q_pe.stride(), q_pe.dtype, q_pe.device,
+        kv_c.shape, kv_c.stride(), kv_c.dtype, kv_c.device,
+        k_pe.shape, k_pe.stride(), k_pe.dtype, k_pe.device,
+        kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
+        slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype,
+        slot_mapping.device, positions.shape, positions.stride(), positions.dtype,
+        positions.device, cos_sin_cache.shape, cos_sin_cache.stride(),
+        cos_sin_cache.dtype, cos_sin_cache.device, is_neox, type(is_neox),
+        kv_cache_dtype, None if k_scale is None
+        else (k_scale.shape, k_scale.dtype, k_scale.device),
+    )  # fmt: skip
+
+
+# Checked launches of the two forms by key: (KernelLaunch, or None when there
+# are no tokens; the dtype the cache is stored as; decode: q_out's dtype when
+# the call allocates it).
+_DECODE_LAUNCHES = LaunchCache()
+_PREFILL_LAUNCHES = LaunchCache()
 
 
 def mla_rope_concat_and_cache(
@@ -829,6 +861,52 @@ def mla_rope_concat_and_cache(
     type divided by ``q_scale`` when ``q_scale`` is given).  Inputs are not
     modified; rows of padded tokens in ``q_out`` are computed all the same.
     """
+    bound = key = None
+    if fast_path():
+        try:
+            key = _common_key(
+                q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+                is_neox, kv_cache_dtype, k_scale,
+            ) + (
+                ql_nope.shape, ql_nope.stride(), ql_nope.dtype, ql_nope.device,
+                None if q_out is None
+                else (q_out.shape, q_out.stride(), q_out.dtype, q_out.device),
+                None if q_scale is None
+                else (q_scale.shape, q_scale.dtype, q_scale.device),
+            )  # fmt: skip
+            bound = _DECODE_LAUNCHES.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable: checked below
+            key = None
+    if bound is None:
+        bound = _bind_decode(
+            ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions,
+            cos_sin_cache, is_neox, kv_cache_dtype, k_scale, q_out, q_scale,
+        )  # fmt: skip
+        if key is not None:
+            _DECODE_LAUNCHES.put(key, bound)
+    launch, cache_dtype, q_out_dtype = bound
+    if q_out is None:
+        q_out = torch.empty(
+            decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype, device=q_pe.device
+        )
+    if launch is not None:
+        # (An fp8 cache allocated as uint8 is stored through its fp8 view.)
+        cache = (
+            kv_cache if kv_cache.dtype is cache_dtype else kv_cache.view(cache_dtype)
+        )
+        launch(
+            ql_nope, q_pe, q_out, kv_c, k_pe, cache, slot_mapping, positions,
+            cos_sin_cache, positions if k_scale is None else k_scale,
+            positions if q_scale is None else q_scale,
+        )  # fmt: skip
+    return q_out
+
+
+def _bind_decode(
+    ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+    is_neox, kv_cache_dtype, k_scale, q_out, q_scale,
+):  # fmt: skip
+    """Check the decode form's arguments; return what its launch key fixes."""
     k_pe, cache, kv_fp8_max = _check_common(
         q_pe,
         kv_c,
@@ -862,13 +940,8 @@ def mla_rope_concat_and_cache(
     q_fp8_max = 0.0
     if q_scale is not None:
         _check_scale("q_scale", q_scale, q_pe.device)
-    if q_out is None:
-        q_out = torch.empty(
-            decode_q_out_shape(ql_nope, q_pe),
-            dtype=decode_q_out_dtype(ql_nope, q_scale),
-            device=q_pe.device,
-        )
-    else:
+    q_out_dtype = decode_q_out_dtype(ql_nope, q_scale)
+    if q_out is not None:
         _check_tensor("q_out", q_out, 3)
         _require(
             q_out.device == q_pe.device,
@@ -894,27 +967,26 @@ def mla_rope_concat_and_cache(
                 TypeError,
             )
     if q_scale is not None:
-        q_fp8_max = _FP8_MAX[q_out.dtype]
+        q_fp8_max = _FP8_MAX[q_out_dtype if q_out is None else q_out.dtype]
     if num_tokens == 0 or num_heads == 0:
-        return q_out
-    _launch(
+        return None, cache.dtype, q_out_dtype
+    launch = _kernel_launch(
         ql_nope=ql_nope,
         q_pe=q_pe,
-        q_out=q_out,
+        q_out=q_out
+        if q_out is not None
+        else torch.empty(decode_q_out_shape(ql_nope, q_pe), device="meta"),
         kv_c=kv_c,
         k_pe=k_pe,
         cache=cache,
         slot_mapping=slot_mapping,
-        positions=positions,
         cos_sin_cache=cos_sin_cache,
         is_neox=is_neox,
-        k_scale=k_scale,
-        q_scale=q_scale,
         kv_fp8_max=kv_fp8_max,
         q_fp8_max=q_fp8_max,
         decode=True,
     )
-    return q_out
+    return launch, cache.dtype, q_out_dtype
 
 
 def mla_rope_and_cache(
@@ -935,6 +1007,39 @@ def mla_rope_and_cache(
     See the module docstring for layouts.  Every one of the ``T`` tokens is
     rotated; only tokens with a slot ``>= 0`` are written to the cache.
     """
+    bound = key = None
+    if fast_path():
+        try:
+            key = _common_key(
+                q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+                is_neox, kv_cache_dtype, k_scale,
+            )  # fmt: skip
+            bound = _PREFILL_LAUNCHES.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable: checked below
+            key = None
+    if bound is None:
+        bound = _bind_prefill(
+            q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+            is_neox, kv_cache_dtype, k_scale,
+        )  # fmt: skip
+        if key is not None:
+            _PREFILL_LAUNCHES.put(key, bound)
+    launch, cache_dtype = bound
+    if launch is not None:
+        cache = (
+            kv_cache if kv_cache.dtype is cache_dtype else kv_cache.view(cache_dtype)
+        )
+        launch(
+            q_pe, q_pe, q_pe, kv_c, k_pe, cache, slot_mapping, positions, cos_sin_cache,
+            positions if k_scale is None else k_scale, positions,
+        )  # fmt: skip
+
+
+def _bind_prefill(
+    q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+    kv_cache_dtype, k_scale,
+):  # fmt: skip
+    """Check the prefill form's arguments; return what its launch key fixes."""
     k_pe, cache, kv_fp8_max = _check_common(
         q_pe,
         kv_c,
@@ -947,21 +1052,18 @@ def mla_rope_and_cache(
         k_scale,
     )
     if q_pe.shape[0] == 0:
-        return
-    _launch(
-        ql_nope=None,
+        return None, cache.dtype
+    launch = _kernel_launch(
         q_pe=q_pe,
         q_out=None,
         kv_c=kv_c,
         k_pe=k_pe,
         cache=cache,
         slot_mapping=slot_mapping,
-        positions=positions,
         cos_sin_cache=cos_sin_cache,
         is_neox=is_neox,
-        k_scale=k_scale,
-        q_scale=None,
         kv_fp8_max=kv_fp8_max,
         q_fp8_max=0.0,
         decode=False,
     )
+    return launch, cache.dtype

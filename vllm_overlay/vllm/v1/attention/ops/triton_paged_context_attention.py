@@ -77,15 +77,30 @@ Design (flash-attention forward, one program per tile):
     directly.
   * Every offset that multiplies a block id or a token index by a stride is
     computed in 64 bits.
+
+Host cost (the call runs once per layer per step): the arguments are checked
+once per launch key (``triton_launcher.LaunchCache``) and both kernels launch
+through their compiled kernels.  A ``PagedContextWorkspace``, made once per
+step by ``paged_context_workspace``, holds the LSE and split partials every
+layer's call writes (no allocation per call) and can bind the step's metadata
+tensors, whose geometry the calls then take from it.
 """
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_context_attention", "use_paged_context"]
+from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fast_path
+
+__all__ = [
+    "PagedContextWorkspace",
+    "paged_context_attention",
+    "paged_context_workspace",
+    "use_paged_context",
+]
 
 # Tile shape (query rows x context tokens per iteration, warps, pipeline
 # stages).  Query rows = tokens x heads of one GQA group; every K/V element a
@@ -636,6 +651,7 @@ def paged_context_attention(
     lse: torch.Tensor | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    workspace: "PagedContextWorkspace | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend each new token of each extend to its request's cached context.
 
@@ -667,11 +683,285 @@ def paged_context_attention(
             only caps how finely the context is split across programs.
         num_splits: force the number of context splits (>= 1); default: enough
             programs to fill the device.
+        workspace: optional ``paged_context_workspace`` of this call's shapes:
+            the LSE (when ``lse`` is not given) and the split partials are
+            written to its buffers instead of new ones, and its split count is
+            used.  One per step serves every layer (they run in stream order).
 
     Returns:
-        ``(out, lse)``.  Never reads device values on the host.
+        ``(out, lse)``.  Never reads device values on the host.  The arguments
+        are checked once per launch key (shapes, strides, dtypes, devices and
+        the host scalars; module ``triton_launcher``).
 
     """
+    bound = launch_key = None
+    if fast_path():
+        try:
+            ws_key = lse_key = meta_key = None
+            if workspace is not None:
+                ws_key = workspace.key
+                if lse is None:
+                    lse = workspace.lse  # its geometry is in ws_key
+                elif lse is not workspace.lse:
+                    lse_key = (lse.shape, lse.stride(), lse.dtype, lse.device)
+                # Metadata bound to the workspace: the same tensors, their
+                # geometry in ws_key.
+                bound_meta = (
+                    block_table is workspace.block_table
+                    and cu_seqlens_q is workspace.cu_seqlens_q
+                    and seq_lens is workspace.seq_lens
+                )
+            elif lse is not None:
+                lse_key = (lse.shape, lse.stride(), lse.dtype, lse.device)
+            if workspace is None or not bound_meta:
+                meta_key = (
+                    block_table.shape, block_table.stride(), block_table.dtype,
+                    block_table.device, cu_seqlens_q.shape, cu_seqlens_q.stride(),
+                    cu_seqlens_q.dtype, cu_seqlens_q.device, seq_lens.shape,
+                    seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+                )  # fmt: skip
+            launch_key = (
+                query.shape, query.stride(), query.dtype, query.device,
+                key_cache.shape, key_cache.stride(), key_cache.dtype,
+                key_cache.device, value_cache.shape, value_cache.stride(),
+                value_cache.dtype, value_cache.device, meta_key, scale, type(scale),
+                sliding_window, type(sliding_window), max_context_len,
+                type(max_context_len), num_splits, type(num_splits),
+                None if key is None
+                else (key.shape, key.stride(), key.dtype, key.device),
+                None if value is None
+                else (value.shape, value.stride(), value.dtype, value.device),
+                None if out is None
+                else (out.shape, out.stride(), out.dtype, out.device),
+                lse is None, lse_key, ws_key,
+            )  # fmt: skip
+            if key_cache.dtype in _FP8_DTYPES:  # only fp8 caches read the scales
+                # (Python float scales become tensors per call: not cached.)
+                launch_key += (
+                    (k_scale.shape, k_scale.dtype, k_scale.device),
+                    (v_scale.shape, v_scale.dtype, v_scale.device),
+                )  # fmt: skip
+            bound = _LAUNCHES.get(launch_key)
+        except (AttributeError, TypeError):  # not tensors, unhashable: checked below
+            launch_key = None
+    if lse is None and isinstance(workspace, PagedContextWorkspace):
+        lse = workspace.lse
+    if bound is None:
+        bound = _bind(
+            query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
+            key, value, sliding_window, k_scale, v_scale, out, lse, max_context_len,
+            num_splits, workspace,
+        )  # fmt: skip
+        if launch_key is not None:
+            _LAUNCHES.put(launch_key, bound)
+
+    if out is None:
+        out = torch.empty_like(query)
+    if lse is None:
+        lse = torch.empty(bound.lse_shape, dtype=torch.float32, device=query.device)
+    if bound.attend is None:  # no requests or no tokens
+        return out, lse
+    if bound.scales is not None:  # converted from floats for this call
+        k_scale, v_scale = bound.scales
+    elif not bound.fp8:  # never read
+        k_scale = v_scale = seq_lens
+    if key is None:  # never read
+        key, value = key_cache, value_cache
+    if bound.combine is None:  # one split: the kernel writes out / lse
+        bound.attend(
+            query, key_cache, value_cache, key, value, block_table, cu_seqlens_q,
+            seq_lens, k_scale, v_scale, out, lse,
+        )  # fmt: skip
+        return out, lse
+    if workspace is None:
+        part_out = torch.empty(
+            bound.part_shapes[0], dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            bound.part_shapes[1], dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out, part_lse = workspace.partial_out, workspace.partial_lse
+    bound.attend(query, key_cache, value_cache, key, value, block_table, cu_seqlens_q,
+                 seq_lens, k_scale, v_scale, part_out, part_lse)  # fmt: skip
+    bound.combine(part_out, part_lse, out, lse, cu_seqlens_q)
+    return out, lse
+
+
+# paged_context_attention's checked launches by key.
+_LAUNCHES = LaunchCache()
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """What a launch key fixes: the launches and the buffers a call needs."""
+
+    lse_shape: tuple[int, int]
+    fp8: bool
+    attend: KernelLaunch | None  # None: nothing to compute
+    combine: KernelLaunch | None = None  # None: one split
+    part_shapes: tuple | None = None  # (partial out, partial lse) when splitting
+    scales: tuple | None = None  # float scales converted for one (uncached) call
+
+
+@dataclass(frozen=True, eq=False)
+class PagedContextWorkspace:
+    """Buffers that one step's ``paged_context_attention`` calls share.
+
+    Made by ``paged_context_workspace`` for the step's shapes: ``lse``
+    ``[Hq, T]``, and with ``num_splits > 1`` the split partials
+    ``partial_out`` ``[S, T, Hq, D]`` and ``partial_lse`` ``[S, Hq, T]``
+    (float32, contiguous).  ``block_table`` / ``cu_seqlens_q`` / ``seq_lens``:
+    the step's request metadata when bound (calls that pass these very
+    tensors take their geometry from ``key`` instead of reading it again).
+    Compared by identity.
+    """
+
+    lse: torch.Tensor
+    partial_out: torch.Tensor | None
+    partial_lse: torch.Tensor | None
+    num_splits: int
+    block_table: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    # What the checks of the workspace (and of the metadata bound to it) look
+    # at: its launch-key part.
+    key: tuple | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self):
+        try:
+            parts = tuple(
+                None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                for t in (self.lse, self.partial_out, self.partial_lse,
+                          self.block_table, self.cu_seqlens_q, self.seq_lens)
+            )  # fmt: skip
+        except AttributeError:  # not tensors: paged_context_attention says so
+            return
+        object.__setattr__(self, "key", (*parts, self.num_splits))
+
+
+def paged_context_workspace(
+    num_tokens: int,
+    num_reqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    block_table: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+) -> PagedContextWorkspace:
+    """Buffers for one step's calls of ``T = num_tokens`` queries of ``num_reqs``
+    requests (``Hq = num_heads``, ``Hkv = num_kv_heads``, ``D = head_size``,
+    query dtype ``dtype``): the split count the calls would choose
+    (``max_context_len`` / ``num_splits`` as for ``paged_context_attention``),
+    the LSE and the split partials.  Call once per step (it allocates).
+
+    ``block_table``, ``cu_seqlens_q``, ``seq_lens``: optionally the step's
+    metadata tensors, bound to the workspace: every layer's call that passes
+    these same tensors (the same objects) reads their geometry once, here,
+    instead of on every call (the checks still run once per launch key)."""
+    for name, v in (("num_tokens", num_tokens), ("num_reqs", num_reqs),
+                    ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                    ("head_size", head_size)):  # fmt: skip
+        _check(
+            isinstance(v, int) and v >= 0,
+            lambda name=name, v=v: f"{name} must be an int >= 0, got {v!r}",
+        )
+    _check(
+        num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
+        lambda: (
+            f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+        ),
+    )
+    device = torch.device(device)
+    tile = _tile_config(dtype, head_size, num_heads // num_kv_heads, device)
+    splits = _split_count(
+        num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
+    )
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
+    part_out = part_lse = None
+    if splits > 1:
+        part_out = torch.empty(
+            (splits, num_tokens, num_heads, head_size),
+            dtype=torch.float32,
+            device=device,
+        )
+        part_lse = torch.empty(
+            (splits, num_heads, num_tokens), dtype=torch.float32, device=device
+        )
+    return PagedContextWorkspace(
+        lse, part_out, part_lse, splits, block_table, cu_seqlens_q, seq_lens
+    )
+
+
+@dataclass(frozen=True)
+class _Tile:
+    block_m: int  # query rows (tokens x heads of one GQA group) per program
+    block_n: int  # key tokens per iteration
+    block_q: int  # tokens per program
+    group_pad: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile_config(dtype: torch.dtype, head_size: int, group: int, device) -> _Tile:
+    """The kernel's tile for a query dtype, head size, GQA group and device."""
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_size)
+    interpret = torch.device(device).type != "cuda"
+    if interpret:
+        block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
+    elif dtype == torch.float32:  # FMA dots: keep the tiles in registers
+        block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
+    else:
+        block_m = _BLOCK_M
+        block_n = _BLOCK_N if head_dim_pad <= 128 else _BLOCK_N_LARGE_D
+    block_m = max(block_m, group_pad)
+    return _Tile(
+        block_m=block_m,
+        block_n=block_n,
+        block_q=block_m // group_pad,
+        group_pad=group_pad,
+        num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
+        num_stages=_NUM_STAGES,
+    )
+
+
+def _split_count(
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    tile: _Tile,
+    device,
+    max_context_len: int | None,
+    num_splits: int | None,
+) -> int:
+    """Context splits per query tile: ``num_splits``, or enough programs to
+    fill the device (one under the interpreter)."""
+    if num_splits is not None:
+        return num_splits
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    base = (num_tokens // tile.block_q + num_reqs) * num_kv_heads
+    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device.index or 0), base)
+    cap = _MAX_SPLITS
+    if max_context_len is not None:
+        cap = min(cap, max(1, max_context_len // _MIN_TOKENS_PER_SPLIT))
+    return max(1, min(want, cap))
+
+
+def _bind(
+    query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, key,
+    value, sliding_window, k_scale, v_scale, out, lse, max_context_len, num_splits,
+    workspace,
+) -> _Bound:  # fmt: skip
+    """Check paged_context_attention's arguments; return what its key fixes."""
     _check(
         isinstance(query, torch.Tensor) and query.dim() == 3,
         "query must be a [T, Hq, D] tensor",
@@ -752,6 +1042,7 @@ def paged_context_attention(
             k_scale is not None and v_scale is not None,
             "an fp8 cache needs k_scale and v_scale",
         )
+        given_k, given_v = k_scale, v_scale
         k_scale = _check_scale("k_scale", k_scale, device)
         v_scale = _check_scale("v_scale", v_scale, device)
 
@@ -821,8 +1112,6 @@ def paged_context_attention(
                 t.stride(2) == 1,
                 lambda name=name: f"{name} must be contiguous in its last dim",
             )
-    else:
-        key = value = key_cache  # never read
 
     if sliding_window is not None:
         _check(
@@ -842,9 +1131,7 @@ def paged_context_attention(
             lambda: f"num_splits must be an int in [1, 256], got {num_splits!r}",
         )
 
-    if out is None:
-        out = torch.empty_like(query)
-    else:
+    if out is not None:
         _check(
             out.shape == query.shape
             and out.dtype == query.dtype
@@ -855,9 +1142,7 @@ def paged_context_attention(
             ),
         )
         _check(out.stride(2) == 1, "out must be contiguous in its last dim")
-    if lse is None:
-        lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
-    else:
+    if lse is not None:
         _check(
             lse.shape == (num_heads, num_tokens)
             and lse.dtype == torch.float32
@@ -867,119 +1152,142 @@ def paged_context_attention(
                 f"{tuple(lse.shape)} {lse.dtype} on {lse.device}"
             ),
         )
+    scales = None
+    if fp8 and (k_scale is not given_k or v_scale is not given_v):
+        scales = (k_scale, v_scale)
+    lse_shape = (num_heads, num_tokens)
+    if workspace is not None:
+        _check(
+            isinstance(workspace, PagedContextWorkspace) and workspace.key is not None,
+            lambda: (
+                "workspace must be a PagedContextWorkspace made by "
+                f"paged_context_workspace, got {type(workspace).__name__}"
+            ),
+            TypeError,
+        )
+        _check(
+            num_splits is None or num_splits == workspace.num_splits,
+            lambda: (
+                f"num_splits ({num_splits}) differs from the workspace's "
+                f"({workspace.num_splits})"
+            ),
+        )
+        num_splits = workspace.num_splits
+        if num_splits > 1:
+            shapes = (
+                (num_splits, num_tokens, num_heads, head_size),
+                (num_splits, num_heads, num_tokens),
+            )
+            for name, t, shape in zip(
+                ("partial_out", "partial_lse"),
+                (workspace.partial_out, workspace.partial_lse),
+                shapes,
+            ):
+                _check(
+                    isinstance(t, torch.Tensor)
+                    and tuple(t.shape) == shape
+                    and t.dtype == torch.float32
+                    and t.device == device
+                    and t.is_contiguous(),
+                    lambda name=name, t=t, shape=shape: (
+                        f"workspace.{name} must be a contiguous {shape} float32 tensor "
+                        f"on {device} (a workspace made for this call's shapes), got "
+                        f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}"
+                    ),
+                )
     if num_reqs == 0 or num_tokens == 0:
-        return out, lse
+        return _Bound(lse_shape, fp8, None)
 
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_size)
-    interpret = device.type != "cuda"
-    if interpret:
-        block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
-    elif query.dtype == torch.float32:  # FMA dots: keep the tiles in registers
-        block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
-    else:
-        block_m = _BLOCK_M
-        block_n = _BLOCK_N if head_dim_pad <= 128 else _BLOCK_N_LARGE_D
-    block_m = max(block_m, group_pad)
-    block_q = block_m // group_pad
-    num_q_tiles = num_tokens // block_q + num_reqs
-
-    if num_splits is None:
-        num_splits = 1
-        if not interpret:
-            base = num_q_tiles * num_kv_heads
-            want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device.index or 0), base)
-            cap = _MAX_SPLITS
-            if max_context_len is not None:
-                cap = min(cap, max(1, max_context_len // _MIN_TOKENS_PER_SPLIT))
-            num_splits = max(1, min(want, cap))
-
-    if fp8:
-        k_scale_arg, v_scale_arg = k_scale, v_scale
-    else:  # never read
-        k_scale_arg = v_scale_arg = seq_lens
-    if num_splits == 1:
-        dst_out, dst_lse = out, lse
-        o_strides = (0, *out.stride()[:2])
-        l_strides = (0, *lse.stride())
-    else:
-        dst_out = torch.empty(
-            (num_splits, num_tokens, num_heads, head_size),
-            dtype=torch.float32,
-            device=device,
-        )
-        dst_lse = torch.empty(
-            (num_splits, num_heads, num_tokens), dtype=torch.float32, device=device
-        )
-        o_strides = dst_out.stride()[:3]
-        l_strides = dst_lse.stride()
-
-    _paged_context_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
-        query,
-        key_cache,
-        value_cache,
-        key,
-        value,
-        block_table,
-        cu_seqlens_q,
-        seq_lens,
-        k_scale_arg,
-        v_scale_arg,
-        dst_out,
-        dst_lse,
-        num_reqs,
-        num_splits,
-        float(scale) * _LOG2E,
-        (sliding_window - 1) if sliding_window is not None else 0,
-        query.stride(0),
-        query.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        key.stride(0) if with_new else 0,
-        key.stride(1) if with_new else 0,
-        value.stride(0) if with_new else 0,
-        value.stride(1) if with_new else 0,
-        block_table.stride(0),
-        *o_strides,
-        *l_strides,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HEAD_DIM=head_size,
-        HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=page_size,
-        USE_WINDOW=sliding_window is not None,
-        FP8=fp8,
-        WITH_NEW=with_new,
-        DOT_IEEE=query.dtype == torch.float32,
-        RESCALE_SLACK=_RESCALE_SLACK,
-        num_warps=_NUM_WARPS if head_dim_pad <= 128 else _NUM_WARPS_LARGE_D,
-        num_stages=_NUM_STAGES,
+    tile = _tile_config(query.dtype, head_size, group, device)
+    num_q_tiles = num_tokens // tile.block_q + num_reqs
+    num_splits = _split_count(
+        num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
     )
-    if num_splits > 1:
-        block_h = min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H)
-        _combine_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-            dst_out,
-            dst_lse,
-            out,
-            lse,
-            cu_seqlens_q,
+    # The strides of the out / lse the call allocates when not given.
+    out_strides = (
+        out if out is not None else torch.empty_like(query, device="meta")
+    ).stride()
+    lse_strides = lse.stride() if lse is not None else (num_tokens, 1)
+    if num_splits == 1:
+        o_strides = (0, *out_strides[:2])
+        l_strides = (0, *lse_strides)
+        part_shapes = None
+    else:
+        part_shapes = (
+            (num_splits, num_tokens, num_heads, head_size),
+            (num_splits, num_heads, num_tokens),
+        )
+        o_strides = (
+            num_tokens * num_heads * head_size,
+            num_heads * head_size,
+            head_size,
+        )
+        l_strides = (num_heads * num_tokens, num_tokens, 1)
+    attend = KernelLaunch(
+        _paged_context_attention_kernel,
+        (num_q_tiles, num_kv_heads, num_splits),
+        (
+            num_reqs,
+            num_splits,
+            float(scale) * _LOG2E,
+            (sliding_window - 1) if sliding_window is not None else 0,
+            query.stride(0),
+            query.stride(1),
+            *key_cache.stride()[:3],
+            *value_cache.stride()[:3],
+            key.stride(0) if with_new else 0,
+            key.stride(1) if with_new else 0,
+            value.stride(0) if with_new else 0,
+            value.stride(1) if with_new else 0,
+            block_table.stride(0),
+            *o_strides,
+            *l_strides,
+        ),
+        dict(
+            GROUP=group,
+            GROUP_PAD=tile.group_pad,
+            BLOCK_Q=tile.block_q,
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            HEAD_DIM=head_size,
+            HEAD_DIM_PAD=head_dim_pad,
+            PAGE_SIZE=page_size,
+            USE_WINDOW=sliding_window is not None,
+            FP8=fp8,
+            WITH_NEW=with_new,
+            DOT_IEEE=query.dtype == torch.float32,
+            RESCALE_SLACK=_RESCALE_SLACK,
+        ),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    if num_splits == 1:
+        return _Bound(lse_shape, fp8, attend, scales=scales)
+    block_h = min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H)
+    combine = KernelLaunch(
+        _combine_splits_kernel,
+        (num_tokens, triton.cdiv(num_heads, block_h)),
+        (
             num_reqs,
             num_splits,
             num_heads,
-            *dst_out.stride()[:3],
-            *dst_lse.stride(),
-            *out.stride()[:2],
-            *lse.stride(),
-            HEAD_DIM=head_size,
-            HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_H=block_h,
-            num_warps=_NUM_WARPS,
-        )
-    return out, lse
+            *_partial_strides(part_shapes),
+            *out_strides[:2],
+            *lse_strides,
+        ),
+        dict(HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h),
+        num_warps=_NUM_WARPS,
+    )
+    return _Bound(lse_shape, fp8, attend, combine, part_shapes, scales)
+
+
+def _partial_strides(part_shapes):
+    """Strides (split, token, head) of the partial output and (split, head,
+    token) of the partial LSE: contiguous buffers of ``part_shapes``."""
+    (s, t, h, d), _ = part_shapes
+    return (t * h * d, h * d, d, h * t, t, 1)
 
 
 def use_paged_context(extend_query_lens: torch.Tensor, max_tokens: int) -> bool:

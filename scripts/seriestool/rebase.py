@@ -1,0 +1,525 @@
+"""make rebase: port the series to another vLLM release with git's three-way merges.
+
+    make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y   start; finishes at once when nothing conflicts
+    make rebase CONTINUE=1                            after resolving a conflict
+    make rebase ABORT=1                               drop the rebase (patches/ and pins.env untouched)
+
+In ``build/rebase/vllm``, a git repository of its own, the current series is
+built as ``make apply`` builds it (pristine vLLM of pins.env, the overlay
+commit, one commit per patch).  The other release's sdist, fetched and
+verified like ``make fetch``, becomes a second root commit, and
+``git rebase --onto <new pristine> <old pristine>`` replays the overlay and
+every patch: each one a three-way merge (git's ort strategy) of the patch with
+the new upstream, whose base is the old pristine tree plus the patches before
+it.  git stops at the first conflict; the report names the patch, the file,
+the patch's hunk and what upstream changed there, and the conflicted files
+carry diff3 markers (ours: new upstream and the patches before; base: the old
+tree; theirs: this patch).
+
+When every commit is replayed: patches/, patches/series and vllm_overlay/ are
+rewritten from the rebased commits (make refresh's code; a patch whose hunks
+moved or merged is regenerated, an untouched one kept byte for byte, one that
+became empty is dropped), pins.env gets the new VLLM_VERSION,
+VLLM_SDIST_SHA256, VLLM_COMMIT (the sdist's vllm/_version.py) and AITER_REF
+(its docker/Dockerfile.rocm_base), ``make check`` runs on the result, and the
+per-patch table (clean / moved / merged / resolved by hand / dropped) is
+printed and written to ``build/rebase-<X>.md``.  build/vllm is never touched:
+``make apply`` rebuilds it from the new pin afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import Interrupted, SeriesError, buildtree, gitrepo, lint, patchfile, progress, sdist
+from .buildtree import Layout
+from .pins import load_pins, update_pins
+
+CLEAN, MOVED, MERGED, HAND = "clean", "moved", "merged", "resolved by hand"
+EMPTY, HAND_DROPPED = "dropped: upstream has it", "dropped by hand"
+OVERLAY = "overlay"
+_MARKER_RE = re.compile(r"^(<{7}|>{7}|\|{7})(?: |$)", re.M)
+_SHOW_LINES = 14           # upstream lines shown per hunk in a conflict report
+_SHOW_HUNKS = 4            # patch hunks shown per conflicted file
+
+
+@dataclass
+class Paths:
+    dir: Path                  # build/rebase
+    repo: Path                 # build/rebase/vllm: where the rebase runs and conflicts are resolved
+    state: Path                # build/rebase/state.json: written once the repository is ready
+
+    @classmethod
+    def of(cls, layout: Layout) -> Paths:
+        d = layout.build.parent / "rebase"
+        return cls(dir=d, repo=d / "vllm", state=d / "state.json")
+
+    @property
+    def dropping(self) -> Path:
+        return self.dir.parent / f".{self.dir.name}.old"
+
+
+def _load(paths: Paths) -> dict | None:
+    return json.loads(paths.state.read_text()) if paths.state.is_file() else None
+
+
+def _save(paths: Paths, state: dict) -> None:
+    tmp = paths.state.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, paths.state)
+
+
+def _drop(paths: Paths) -> None:
+    """Remove build/rebase: renamed away first, so an interrupted removal leaves no half state."""
+    if paths.dir.exists():
+        if paths.dropping.exists():
+            shutil.rmtree(paths.dropping)
+        os.rename(paths.dir, paths.dropping)
+    if paths.dropping.exists():
+        shutil.rmtree(paths.dropping)
+
+
+def _git(paths: Paths, *args: str, check: bool = True, env: dict | None = None):
+    return gitrepo.git(paths.repo, *args, check=check, env=env)
+
+
+def _in_progress(paths: Paths) -> bool:
+    git_dir = paths.repo / ".git"
+    return (git_dir / "rebase-merge").is_dir() or (git_dir / "rebase-apply").is_dir()
+
+
+# --- what the other sdist says about itself -----------------------------------------
+
+def _sdist_member(sdist_file: Path, rel: str) -> str | None:
+    with tarfile.open(sdist_file) as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/", 1)
+            if len(parts) == 2 and parts[1] == rel and member.isfile():
+                return tar.extractfile(member).read().decode(errors="replace")
+    return None
+
+
+def sdist_facts(sdist_file: Path) -> dict[str, str]:
+    """VLLM_COMMIT from vllm/_version.py, AITER_REF from docker/Dockerfile.rocm_base (if present)."""
+    facts = {}
+    version_py = _sdist_member(sdist_file, "vllm/_version.py") or ""
+    commit = re.search(r"commit_id\s*=\s*['\"]([^'\"]+)['\"]", version_py)
+    if commit:
+        facts["VLLM_COMMIT"] = commit.group(1)
+    dockerfile = _sdist_member(sdist_file, "docker/Dockerfile.rocm_base") or ""
+    aiter = re.search(r"^ARG AITER_BRANCH=\"?([^\"\s]+)\"?", dockerfile, re.M)
+    if aiter:
+        facts["AITER_REF"] = aiter.group(1)
+    return facts
+
+
+# --- the old and the rebased commits ------------------------------------------------
+
+def _key(paths: Paths, commit: str) -> str:
+    """Patch file name (its Series-Patch trailer) or "overlay"."""
+    message = _git(paths, "log", "-1", "--format=%B", commit).stdout
+    if message.startswith(buildtree.OVERLAY_SUBJECT):
+        return OVERLAY
+    _, name = patchfile.header_from_commit_message(message)
+    return name or commit[:10]
+
+
+def _commits(paths: Paths, base: str, tip: str) -> list[tuple[str, str]]:
+    """(key, commit) of base..tip, oldest first."""
+    revs = _git(paths, "rev-list", "--reverse", f"{base}..{tip}").stdout.split()
+    return [(_key(paths, c), c) for c in revs]
+
+
+def _normalized(diff: str) -> str:
+    """A diff without its hunk positions: equal for two diffs that differ only in where hunks sit."""
+    return "\n".join("@@" if ln.startswith("@@ ") else ln for ln in diff.splitlines())
+
+
+def _per_file(diff: str) -> dict[str, str]:
+    files: dict[str, list[str]] = {}
+    current = None
+    for line in diff.splitlines():
+        if line.startswith("diff --git "):
+            current = line.split(" b/", 1)[-1]
+            files[current] = []
+        if current is not None:
+            files[current].append(line)
+    return {f: "\n".join(lines) for f, lines in files.items()}
+
+
+def _offsets(old: str, new: str) -> str:
+    shifts = [n.new_start - o.new_start for o, n in zip(patchfile.diff_hunks(old), patchfile.diff_hunks(new))]
+    moved = [s for s in shifts if s]
+    if not moved:
+        return ""
+    lo, hi = min(moved), max(moved)
+    span = f"{lo:+d}" if lo == hi else f"{lo:+d} to {hi:+d}"
+    return f"{len(moved)} of {len(shifts)} hunks moved {span} lines"
+
+
+def classify(paths: Paths, state: dict) -> list[dict]:
+    """One row per commit of the old series: key, status, detail."""
+    old = _commits(paths, state["old_pristine"], state["old_tip"])
+    new = dict(_commits(paths, state["new_pristine"], "HEAD"))
+    stops = {s["key"]: s for s in state.get("stops", [])}
+    rows = []
+    for key, old_commit in old:
+        stop = stops.get(key)
+        new_commit = new.get(key)
+        if new_commit is None:
+            if stop and stop.get("dropped_by_hand"):
+                rows.append({"key": key, "status": HAND_DROPPED,
+                             "detail": f"conflict in {', '.join(stop['files'])}; resolved to no change"})
+            else:
+                rows.append({"key": key, "status": EMPTY,
+                             "detail": f"became empty on vLLM {state['to']['VLLM_VERSION']}"})
+            continue
+        before = patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{old_commit}^", old_commit, None))
+        after = patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{new_commit}^", new_commit, None))
+        if stop:
+            rows.append({"key": key, "status": HAND, "detail": f"conflict in {', '.join(stop['files'])}"})
+        elif before == after:
+            rows.append({"key": key, "status": CLEAN, "detail": ""})
+        elif _normalized(before) == _normalized(after):
+            rows.append({"key": key, "status": MOVED, "detail": _offsets(before, after)})
+        else:
+            a, b = _per_file(before), _per_file(after)
+            changed = sorted(f for f in set(a) | set(b) if _normalized(a.get(f, "")) != _normalized(b.get(f, "")))
+            rows.append({"key": key, "status": MERGED,
+                         "detail": "three-way merge changed the hunks of " + ", ".join(changed)})
+    return rows
+
+
+def render_table(state: dict, rows: list[dict], check_line: str) -> str:
+    frm, to = state["from"], state["to"]
+    counts = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    order = (CLEAN, MOVED, MERGED, HAND, EMPTY, HAND_DROPPED)
+    lines = [
+        f"# Rebase of the series: vLLM {frm['VLLM_VERSION']} -> {to['VLLM_VERSION']}",
+        "",
+        f"Generated by `make rebase VLLM_VERSION={to['VLLM_VERSION']} VLLM_SDIST_SHA256=...` at series "
+        f"commit {state['series_head'] or '(none)'} with {state['git']} (`git rebase`, ort merges, "
+        f"diff3 conflicts).",
+        f"From vLLM {frm['VLLM_VERSION']} (upstream {frm['VLLM_COMMIT']}, sdist sha256 "
+        f"`{frm['VLLM_SDIST_SHA256']}`) to vLLM {to['VLLM_VERSION']} (upstream {to['VLLM_COMMIT']}, sdist "
+        f"sha256 `{to['VLLM_SDIST_SHA256']}`).",
+        "",
+        "clean: applies as before; moved: same hunks at other lines; merged: git's three-way merge changed "
+        "the hunks (context or position moved upstream) without a conflict; resolved by hand: git stopped "
+        "at a conflict; dropped: the commit became empty.",
+        "",
+        "| # | commit | result | detail |",
+        "|---|---|---|---|",
+    ]
+    number = 0
+    for row in rows:
+        if row["key"] == OVERLAY:
+            lines.append(f"| – | overlay (new files) | {row['status']} | {row['detail']} |")
+            continue
+        number += 1
+        lines.append(f"| {number} | `{row['key']}` | {row['status']} | {row['detail']} |")
+    lines += ["", "Summary: " + ", ".join(f"{s} {counts[s]}" for s in order if s in counts) + ".",
+              "", f"`make check` on the result: {check_line}", ""]
+    return "\n".join(lines)
+
+
+# --- the conflict report ----------------------------------------------------------------
+
+def _overlaps(patch_hunk: patchfile.Hunk, up: patchfile.Hunk) -> bool:
+    """Does an upstream change (a -U0 hunk, old-side lines) touch the patch hunk's lines (old side)?"""
+    lo, hi = patch_hunk.old_start, patch_hunk.old_start + max(patch_hunk.old_len, 1)
+    # A pure insertion (old_len 0) sits after line old_start; adjacent changes conflict too.
+    ulo, uhi = up.old_start - 1, up.old_start + max(up.old_len, 1) + 1
+    return ulo < hi and lo < uhi
+
+
+def _marker_lines(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [i for i, line in enumerate(text.splitlines(), 1) if line.startswith("<<<<<<< ")]
+
+
+def _status_codes(paths: Paths) -> dict[str, str]:
+    codes = {}
+    for line in _git(paths, "status", "--porcelain", "--untracked-files=no").stdout.splitlines():
+        codes[line[3:].split(" -> ")[-1]] = line[:2]
+    return codes
+
+
+_KINDS = {"UU": "both changed it", "AA": "both added it", "DU": "upstream deleted or renamed it",
+          "UD": "the patch deletes it, upstream changed it", "AU": "added by upstream", "UA": "added by the patch",
+          "DD": "both deleted it"}
+
+
+def conflict_report(layout: Layout, paths: Paths, state: dict, git_output: str) -> str:
+    picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
+    if not picked:
+        return "git rebase stopped without a conflicting commit:\n" + git_output.strip()
+    key = _key(paths, picked)
+    old = _commits(paths, state["old_pristine"], state["old_tip"])
+    position = next((i for i, (k, _) in enumerate(old) if k == key), 0)
+    frm, to = state["from"]["VLLM_VERSION"], state["to"]["VLLM_VERSION"]
+    what = "the overlay commit" if key == OVERLAY else f"patches/{key}"
+    unmerged = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
+    codes = _status_codes(paths)
+    patch_file = None
+    if key != OVERLAY:
+        candidate = layout.patches / key
+        patch_file = patchfile.parse(candidate) if candidate.is_file() else None
+    lines = [f"rebase: conflict in {what} (commit {position + 1} of {len(old)}, vLLM {frm} -> {to})"]
+    touched = _git(paths, "diff-tree", "--no-commit-id", "--name-only", "-r", "--no-renames", picked).stdout.split()
+    upstream_diff = paths.dir / f"{key}.upstream.diff"
+    upstream_diff.write_text(_git(paths, "diff", "-M", state["old_pristine"], state["new_pristine"], "--",
+                                  *touched).stdout if touched else "")
+    renames = [ln for ln in _git(paths, "diff", "-M", "--name-status", state["old_pristine"],
+                                 state["new_pristine"]).stdout.splitlines()
+               if ln.startswith("R") and ln.split("\t")[1] in touched]
+    for path in unmerged:
+        kind = _KINDS.get(codes.get(path, ""), "conflict")
+        lines.append(f"  {path}: {kind}")
+        markers = _marker_lines(paths.repo / path)
+        if markers:
+            lines.append(f"    conflict markers at line(s) {', '.join(map(str, markers))} of "
+                         f"{paths.repo / path}")
+        if key == OVERLAY and codes.get(path) == "AA":
+            lines.append(f"    vLLM {to} now has {path}: the overlay may only add files. Keep upstream's file "
+                         "(and move our changes to it into a patch), or keep ours under another name.")
+            continue
+        theirs = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
+        ups = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", "HEAD", [path], context=0))
+        named = {i: header for f, i, header in patch_file.hunks() if f == path} if patch_file else {}
+        shown = 0
+        for hunk in theirs:
+            near = [u for u in ups if _overlaps(hunk, u)]
+            if not near:
+                continue
+            shown += 1
+            if shown > _SHOW_HUNKS:
+                lines.append("    ... more hunks conflict")
+                break
+            lines.append(f"    patch hunk #{hunk.index}: {named.get(hunk.index, hunk.header)}")
+            lines.append(f"    upstream changed there ({frm} -> {to}, lines of the patch's old base):")
+            body = [ln for u in near for ln in [u.header, *u.lines]]
+            lines += [f"      {ln}" for ln in body[:_SHOW_LINES]]
+            if len(body) > _SHOW_LINES:
+                lines.append(f"      ... {len(body) - _SHOW_LINES} more lines")
+        if not shown and codes.get(path) == "UU":
+            lines.append("    (no upstream change overlaps a hunk of the patch: see the markers)")
+    for rename in renames:
+        _, src, dst = rename.split("\t")
+        lines.append(f"  upstream renamed {src} -> {dst} (git followed the rename)")
+    conflict_lines = [ln.strip() for ln in git_output.splitlines() if ln.startswith("CONFLICT")]
+    lines += [f"  git: {ln}" for ln in conflict_lines[:10]]
+    lines += [
+        f"  upstream diff {frm} -> {to} of the files this commit touches: {upstream_diff}",
+        "",
+        f"Resolve in {paths.repo}: edit the files (markers: <<<<<<< vLLM {to} + the patches before, "
+        f"||||||| the old base, ======= then this patch's side >>>>>>>), then",
+        "  make rebase CONTINUE=1   stages everything in that tree and goes on (a file that still has",
+        "                           markers is refused; resolving to no change drops the patch)",
+        "  make rebase ABORT=1      drops the rebase; patches/ and pins.env stay as they are",
+    ]
+    return "\n".join(lines)
+
+
+# --- the steps ---------------------------------------------------------------------------
+
+def _git_env() -> dict[str, str]:
+    return {**gitrepo.SERIES_IDENTITY, "GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true"}
+
+
+def _run_rebase(layout: Layout, paths: Paths, state: dict, args: list[str]) -> tuple[int, str]:
+    try:
+        with progress.stage("rebase", f"git {' '.join(args[:2])}: three-way merges onto vLLM "
+                                      f"{state['to']['VLLM_VERSION']}"):
+            proc = _git(paths, *args, check=False, env=_git_env())
+    except KeyboardInterrupt:
+        raise Interrupted(f"git rebase stopped in {paths.repo}; `make rebase CONTINUE=1` goes on, "
+                          f"ABORT=1 drops it") from None
+    output = proc.stdout + proc.stderr
+    if _in_progress(paths):
+        picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
+        if picked:
+            key = _key(paths, picked)
+            files = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
+            stops = [s for s in state.get("stops", []) if s["key"] != key]
+            state["stops"] = stops + [{"key": key, "files": files}]
+            _save(paths, state)
+        return 1, conflict_report(layout, paths, state, output)
+    if proc.returncode:
+        raise SeriesError(f"git {' '.join(args)} failed in {paths.repo}:\n{output.strip()}")
+    return finish(layout, paths, state)
+
+
+def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
+    paths = Paths.of(layout)
+    state = _load(paths)
+    if state:
+        raise SeriesError(f"a rebase to vLLM {state['to']['VLLM_VERSION']} is in progress in {paths.repo}: "
+                          f"resolve and `make rebase CONTINUE=1`, or `make rebase ABORT=1`")
+    if not re.fullmatch(r"[0-9A-Za-z.+!-]+", version or ""):
+        raise SeriesError("make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y: VLLM_VERSION is missing or malformed")
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256 or ""):
+        raise SeriesError("make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y: VLLM_SDIST_SHA256 must be the "
+                          "sdist's 64-hex-digit sha256 (PyPI's JSON API lists it: "
+                          f"https://pypi.org/pypi/vllm/json, releases -> {version} -> sdist -> digests)")
+    if gitrepo.series_inputs_dirty(layout.root):
+        raise SeriesError("patches/, vllm_overlay/ or pins.env have uncommitted changes: commit or stash "
+                          "them first (a finished rebase rewrites them)")
+    old_pins = load_pins(layout.root)
+    if (old_pins["VLLM_VERSION"], old_pins["VLLM_SDIST_SHA256"]) == (version, sha256):
+        raise SeriesError(f"the series is already pinned to vLLM {version} with that sdist")
+    if paths.dir.exists() or paths.dropping.exists():
+        progress.say("rebase", f"removing {paths.dir}, left by an interrupted start")
+        _drop(paths)
+    cache = sdist.cache_dir()
+    new_pins = {**old_pins, "VLLM_VERSION": version, "VLLM_SDIST_SHA256": sha256}
+    old_sdist = sdist.fetch(old_pins, cache)
+    new_sdist = sdist.fetch(new_pins, cache)
+    facts = sdist_facts(new_sdist)
+    new_pins.update(facts)
+    if "VLLM_COMMIT" not in facts:
+        new_pins["VLLM_COMMIT"] = "unknown"
+    series_head = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip()
+    try:
+        paths.dir.mkdir(parents=True)
+        try:
+            buildtree.build_tree(Layout(root=layout.root, build=paths.repo), old_sdist, old_pins,
+                                 record_state=False, verb="rebase")
+        except buildtree.PatchFailed as exc:
+            raise SeriesError(f"the series does not apply to its own pin (vLLM {old_pins['VLLM_VERSION']}); "
+                              f"fix that first (`make check`):\n{exc}") from None
+        _git(paths, "config", "merge.conflictStyle", "diff3")
+        old_tip = gitrepo.head(paths.repo)
+        old_pristine = gitrepo.root_commit(paths.repo)
+        _git(paths, "branch", "series-old", old_tip)
+        _git(paths, "tag", f"vllm-{old_pins['VLLM_VERSION']}", old_pristine)
+        new_pristine = _import_pristine(paths, new_sdist, new_pins)
+        _git(paths, "tag", f"vllm-{version}", new_pristine)
+        state = {
+            "root": str(layout.root), "series_head": series_head, "inputs": buildtree.inputs_hash(layout),
+            "git": gitrepo.out(paths.repo, "--version"),
+            "from": {k: old_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
+            "to": {k: new_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
+            "old_pristine": old_pristine, "old_tip": old_tip, "new_pristine": new_pristine,
+            "stops": [], "finishing": False,
+        }
+        _save(paths, state)     # from here on the rebase exists: CONTINUE=1 / ABORT=1
+    except KeyboardInterrupt:
+        raise Interrupted(f"nothing changed; {paths.dir} is removed by the next `make rebase`") from None
+    except BaseException:
+        try:
+            _drop(paths)
+        except BaseException:
+            pass
+        raise
+    return _run_rebase(layout, paths, state, ["rebase", "--onto", new_pristine, old_pristine, "main"])
+
+
+def _import_pristine(paths: Paths, sdist_file: Path, pins: dict[str, str]) -> str:
+    """The other sdist as a root commit of its own, without touching the checkout."""
+    with tempfile.TemporaryDirectory(dir=paths.dir, prefix="sdist-") as tmp:
+        tree_dir = Path(tmp) / "tree"
+        with progress.stage("rebase", f"unpacking {sdist_file.name}"):
+            sdist.unpack(sdist_file, tree_dir)
+        env = {"GIT_DIR": str(paths.repo / ".git"), "GIT_WORK_TREE": str(tree_dir),
+               "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        with progress.stage("rebase", f"committing pristine vLLM {pins['VLLM_VERSION']}"):
+            gitrepo.git(tree_dir, "add", "-A", "-f", ".", env=env)
+            tree = gitrepo.git(tree_dir, "write-tree", env=env).stdout.strip()
+    message = (f"vLLM {pins['VLLM_VERSION']} pristine (upstream {pins['VLLM_COMMIT']})\n\n"
+               f"From the PyPI sdist, sha256 {pins['VLLM_SDIST_SHA256']}.\n")
+    return gitrepo.git(paths.repo, "commit-tree", tree, "-F", "-", identity=True, input_text=message).stdout.strip()
+
+
+def resume(layout: Layout) -> tuple[int, str]:
+    paths = Paths.of(layout)
+    state = _load(paths)
+    if not state:
+        raise SeriesError("no rebase in progress: start one with "
+                          "`make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y`")
+    if not state["finishing"] and buildtree.inputs_hash(layout) != state["inputs"]:
+        raise SeriesError("patches/, vllm_overlay/ or pins.env changed since the rebase started; finishing "
+                          "would overwrite them. Restore them, or `make rebase ABORT=1` and start again.")
+    if not _in_progress(paths):
+        return finish(layout, paths, state)
+    changed = _git(paths, "diff", "--name-only", "HEAD").stdout.split()
+    unmerged = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
+    left = []
+    for rel in dict.fromkeys(unmerged + changed):
+        path = paths.repo / rel
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            left += [f"  {rel}:{text.count(chr(10), 0, m.start()) + 1}" for m in _MARKER_RE.finditer(text)][:3]
+    if left:
+        raise SeriesError("conflict markers are still there; resolve them, then `make rebase CONTINUE=1`:\n"
+                          + "\n".join(left))
+    _git(paths, "add", "-A")
+    if _git(paths, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
+        picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
+        if picked:
+            key = _key(paths, picked)
+            for stop in state["stops"]:
+                if stop["key"] == key:
+                    stop["dropped_by_hand"] = True
+            _save(paths, state)
+        return _run_rebase(layout, paths, state, ["rebase", "--skip"])
+    return _run_rebase(layout, paths, state, ["rebase", "--continue"])
+
+
+def abort(layout: Layout) -> str:
+    paths = Paths.of(layout)
+    state = _load(paths)
+    if not paths.dir.exists() and not paths.dropping.exists():
+        return "rebase: none in progress; nothing to drop"
+    _drop(paths)
+    target = f" to vLLM {state['to']['VLLM_VERSION']}" if state else ""
+    return f"rebase{target} dropped: {paths.dir} removed; patches/, vllm_overlay/ and pins.env untouched"
+
+
+def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
+    if not state["finishing"]:
+        state["finishing"] = True
+        _save(paths, state)
+    if gitrepo.dirty(paths.repo):
+        raise SeriesError(f"{paths.repo} has changes made after git finished the rebase; undo them "
+                          f"(git -C {paths.repo} stash) and `make rebase CONTINUE=1` again")
+    rows = classify(paths, state)
+    regenerate = {r["key"] for r in rows if r["status"] in (MOVED, MERGED, HAND)}
+    with progress.stage("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits"):
+        report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
+    to = state["to"]
+    changed_pins = update_pins(layout.root, {k: v for k, v in to.items() if v and v != "unknown"})
+    findings = lint.lint(layout)
+    check_line = (f"series OK ({len(buildtree.series_patches(layout))} patches, "
+                  f"{len(buildtree.overlay_files(layout))} overlay files)") if not findings else \
+        f"{len(findings)} finding(s): " + "; ".join(findings)
+    table = render_table(state, rows, check_line)
+    table_file = layout.build.parent / f"rebase-{to['VLLM_VERSION']}.md"
+    table_file.write_text(table)
+    _drop(paths)
+    stale = [f"line {n}" for n, line in enumerate((layout.root / "pins.env").read_text().splitlines(), 1)
+             if line.startswith("#") and state["from"]["VLLM_VERSION"] in line]
+    out = [table, *report,
+           f"pins.env: {', '.join(changed_pins) or 'unchanged'}",
+           *([f"pins.env comments still name vLLM {state['from']['VLLM_VERSION']} ({', '.join(stale)}): "
+              "review them"] if stale else []),
+           f"wrote {table_file}; {paths.dir} removed. build/vllm is still the old tree: "
+           "`make apply` rebuilds it on the new pin."]
+    if findings:
+        out.append("make check failed on the rebased series (above): fix the patches (make apply, edit in "
+                   "build/vllm, make refresh) before committing the port.")
+    return (1 if findings else 0), "\n".join(out)

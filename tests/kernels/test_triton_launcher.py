@@ -1,0 +1,419 @@
+"""triton_launcher (vllm/v1/attention/ops/triton_launcher.py) and the wrappers' launch caches.
+
+KernelLaunch's direct path is exercised on the CPU tier with a stand-in for a
+compiled Triton kernel that records what it is handed: the first call of an
+alignment pattern goes through ``kernel[grid]`` with the tensors, later ones
+hand the data pointers, fixed scalars and constexprs (parameter order) to the
+compiled kernel's launcher, and anything that selects another compiled kernel
+(pointer alignment, device, launch hooks, torch.compile, ENABLED off) goes back
+through ``kernel[grid]``.
+
+The wrappers' caches: a call that misses runs the full checks; bad input after
+a good call with the same shapes still gets the same clear error (its key
+differs: a dtype, a shape, a stride, a device); hits add nothing to the cache;
+and results are bit-identical to the uncached path (ENABLED = False: checks on
+every call and ``kernel[grid]``), compiled on the GPU tier.
+"""
+
+import types
+
+import pytest
+import torch
+import triton
+from vllm.v1.attention.ops import triton_launcher as tl_launch
+from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv, fetch_kv_plan
+from vllm.v1.attention.ops.triton_launcher import KernelLaunch
+from vllm.v1.attention.ops.triton_mla_rope_cache import (
+    mla_rope_and_cache,
+    mla_rope_concat_and_cache,
+)
+from vllm.v1.attention.ops.triton_paged_context_attention import (
+    paged_context_attention,
+    paged_context_workspace,
+)
+
+import test_triton_fetch_kv as fk_tests  # noqa: E402  (sibling test module)
+import test_triton_mla_rope_cache as mla_tests  # noqa: E402
+import test_triton_paged_context_attention as pca_tests  # noqa: E402
+
+
+# ------------------------------------------------------------ KernelLaunch
+
+
+class _Compiled:
+    """Stands in for a triton CompiledKernel: records direct launches."""
+
+    def __init__(self):
+        self.function = object()
+        self.packed_metadata = ("warps", "ctas", "shared")
+        self.calls = []
+        self.run = lambda *args: self.calls.append(args)
+
+
+class _FakeJIT:
+    """Stands in for a JITFunction: kernel[grid](...) records and returns a compiled kernel."""
+
+    arg_names = ["x_ptr", "y_ptr", "n", "stride", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.launches = []
+        self.compiled = _Compiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return self.compiled
+
+        return launch
+
+
+@pytest.fixture
+def fake_jit(monkeypatch):
+    kernel = _FakeJIT()
+    monkeypatch.setattr(tl_launch, "_DIRECT", True)  # the convention of triton 3.4-3.6
+    monkeypatch.setattr(tl_launch, "_JITFunction", _FakeJIT)
+    monkeypatch.setattr(tl_launch._Driver, "current_device", lambda: 0)
+    monkeypatch.setattr(tl_launch._Driver, "current_stream", lambda device: 1234)
+    monkeypatch.setattr(tl_launch._Driver, "tensor_spec", None)
+    return kernel
+
+
+def _launch(kernel):
+    return KernelLaunch(kernel, (7, 3), (5, 16), {"FLAG": True, "BLOCK": 64}, num_warps=4)
+
+
+def test_first_call_goes_through_kernel_grid_then_direct(fake_jit):
+    launch = _launch(fake_jit)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch(x, y)
+    assert fake_jit.launches == [((7, 3), (x, y, 5, 16), {"FLAG": True, "BLOCK": 64,
+                                                         "num_warps": 4})]
+    a, b = torch.ones(64), torch.ones(64)
+    launch(a, b)
+    assert len(fake_jit.launches) == 1, "a hit must not go through kernel[grid]"
+    (call,) = fake_jit.compiled.calls
+    assert call == (7, 3, 1, 1234, fake_jit.compiled.function, fake_jit.compiled.packed_metadata,
+                    None, None, None, a.data_ptr(), b.data_ptr(), 5, 16, 64, True)
+
+
+def test_another_alignment_is_another_compiled_kernel(fake_jit):
+    launch = _launch(fake_jit)
+    base = torch.zeros(80)
+    launch(base[:64], base[:64])
+    launch(base[1:65], base[:64])  # 4-byte offset: Triton specialises it differently
+    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
+    launch(base[5:69], base[16:80])  # first pointer misaligned, second aligned: a hit
+    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
+
+
+def test_other_device_goes_through_kernel_grid(fake_jit, monkeypatch):
+    launch = _launch(fake_jit)
+    x = torch.zeros(64)
+    launch(x, x)
+    monkeypatch.setattr(tl_launch._Driver, "current_device", lambda: 1)
+    launch(x, x)
+    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
+
+
+def test_launch_hooks_and_disabled_go_through_kernel_grid(fake_jit, monkeypatch):
+    launch = _launch(fake_jit)
+    x = torch.zeros(64)
+    launch(x, x)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda meta: None)
+    launch(x, x)
+    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(tl_launch, "ENABLED", False)
+    fresh = _launch(fake_jit)
+    fresh(x, x)
+    fresh(x, x)
+    assert len(fake_jit.launches) == 4 and not fake_jit.compiled.calls
+
+
+def test_other_triton_releases_always_go_through_kernel_grid(fake_jit, monkeypatch):
+    # The launcher calling convention is only relied on where it is known.
+    monkeypatch.setattr(tl_launch, "_DIRECT", False)
+    launch = _launch(fake_jit)
+    x = torch.zeros(64)
+    launch(x, x)
+    launch(x, x)
+    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
+
+
+def test_backend_tensor_specialisation_is_part_of_the_key(fake_jit, monkeypatch):
+    # A backend that specialises on more than alignment (AMD buffer ops: the
+    # storage size) is asked per tensor.
+    monkeypatch.setattr(tl_launch._Driver, "tensor_spec",
+                        staticmethod(lambda t, align: "S" if t.numel() < 100 else ""))
+    launch = _launch(fake_jit)
+    small, big = torch.zeros(64), torch.zeros(128)
+    launch(small, small)
+    launch(big, small)
+    launch(small, torch.ones(64))
+    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
+
+
+def test_constexprs_must_be_the_trailing_parameters(fake_jit):
+    launch = KernelLaunch(fake_jit, (1,), (5, 16), {"FLAG": True, "OTHER": 1})
+    with pytest.raises(TypeError, match="takes"):
+        launch(torch.zeros(4), torch.zeros(4))
+
+
+def test_interpreted_kernels_always_go_through_kernel_grid():
+    # Under TRITON_INTERPRET=1 (the CPU tier) triton.jit gives no JITFunction.
+    if triton.knobs.runtime.interpret is False:
+        pytest.skip("compiled Triton here")
+    from vllm.v1.attention.ops.triton_fetch_kv import _fetch_kv_kernel
+
+    assert not isinstance(_fetch_kv_kernel, tl_launch._JITFunction)
+
+
+# ------------------------------------------------------------ wrapper caches
+
+
+def _cache_sizes():
+    return [len(c) for c in tl_launch._CACHES]
+
+
+def _fetch_kv_cases():
+    return [(c[0], c[1], c[2], c[3]) for c in fk_tests.INVALID]
+
+
+@pytest.mark.parametrize("name,make_args,exc,match", _fetch_kv_cases(),
+                         ids=[c[0] for c in fk_tests.INVALID])
+def test_fetch_kv_bad_input_after_a_good_call_raises_the_same_error(name, make_args, exc, match):
+    fetch_kv(**fk_tests._valid_args())
+    before = _cache_sizes()
+    with pytest.raises(exc, match=match):
+        fetch_kv(**make_args())
+    assert _cache_sizes() == before, "a rejected call must not be cached"
+
+
+def test_fetch_kv_plan_bad_input_after_a_good_call_raises_the_same_error(device):
+    good = {"block_table": torch.ones(1, 2, dtype=torch.int32, device=device),
+            "cu_seqlens_kv": torch.tensor([0, 8], dtype=torch.int32, device=device),
+            "seq_starts": torch.zeros(1, dtype=torch.int32, device=device),
+            "num_tokens": 8, "block_size": 16, "head_size": 64, "cache_dtype": torch.float16}
+    fetch_kv_plan(**good)
+    for edits, exc, match in [c[1:] for c in fk_tests.PLAN_INVALID]:
+        with pytest.raises(exc, match=match):
+            fetch_kv_plan(**{**good, **edits})
+
+
+def test_fetch_kv_with_a_plan_checks_the_plan_on_every_key(device):
+    args = fk_tests._valid_args(device)
+    fetch_kv(**args, plan=fk_tests._plan_for(device))
+    for overrides, edits, exc, match in [c[1:] for c in fk_tests.PLAN_MISMATCHES]:
+        plan = "plan" if overrides is None else fk_tests._plan_for(device, **overrides)
+        call = dict(args)
+        for key, fn in edits.items():
+            call[key] = fn(call)
+        with pytest.raises(exc, match=match):
+            fetch_kv(**call, plan=plan)
+
+
+def test_fetch_kv_changed_stride_misses_the_cache_and_is_checked(device):
+    args = fk_tests._valid_args(device)
+    fetch_kv(**args)
+    fetch_kv(**fk_tests._valid_args(device))  # same key (new tensors): a hit
+    before = _cache_sizes()
+    # Same shapes, other strides: a transposed-back cache view (SHUFFLE needs dense blocks).
+    kc = torch.zeros(4, 2, 16, 64, dtype=torch.float16, device=device).transpose(1, 2)
+    with pytest.raises(ValueError, match="dense"):
+        fetch_kv(**{**args, "key_cache": kc, "value_cache": kc.clone(),
+                    "kv_cache_layout": "SHUFFLE"})
+    fetch_kv(**{**args, "key_cache": kc, "value_cache": kc.clone()})  # valid NHD: new key
+    assert sum(_cache_sizes()) == sum(before) + 1
+
+
+@pytest.mark.parametrize("idx", range(22))
+def test_paged_context_bad_input_after_a_good_call_raises_the_same_error(idx, device):
+    name, kwargs, exc = pca_tests._bad_args(device)[idx]
+    # The table's first entry with its edit undone (query_2d: the query itself).
+    good = dict(pca_tests._bad_args(device)[0][1],
+                query=pca_tests.build(pca_tests.Case("args", [20], [3]), device)["q"])
+    paged_context_attention(**good)
+    before = _cache_sizes()
+    with pytest.raises(exc, match="paged_context_attention"):
+        paged_context_attention(**kwargs)
+    assert _cache_sizes() == before
+
+
+@pytest.mark.parametrize("name,mutate,exc,match", mla_tests.BAD_ARGS,
+                         ids=[b[0] for b in mla_tests.BAD_ARGS])
+def test_mla_bad_input_after_a_good_call_raises_the_same_error(name, mutate, exc, match,
+                                                              device):
+    import re
+
+    for form in ("decode", "prefill"):
+        good = mla_tests._valid_args(device)
+        args = mutate(mla_tests._valid_args(device))
+        fn = mla_rope_concat_and_cache if form == "decode" else mla_rope_and_cache
+        if form == "prefill":
+            del good["ql_nope"], args["ql_nope"]
+        fn(**good)
+        with pytest.raises(exc, match=re.escape(match)):
+            fn(**args)
+
+
+# ------------------------------------------------------------ same results as the plain path
+
+
+def _bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _twice_and_plain(run, monkeypatch):
+    """Outputs of run() on the cached path (a miss, then a hit) and on the plain path."""
+    tl_launch.clear_caches()
+    miss = run()
+    hit = run()
+    monkeypatch.setattr(tl_launch, "ENABLED", False)
+    plain = run()
+    monkeypatch.setattr(tl_launch, "ENABLED", True)
+    return miss, hit, plain
+
+
+def _assert_same(outs):
+    miss, hit, plain = outs
+    for a, b, c in zip(miss, hit, plain, strict=True):
+        assert torch.equal(_bits(a), _bits(c)) and torch.equal(_bits(b), _bits(c))
+
+
+@pytest.mark.parametrize("path", ["lookup", "plan"])
+def test_fetch_kv_cached_path_is_bit_identical(path, device, monkeypatch):
+    case = fk_tests.CPU_CASES[3]  # many requests, ragged
+
+    def run():
+        return fk_tests.run_case(case, device, path=path)
+
+    _assert_same(_twice_and_plain(run, monkeypatch))
+
+
+@pytest.mark.parametrize("num_splits,workspace", [(None, False), (2, False), (2, True)])
+def test_paged_context_cached_path_is_bit_identical(num_splits, workspace, device,
+                                                    monkeypatch):
+    case = pca_tests.Case("cached", [45, 21], [5, 7], num_splits=num_splits)
+    data = pca_tests.build(case, device)
+    q = data["q"]
+
+    def run():
+        ws = None
+        if workspace:
+            ws = paged_context_workspace(q.shape[0], 2, q.shape[1], data["key_cache"].shape[2],
+                                         q.shape[2], q.dtype, q.device, num_splits=num_splits)
+        out, lse = paged_context_attention(
+            q, data["key_cache"], data["value_cache"], data["block_table"],
+            data["cu_seqlens_q"], data["seq_lens"], data["scale"], key=data["k_new"],
+            value=data["v_new"], num_splits=None if workspace else num_splits, workspace=ws)
+        return out.clone(), lse.clone()
+
+    _assert_same(_twice_and_plain(run, monkeypatch))
+
+
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+def test_mla_cached_path_is_bit_identical(form, device, monkeypatch):
+    def run():
+        torch.manual_seed(0)  # _valid_args draws random inputs
+        args = mla_tests._valid_args(device)
+        if form == "decode":
+            return (mla_rope_concat_and_cache(**args), args["kv_cache"])
+        del args["ql_nope"]
+        mla_rope_and_cache(**args)
+        return (args["q_pe"], args["k_pe"], args["kv_cache"])
+
+    _assert_same(_twice_and_plain(run, monkeypatch))
+
+
+def test_paged_context_workspace_must_match_the_call(device):
+    case = pca_tests.Case("ws", [20], [3])
+    d = pca_tests.build(case, device)
+    q = d["q"]
+    args = (q, d["key_cache"], d["value_cache"], d["block_table"], d["cu_seqlens_q"],
+            d["seq_lens"], d["scale"])
+    ws = paged_context_workspace(q.shape[0] + 1, 1, q.shape[1], d["key_cache"].shape[2],
+                                 q.shape[2], q.dtype, q.device, num_splits=2)
+    with pytest.raises(ValueError, match="paged_context_attention: lse must be"):
+        paged_context_attention(*args, workspace=ws)
+    with pytest.raises(TypeError, match="PagedContextWorkspace"):
+        paged_context_attention(*args, workspace=types.SimpleNamespace(key=()))
+    ws = paged_context_workspace(q.shape[0], 1, q.shape[1], d["key_cache"].shape[2],
+                                 q.shape[2], q.dtype, q.device, num_splits=2)
+    with pytest.raises(ValueError, match="differs from the workspace"):
+        paged_context_attention(*args, workspace=ws, num_splits=3)
+    out, lse = paged_context_attention(*args, workspace=ws)
+    assert lse is ws.lse
+
+
+# ------------------------------------------------------------ GPU: the kernel Triton picks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned_outputs"])
+def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch):
+    """For every alignment pattern, the compiled kernel a hit launches is the one
+    JITFunction.run would pick (kernel.warmup), and the outputs match the plain path."""
+    from vllm.v1.attention.ops import triton_fetch_kv as module
+
+    case = fk_tests.CPU_CASES[1]  # fp16, ragged start
+    gen = torch.Generator().manual_seed(case.seed)
+    table, num_blocks = fk_tests.make_block_table(case.lens, case.starts, case.block_size,
+                                                  case.extra_blocks, gen)
+    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    kc = torch.randn(shape, device=device, dtype=case.cache_dtype)
+    vc = torch.randn(shape, device=device, dtype=case.cache_dtype)
+    cu = torch.tensor([0] + case.lens, device=device).cumsum(0).to(torch.int32)
+    starts = torch.tensor(case.starts, dtype=torch.int32, device=device)
+    table = table.to(device)
+    total = int(cu[-1])
+    outs = []
+    for enabled in (True, True, False):
+        monkeypatch.setattr(tl_launch, "ENABLED", enabled)
+        flat = torch.zeros(2, (total + 1) * case.num_kv_heads * case.head_size + 8,
+                           device=device, dtype=case.cache_dtype)
+        n = total * case.num_kv_heads * case.head_size
+        ko = flat[0, offset:offset + n].view(total, case.num_kv_heads, case.head_size)
+        vo = flat[1, offset:offset + n].view(total, case.num_kv_heads, case.head_size)
+        fetch_kv(kc, vc, ko, vo, table, cu, starts)
+        outs.append((ko.clone(), vo.clone()))
+        if enabled:
+            (launch,) = [v[0] for v in module._FETCH_KV_LAUNCHES.values()]
+            tensors = (kc, vc, ko, vo, table, cu, starts, cu, cu, cu)
+            picked = launch.kernel.warmup(*tensors, *launch.scalars, grid=launch.grid,
+                                          **launch.constexprs, **launch.options)
+            functions = {entry[1] for entry in launch._compiled.values()}
+            assert picked.function in functions
+    torch.cuda.synchronize()
+    for k in range(2):
+        assert torch.equal(outs[0][k], outs[2][k]) and torch.equal(outs[1][k], outs[2][k])
+
+
+def test_paged_context_metadata_bound_to_the_workspace(device):
+    """Calls passing the workspace's own metadata tensors take their geometry
+    from it; other tensors are keyed (and checked) themselves."""
+    from vllm.v1.attention.ops import triton_paged_context_attention as pca
+
+    case = pca_tests.Case("bound", [20, 9], [3, 4])
+    d = pca_tests.build(case, device)
+    q = d["q"]
+    ws = paged_context_workspace(q.shape[0], 2, q.shape[1], d["key_cache"].shape[2],
+                                 q.shape[2], q.dtype, q.device, num_splits=2,
+                                 block_table=d["block_table"], cu_seqlens_q=d["cu_seqlens_q"],
+                                 seq_lens=d["seq_lens"])
+    args = [q, d["key_cache"], d["value_cache"], d["block_table"], d["cu_seqlens_q"],
+            d["seq_lens"], d["scale"]]
+    ref, _ = paged_context_attention(*args, num_splits=2)
+    ref = ref.clone()
+    out, lse = paged_context_attention(*args, workspace=ws)
+    assert lse is ws.lse and torch.equal(out, ref)
+    paged_context_attention(*args, workspace=ws)
+    assert len(pca._LAUNCHES) == 2, "the bound call must hit its own key"
+    # Other metadata tensors with the same workspace: keyed and checked.
+    bad = list(args)
+    bad[3] = d["block_table"].float()
+    with pytest.raises(TypeError, match="block_table must be int32 or int64"):
+        paged_context_attention(*bad, workspace=ws)
+    other = list(args)
+    other[3] = d["block_table"].clone()
+    out2, _ = paged_context_attention(*other, workspace=ws)
+    assert torch.equal(out2, ref) and len(pca._LAUNCHES) == 3

@@ -1,0 +1,91 @@
+"""The Makefile's verbs: narrow test runs, GPU verbs without torch, output folders, a clean checkout."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from fake_upstream import REPO
+
+
+def _make(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # Not the variables of a make that runs this test (`make test TESTS=...` hands them down).
+    base = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TESTS",
+                                                              "PYTEST_ARGS", "BENCH_OUT", "SWEEP_OUT")}
+    return subprocess.run(["make", "--no-print-directory", "-C", str(REPO), *args], capture_output=True,
+                          text=True, env={**base, **(env or {})}, timeout=120)
+
+
+def _recipe_line(dry_run: str, needle: str) -> str:
+    return next(line for line in dry_run.splitlines() if needle in line)
+
+
+def test_make_test_runs_only_the_named_folders():
+    out = _make("-n", "test", "TESTS=tests/series tests/order", "PYTEST_ARGS=-x -k rebase").stdout
+    line = _recipe_line(out, "-m pytest")
+    assert line.endswith("-m pytest -q -p no:cacheprovider tests/series tests/order -x -k rebase")
+    default = _recipe_line(_make("-n", "test").stdout, "-m pytest")
+    assert default.endswith("-m pytest -q -p no:cacheprovider tests ")
+
+
+def test_gpu_verbs_without_torch_say_what_is_missing():
+    # -S: no site-packages, so no torch, triton or pytest, on any machine.
+    for verb in ("test-gpu", "bench", "test-gpu-backend"):
+        proc = _make(verb, f"GPU_PYTHON={sys.executable} -S")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        ours = [ln for ln in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\* ", ln)]
+        assert len(ours) == 1 and ours[0].startswith(f"make {verb}: ") and "lacks torch, triton, pytest" in ours[0]
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_result_writing_verbs_default_to_ignored_folders():
+    bench_host = _recipe_line(_make("-n", "bench-host").stdout, "run_bench.py")
+    assert "--out build/results " in bench_host
+    assert "--out keep/here " in _recipe_line(_make("-n", "bench-host", "BENCH_OUT=keep/here").stdout, "run_bench.py")
+    sweep = _recipe_line(_make("-n", "sweep", "CONFIG=ci/sweeps/smoke-fake.yaml").stdout, "sweep.py run")
+    assert "--out build/sweeps/smoke-fake " in sweep
+    ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "build/results/x.json",
+                              "build/sweeps/smoke-fake/x.json", "build/rebase-0.32.0.md"],
+                             capture_output=True, text=True)
+    assert len(ignored.stdout.splitlines()) == 3
+
+
+def test_series_verbs_leave_the_checkout_clean(fake_series, tmp_path):
+    fs = fake_series
+    fs.git("add", "-A", cwd=fs.root)
+    fs.git("commit", "-qm", "series", cwd=fs.root)
+    config = tmp_path / "gitconfig"
+    config.write_text("[user]\n\tname = Ada\n\temail = ada@example.com\n")
+    env = {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
+    for args in (("apply",), ("check",), ("refresh",), ("status",), ("pr", "--topic", "fetch-kv")):
+        proc = fs.run(*args, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert fs.git("status", "--porcelain", "--ignored=no", cwd=fs.root) == "", args
+
+
+def test_test_folders_collect_together():
+    """pytest imports every test folder's helpers by their bare module name (rootdir-less
+    folders, prepend import mode): two folders with a same-named module, or a test importing
+    `conftest`, break as soon as those folders run in one session."""
+    seen: dict[str, Path] = {}
+    problems = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if "__pycache__" in rel.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            if "conftest" in names:
+                problems.append(f"{rel} imports conftest (put the helpers in a uniquely named module)")
+        if path.name in ("conftest.py", "__init__.py"):
+            continue
+        if path.name in seen:
+            problems.append(f"{rel} and {seen[path.name]} share the module name {path.stem}")
+        seen[path.name] = rel
+    assert not problems, "\n".join(problems)

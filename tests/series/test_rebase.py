@@ -1,0 +1,162 @@
+"""make rebase on a fake upstream: clean, moved, merged, dropped, conflict + CONTINUE, ABORT."""
+
+from __future__ import annotations
+
+import hashlib
+
+from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_2, make_patch, write_sdist
+
+NEXT = "9.10.0"
+# The next fake release. envs.py gains 5 lines at the top (0001's hunk moves) and edits the
+# first context line of 0003's hunk (zero fuzz refuses it, a three-way merge does not);
+# utils.py changes the very line 0002 changes (a conflict); README.md already has 0005's
+# change (the commit becomes empty); vllm/__init__.py is untouched (0004 is clean).
+NEXT_ENVS = "# new upstream header\n" * 5 + ENVS_PY.replace("VALUE_14 = 14\n", "VALUE_14 = 14  # upstream note\n")
+NEXT_UPSTREAM = {
+    **UPSTREAM,
+    "vllm/envs.py": NEXT_ENVS,
+    "vllm/utils.py": UPSTREAM["vllm/utils.py"].replace("return a - b", "return a - b  # upstream"),
+    "README.md": "fake upstream, patched\n",
+    "vllm/_version.py": "__version__ = version = '9.10.0'\n__commit_id__ = commit_id = 'gnext1234'\n",
+    "docker/Dockerfile.rocm_base": 'ARG BASE_IMAGE=x\nARG AITER_BRANCH="v0.0.2"\n',
+}
+RESOLVED = "return a - b  # upstream, checked"
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def _add(fs, name: str, text: str) -> None:
+    (fs.patches / name).write_text(text)
+    with open(fs.patches / "series", "a") as f:
+        f.write(name + "\n")
+
+
+def _prepare(fs) -> str:
+    """Three more patches, the series committed, the next release's sdist in the cache."""
+    _add(fs, "0003-other-flag.patch",
+         make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY)))
+    init = UPSTREAM["vllm/__init__.py"]
+    _add(fs, "0004-init-marker.patch",
+         make_patch("Mark the package", "vllm/__init__.py", init, init + "SERIES = True\n"))
+    _add(fs, "0005-readme.patch",
+         make_patch("README note", "README.md", UPSTREAM["README.md"], "fake upstream, patched\n"))
+    fs.git("add", "-A", cwd=fs.root)
+    fs.git("commit", "-qm", "the series", cwd=fs.root)
+    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
+    write_sdist(sdist, NEXT_UPSTREAM, version=NEXT)
+    return hashlib.sha256(sdist.read_bytes()).hexdigest()
+
+
+def _rebase(fs, *args: str):
+    return fs.run("rebase", *args)
+
+
+def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_series):
+    fs = fake_series
+    sha = _prepare(fs)
+    _ok(fs.run("apply"))
+    build_head = fs.git("rev-parse", "HEAD")
+    pins_before = (fs.root / "pins.env").read_text()
+    kept = (fs.patches / "0004-init-marker.patch").read_bytes()
+
+    proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "rebase: conflict in patches/0002-check-sub.patch (commit 3 of 6, vLLM 9.9.9 -> 9.10.0)" in out
+    assert "  vllm/utils.py: both changed it" in out
+    assert "patch hunk #1: @@ -3,4 +3,4 @@" in out
+    assert "upstream changed there (9.9.9 -> 9.10.0" in out
+    assert "-    return a - b\n" in out and "+    return a - b  # upstream\n" in out
+    assert "make rebase CONTINUE=1" in out and "make rebase ABORT=1" in out
+    assert "Traceback" not in proc.stderr
+    rebase_tree = fs.root / "build" / "rebase" / "vllm"
+    conflicted = (rebase_tree / "vllm/utils.py").read_text()
+    assert "<<<<<<< " in conflicted and "||||||| " in conflicted   # diff3 markers: ours, base, theirs
+    upstream_diff = (fs.root / "build" / "rebase" / "0002-check-sub.patch.upstream.diff").read_text()
+    assert "+    return a - b  # upstream" in upstream_diff
+    # Nothing of the checkout moved while the rebase waits.
+    assert (fs.root / "pins.env").read_text() == pins_before
+    assert fs.git("status", "--porcelain", cwd=fs.root) == ""
+    assert fs.git("rev-parse", "HEAD") == build_head
+
+    # A file that still has markers is refused, naming it.
+    proc = _rebase(fs, "--continue")
+    assert proc.returncode == 2 and "conflict markers are still there" in proc.stderr
+    assert "vllm/utils.py:" in proc.stderr
+
+    (rebase_tree / "vllm/utils.py").write_text(
+        UPSTREAM["vllm/utils.py"].replace("return a - b", RESOLVED))
+    proc = _ok(_rebase(fs, "--continue"))
+    out = proc.stdout
+    rows = {line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| ")}
+    assert rows["overlay (new files)"].endswith("| clean |  |")
+    assert "| moved | 1 of 1 hunks moved +5 lines |" in rows["`0001-add-series-flag.patch`"]
+    assert "| resolved by hand | conflict in vllm/utils.py |" in rows["`0002-check-sub.patch`"]
+    assert "| merged | three-way merge changed the hunks of vllm/envs.py |" in rows["`0003-other-flag.patch`"]
+    assert rows["`0004-init-marker.patch`"].endswith("| clean |  |")
+    assert "| dropped: upstream has it | became empty on vLLM 9.10.0 |" in rows["`0005-readme.patch`"]
+    assert "Summary: clean 2, moved 1, merged 1, resolved by hand 1, dropped: upstream has it 1." in out
+    assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
+    table = (fs.root / "build" / f"rebase-{NEXT}.md").read_text()
+    assert table.startswith("# Rebase of the series: vLLM 9.9.9 -> 9.10.0") and "| moved |" in table
+
+    # The checkout now holds the port: pins, refreshed patches, the dropped patch gone.
+    pins = (fs.root / "pins.env").read_text()
+    assert f"VLLM_VERSION={NEXT}\n" in pins and f"VLLM_SDIST_SHA256={sha}\n" in pins
+    assert "VLLM_COMMIT=gnext1234\n" in pins and "AITER_REF=v0.0.2\n" in pins and "# fake pins\n" in pins
+    assert (fs.patches / "series").read_text().split() == [
+        "#", "The", "fake", "series.", "0001-add-series-flag.patch", "#", "utils", "0002-check-sub.patch",
+        "0003-other-flag.patch", "0004-init-marker.patch"]
+    assert not (fs.patches / "0005-readme.patch").exists()
+    assert (fs.patches / "0004-init-marker.patch").read_bytes() == kept        # clean: byte for byte
+    assert "@@ -9,6 +9,7 @@" in (fs.patches / "0001-add-series-flag.patch").read_text()  # moved: renumbered
+    assert f"+    {RESOLVED}" in (fs.patches / "0002-check-sub.patch").read_text()
+    assert not (fs.root / "build" / "rebase").exists()
+    assert fs.git("rev-parse", "HEAD") == build_head     # build/vllm untouched until make apply
+
+    _ok(fs.run("apply"))
+    assert fs.git("log", "--reverse", "--format=%s").splitlines()[0] == f"vLLM {NEXT} pristine (upstream gnext1234)"
+    assert RESOLVED in (fs.build / "vllm/utils.py").read_text()
+    assert "OTHER_FLAG = 1" in (fs.build / "vllm/envs.py").read_text()
+
+
+def test_rebase_abort_and_guards(fake_series):
+    fs = fake_series
+    sha = _prepare(fs)
+    (fs.root / "pins.env").write_text((fs.root / "pins.env").read_text() + "# local edit\n")
+    proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    assert proc.returncode == 2 and "uncommitted changes: commit or stash them first" in proc.stderr
+    fs.git("checkout", "--", "pins.env", cwd=fs.root)
+    assert "64-hex-digit sha256" in _rebase(fs, "--version", NEXT, "--sha256", "abc").stderr
+    bad = _rebase(fs, "--version", NEXT, "--sha256", "0" * 64)
+    assert bad.returncode == 2 and "sha256 mismatch" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (fs.root / "build" / "rebase").exists()
+
+    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1      # stops at the conflict
+    again = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    assert again.returncode == 2 and "a rebase to vLLM 9.10.0 is in progress" in again.stderr
+    (fs.patches / "0004-init-marker.patch").write_text("edited while the rebase waits\n")
+    changed = _rebase(fs, "--continue")
+    assert changed.returncode == 2 and "changed since the rebase started" in changed.stderr
+    fs.git("checkout", "--", "patches", cwd=fs.root)
+
+    proc = _ok(_rebase(fs, "--abort"))
+    assert "rebase to vLLM 9.10.0 dropped" in proc.stdout and "untouched" in proc.stdout
+    assert not (fs.root / "build" / "rebase").exists()
+    assert fs.git("status", "--porcelain", cwd=fs.root) == ""
+    assert "no rebase in progress" in _rebase(fs, "--continue").stderr
+    assert "none in progress" in _ok(_rebase(fs, "--abort")).stdout
+
+
+def test_rebase_resolving_to_no_change_drops_the_patch(fake_series):
+    fs = fake_series
+    sha = _prepare(fs)
+    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
+    tree = fs.root / "build" / "rebase" / "vllm"
+    (tree / "vllm/utils.py").write_text(NEXT_UPSTREAM["vllm/utils.py"])   # keep upstream's line only
+    out = _ok(_rebase(fs, "--continue")).stdout
+    assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
+    assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()

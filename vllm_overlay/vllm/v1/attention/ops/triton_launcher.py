@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Checked-once Triton launches for kernels called once per layer per step.
+
+An attention wrapper runs eagerly once per layer (48-61 times a step) between
+the pieces of a piecewise CUDA graph, so its host time is paid on every layer.
+Two costs dominate it:
+
+  * its argument checks, the same for every layer of a step;
+  * ``kernel[grid](...)``: ``JITFunction.run`` binds and specialises every
+    argument, builds the compile-cache key from them and reads Triton's knobs
+    on every call -- about 15 us of Python for a 40-argument kernel before the
+    driver launch.
+
+This module lets a wrapper pay both once per *launch key*: the argument
+shapes, strides, dtypes and devices, plus the host scalars the call takes.
+
+  * ``LaunchCache`` maps a wrapper's key to what it derived from validated
+    arguments (a ``KernelLaunch`` per kernel, buffer sizes, ...).  A miss runs
+    the wrapper's full checks (one code path for validation; bad input raises
+    before anything is cached or launched); a hit skips them.  A key must
+    determine everything the checks look at.
+  * ``KernelLaunch`` fixes a kernel's grid, scalar arguments, constexprs and
+    options.  Per call only its tensor arguments (the kernel's leading
+    parameters) change.  The first call of each pointer-alignment pattern
+    launches through ``kernel[grid]`` (compiling if needed) and keeps the
+    ``CompiledKernel`` it returns; later calls hand the data pointers to that
+    kernel's launcher directly.  What selects the compiled kernel is known:
+    scalars, constexprs and tensor dtypes are fixed by the key, and the
+    pointers' alignment (and, on backends that specialise on more, the
+    backend's own tensor specialisation) is part of the per-call lookup.
+
+The direct launch goes to the current stream, so it is captured by CUDA graphs
+like ``kernel[grid]``.  ``kernel[grid]`` is used instead when the kernel is not
+compiled (``TRITON_INTERPRET=1``), while torch.compile traces (``fast_path()``
+is False; the wrappers then check every call and launch normally), and when
+Triton launch hooks (profilers) are installed.  ``ENABLED = False`` turns
+caching and the direct launch off everywhere (the plain path, for comparison).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+__all__ = ["ENABLED", "KernelLaunch", "LaunchCache", "clear_caches", "fast_path"]
+
+# Caching and direct launches on (False: every call checks its arguments and
+# launches through kernel[grid]).
+ENABLED = True
+
+# A cache holding more keys than this is emptied (keys carry the step's token
+# counts, so they accumulate slowly over a run; dropping them all is cheap).
+_MAX_KEYS = 4096
+
+_CACHES: list[LaunchCache] = []
+
+try:
+    from triton.runtime.jit import JITFunction as _JITFunction
+except ImportError:  # pragma: no cover - another Triton layout
+    _JITFunction = ()
+
+# Direct launches follow the launcher calling convention of Triton 3.4 - 3.6
+# (the releases with triton.knobs: every bound argument, constexprs included,
+# after the grid, stream, function, metadata and hooks); other releases keep
+# the validation cache and launch through kernel[grid].
+_DIRECT = hasattr(triton, "knobs") and tuple(
+    int(p) for p in triton.__version__.split(".")[:2]
+) in ((3, 4), (3, 5), (3, 6))
+
+
+def fast_path() -> bool:
+    """Whether a wrapper may use its cache and direct launches for this call."""
+    return ENABLED and not torch.compiler.is_compiling()
+
+
+class LaunchCache(dict):
+    """A wrapper's validated launches by key (a dict that empties when full)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _CACHES.append(self)
+
+    def put(self, key, value):
+        if len(self) >= _MAX_KEYS:
+            self.clear()
+        self[key] = value
+        return value
+
+
+def clear_caches() -> None:
+    """Forget every validated launch (tests and tuning change module constants
+    that launches were derived from)."""
+    for cache in _CACHES:
+        cache.clear()
+
+
+class _Driver:
+    """Triton's active driver's device / stream getters and the backend's
+    tensor specialisation, looked up on the first direct launch."""
+
+    current_device = None
+    current_stream = None
+    # None: the backend specialises tensors on 16-byte alignment only (the
+    # default); else its get_tensor_specialization, called per tensor.
+    tensor_spec = None
+
+    @classmethod
+    def load(cls) -> None:
+        from triton.backends.compiler import BaseBackend
+        from triton.compiler.compiler import make_backend
+        from triton.runtime import driver
+
+        active = driver.active
+        backend = make_backend(active.get_current_target())
+        spec = type(backend).get_tensor_specialization
+        cls.tensor_spec = (
+            None if spec is BaseBackend.get_tensor_specialization else spec
+        )
+        cls.current_stream = active.get_current_stream
+        # torch.cuda.current_device() without its lazy-init check (launches
+        # have happened, so CUDA is initialised).
+        cls.current_device = getattr(
+            torch._C, "_cuda_getDevice", active.get_current_device
+        )
+
+
+def _launch_hooks_set() -> bool:
+    # Triton 3.6 keeps the hooks in (possibly empty) HookChains.
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class KernelLaunch:
+    """One launch configuration of a ``@triton.jit`` kernel.
+
+    ``kernel(*tensors, *scalars, **constexprs)`` must list its parameters in
+    that order (pointer arguments first, then runtime scalars, then
+    constexprs), which is how every kernel here is written.  ``grid`` (up to
+    three ints), ``scalars``, ``constexprs`` and ``options`` (``num_warps``,
+    ...) are fixed; call the object with the tensor arguments, whose dtypes
+    must be the same on every call (the caller's key fixes them).
+    """
+
+    __slots__ = (
+        "kernel",
+        "grid",
+        "scalars",
+        "constexprs",
+        "options",
+        "_dims",
+        "_tail",
+        "_compiled",
+    )
+
+    def __init__(self, kernel, grid, scalars=(), constexprs=None, **options):
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.scalars = tuple(scalars)
+        self.constexprs = dict(constexprs or {})
+        self.options = options
+        self._dims = (*self.grid, 1, 1)[:3]
+        self._tail = None  # scalars + constexpr values in parameter order
+        # (device, pointer specialisation) -> (launcher, function, metadata)
+        self._compiled: dict = {}
+
+    def __call__(self, *tensors) -> None:
+        compiled = self._compiled
+        if compiled:
+            ptrs = list(map(_data_ptr, tensors))
+            device = _Driver.current_device()
+            entry = compiled.get((device, _pointer_spec(tensors, ptrs)))
+            if entry is not None and not _launch_hooks_set():
+                run, function, metadata = entry
+                g0, g1, g2 = self._dims
+                run(
+                    g0,
+                    g1,
+                    g2,
+                    _Driver.current_stream(device),
+                    function,
+                    metadata,
+                    None,
+                    None,
+                    None,
+                    *ptrs,
+                    *self._tail,
+                )
+                return
+        kernel = self.kernel[self.grid](
+            *tensors, *self.scalars, **self.constexprs, **self.options
+        )
+        if _DIRECT and isinstance(self.kernel, _JITFunction) and fast_path():
+            self._remember(kernel, tensors)
+
+    def _remember(self, kernel, tensors) -> None:
+        # kernel[grid] returns the CompiledKernel it launched (None when a
+        # compile hook took over); its launcher now has handles loaded.
+        if kernel is None or not hasattr(kernel, "packed_metadata"):
+            return
+        if _Driver.current_device is None:
+            _Driver.load()
+        if self._tail is None:
+            names = self.kernel.arg_names[len(tensors) + len(self.scalars) :]
+            if sorted(names) != sorted(self.constexprs):
+                raise TypeError(
+                    f"KernelLaunch: {self.kernel} takes {self.kernel.arg_names}; "
+                    f"got {len(tensors)} tensors, {len(self.scalars)} scalars and "
+                    f"constexprs {sorted(self.constexprs)}"
+                )
+            self._tail = (*self.scalars, *(self.constexprs[n] for n in names))
+        ptrs = [t.data_ptr() for t in tensors]
+        key = (_Driver.current_device(), _pointer_spec(tensors, ptrs))
+        self._compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _pointer_spec(tensors, ptrs):
+    """What Triton specialises the pointer arguments on, as a cache key."""
+    spec = _Driver.tensor_spec
+    if spec is not None:
+        return tuple(spec(t, align=True) for t in tensors)
+    acc = 0
+    for p in ptrs:
+        acc |= p
+    if not acc & 15:
+        return True  # all 16-byte aligned (the common case)
+    return tuple(not p & 15 for p in ptrs)

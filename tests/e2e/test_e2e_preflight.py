@@ -119,8 +119,9 @@ def test_prefix_installs_get_the_recorded_env_inside():
 
 def test_cpu_mode_checks_only_torch_and_vllm(tmp_path, no_torch_site):
     """--device cpu: no ROCm/AITER checks; a Python without vLLM or torch is still refused."""
+    # make test puts the patched tree on PYTHONPATH: this "upstream" has no vLLM.
     proc = _cli("throughput", "--device", "cpu", "--model", "some/model",
-                "--upstream", sys.executable,
+                "--upstream", f"env -u PYTHONPATH {sys.executable}",
                 "--patched", f"env PYTHONPATH={no_torch_site} {sys.executable}",
                 "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -142,7 +143,8 @@ def test_cpu_mode_environment_defaults():
 
 def test_cpu_probe_names_the_cpu(tmp_path):
     install = Install.parse("upstream", sys.executable)
-    with pytest.raises(preflight.PreflightError):  # no vLLM in this Python
-        preflight.check([install], {"upstream": dict(os.environ)}, device="cpu")
-    info = preflight.probe(install, dict(os.environ))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no vLLM then
+    with pytest.raises(preflight.PreflightError, match="vllm is not installed"):
+        preflight.check([install], {"upstream": env}, device="cpu")
+    info = preflight.probe(install, env)
     assert info["cpu"].endswith("cores)")

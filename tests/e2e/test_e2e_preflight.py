@@ -115,3 +115,36 @@ def test_prefix_installs_get_the_recorded_env_inside():
         "VLLM_ROCM_USE_AITER=1", "python3", "-c", "pass"]
     venv = Install.parse("upstream", "/opt/vllm-upstream/bin/python")
     assert venv.command("-c", "pass", env=env) == ["/opt/vllm-upstream/bin/python", "-c", "pass"]
+
+
+def test_cpu_mode_checks_only_torch_and_vllm(tmp_path, no_torch_site):
+    """--device cpu: no ROCm/AITER checks; a Python without vLLM or torch is still refused."""
+    # make test puts the patched tree on PYTHONPATH: this "upstream" has no vLLM.
+    proc = _cli("throughput", "--device", "cpu", "--model", "some/model",
+                "--upstream", f"env -u PYTHONPATH {sys.executable}",
+                "--patched", f"env PYTHONPATH={no_torch_site} {sys.executable}",
+                "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "e2e preflight failed (CPU mode)" in err and "nothing was run" in err
+    assert "amd-smi" not in err and "/dev/kfd" not in err and "aiter" not in err.lower()
+    assert "ROCm build" not in err
+    assert "upstream (`" in err and "vllm is not installed in this Python" in err
+    assert "patched (`env PYTHONPATH=" in err and "torch does not import" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cpu_mode_environment_defaults():
+    install = Install.parse("patched", sys.executable)
+    env = run_env(install, {}, base={}, device="cpu")
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and "VLLM_ROCM_USE_AITER" not in env
+    assert run_env(install, {}, base={})["VLLM_ROCM_USE_AITER"] == "1"
+
+
+def test_cpu_probe_names_the_cpu(tmp_path):
+    install = Install.parse("upstream", sys.executable)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no vLLM then
+    with pytest.raises(preflight.PreflightError, match="vllm is not installed"):
+        preflight.check([install], {"upstream": env}, device="cpu")
+    info = preflight.probe(install, env)
+    assert info["cpu"].endswith("cores)")

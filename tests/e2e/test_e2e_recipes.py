@@ -101,6 +101,27 @@ def test_throughput_recipe_writes_the_results_json(tmp_path, stand_in, monkeypat
     assert "| 128/4 | requests_per_second | 2 | 2.5 | 1.250 |" in recipes.summary_table(saved)
 
 
+def test_cpu_mode_runs_the_same_path_and_labels_the_file(tmp_path, stand_in):
+    """--device cpu: the same command and parser, the CPU's defaults, a "cpu" file name."""
+    log = tmp_path / "calls.jsonl"
+    installs = [_install("upstream", stand_in, log, 2.0), _install("patched", stand_in, log, 2.5)]
+    opts = recipes.Options(model="tiny", device="cpu", lengths=[(64, 4)], num_prompts=4)
+    probes = {"host": {}, "installs": {n: {"device": "CPU Stand-in (2 cores)"}
+                                       for n in ("upstream", "patched")}}
+    docs = [recipes.run_recipe("throughput", installs, opts, out_dir=tmp_path / "out",
+                               work_dir=tmp_path / "work", probes=probes, echo=False)
+            for _ in range(2)]
+    names = [Path(d["path"]).name for d in docs]
+    assert "-cpu-" in names[0] and names[0] != names[1]  # a second run in the minute: new name
+    saved = json.loads(Path(docs[0]["path"]).read_text())
+    assert saved["machine_info"]["series"]["device"] == "CPU Stand-in (2 cores)"
+    assert saved["options"]["device"] == "cpu" and saved["failed"] is None
+    assert "not performance data" in saved["note"]
+    env = saved["benchmarks"][0]["extra_info"]["env"]
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and "VLLM_ROCM_USE_AITER" not in env
+    assert json.loads(log.read_text().splitlines()[0])[:2] == ["bench", "throughput"]
+
+
 def test_a_failing_install_is_recorded_and_the_other_still_runs(tmp_path, stand_in):
     log = tmp_path / "calls.jsonl"
     installs = [_install("upstream", stand_in, log, 2.0, fail=True),
@@ -171,6 +192,21 @@ def test_mixed_verdicts():
     assert recipes.compare_mixed({**good, "needle_found": False}, ref)["verdict"] == "fail"
     assert recipes.compare_mixed({**good, "mixed_steps": 0}, ref)["verdict"] == "not-triggered"
     assert recipes.compare_mixed(good, {**ref, "needle_found": False})["verdict"] == "inconclusive"
+
+
+def test_mixed_gate_in_cpu_mode_gates_on_the_tokens():
+    def benches(patched: dict) -> list:
+        up = {"verdict": "inconclusive", "mixed_steps": 2, "long_prompt_agreement": 1.0,
+              "fresh_prompts_agreement_min": 1.0, "decoder_agreement": 1.0}
+        return [{"extra_info": {"install": "upstream", "results": up}},
+                {"extra_info": {"install": "patched", "results": {**up, **patched}}}]
+
+    assert recipes.mixed_gate(benches({}), device="cpu")["passed"] is True
+    assert recipes.mixed_gate(benches({"long_prompt_agreement": 0.5}), device="cpu")["passed"] \
+        is False
+    gate = recipes.mixed_gate(benches({"verdict": "not-triggered", "mixed_steps": 0}), device="cpu")
+    assert gate["passed"] is None and gate["patched_verdict"] == "not-triggered"
+    assert recipes.mixed_gate(benches({}))["passed"] is False  # ROCm: the needle verdict
 
 
 def test_mixed_batch_helpers_need_no_vllm():

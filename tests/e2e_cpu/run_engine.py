@@ -1,7 +1,7 @@
 """Helper for test_cpu_engine.py, run in a subprocess (one vLLM tree per process).
 
     python run_engine.py make-model DIR
-        Write a tiny random Llama (fixed seed) to DIR with transformers.
+        Write the tiny random Llama of scripts/e2e/tiny_models.py to DIR.
     python run_engine.py run MODEL_DIR OUT_JSON
         Run the vLLM tree on PYTHONPATH (CPU platform, in-process engine core)
         on a fixed mix of long and short prompts with chunked prefill and prefix
@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 VOCAB = 512
 BLOCK_SIZE = 32
@@ -27,30 +28,10 @@ MAX_TOKENS = 16
 
 
 def make_model(out_dir: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
+    import tiny_models
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # the CPU attention kernels have no head_dim 16
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-        # A large init makes the logits peaked, so that greedy near-ties (which
-        # harmless summation-order changes could flip) are unlikely.
-        initializer_range=0.5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        dtype="float32",
-    )
-    model = LlamaForCausalLM(config)
-    model.to(torch.float32)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    tiny_models.llama(out_dir)
 
 
 def prompts() -> list[list[int]]:

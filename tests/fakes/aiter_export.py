@@ -28,6 +28,7 @@ while the fake is installed.
 from __future__ import annotations
 
 import inspect
+import importlib.machinery
 import itertools
 import sys
 import types
@@ -138,6 +139,8 @@ class AiterExport:
         if name not in self.modules:
             mod = types.ModuleType(name)
             mod.__path__ = []  # a package, so "import aiter.ops.x" resolves
+            # As an imported package has: vLLM calls find_spec("aiter").
+            mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
             self.modules[name] = mod
             parent, _, leaf = name.rpartition(".")
             if parent:

@@ -65,7 +65,7 @@ test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRIT
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS)
 
 test-upstream: apply venv ## Upstream's own tests, pristine vs patched tree, against tests/upstream/upstream_tests.toml
-	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(VPY) $(if $(FILES),--files $(FILES))
+	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(FILES),--files $(FILES))
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest

@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 raise SetupError(f"not in {args.config}: {unknown}")
             files = [f for f in files if f in args.files]
+        # A relative --python (make passes .venv/bin/python) must survive the
+        # runs' cwd, which is each tree.
+        if os.sep in args.python:
+            args.python = str(Path(args.python).resolve())
         trees, hf = prepare(args.tree.resolve(), args.work.resolve(), args.python, files)
         edited = series_edited_tests(args.tree, cpu_engine.root_commit(args.tree), files)
         runs = {name: Run(name, trees[name], files if name != "series" else edited,

@@ -67,18 +67,22 @@ def _reps(gpu_us_hint: float) -> int:
     return 3 if gpu_us_hint > 100_000 else 15
 
 
-def wall_us(step, reps: int) -> float:
-    """Median eager wall clock of one step, synchronised once at its end."""
-    for _ in range(WARMUP_STEPS):
-        step()
+def wall_us(steps, reps: int) -> list[float]:
+    """Median eager wall clock of one step of each of ``steps``, synchronised
+    once at its end; rounds interleaved across the steps, so a host that slows
+    down during the run slows them alike."""
+    for step in steps:
+        for _ in range(WARMUP_STEPS):
+            step()
     torch.cuda.synchronize()
-    times = []
+    times: list[list[float]] = [[] for _ in steps]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return eager_ops.median(times) * 1e6
+        for step, samples in zip(steps, times):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+    return [eager_ops.median(t) * 1e6 for t in times]
 
 
 def gpu_us(step, reps: int) -> float:
@@ -151,7 +155,7 @@ def test_eager_step_aiter_fa(benchmark, request, env, fa_caches, reqs, context, 
     assert rel < 2e-2, f"ours vs upstream: relative RMS error {rel:.2e}"
     flops = eager_ops.fa_flops(model, reqs, context, new) * model["layers"]
     reps = _reps(flops / 4e8)  # ~400 TFLOP/s
-    timings = (wall_us(step.ours, reps), wall_us(step.upstream, reps),
+    timings = (*wall_us((step.ours, step.upstream), reps),
                gpu_us(lambda: step.ours(eager=False), reps),
                gpu_us(lambda: step.upstream(eager=False), reps))
     kv_bytes = model["layers"] * reqs * context * model["num_kv_heads"] * 2 * model["head_size"] * 2
@@ -184,8 +188,8 @@ def mla_caches(env):
 def test_eager_step_mla(benchmark, request, env, mla_caches, decodes, prefill):
     model, ops = eager_ops.DEEPSEEK_V3, env["ops"]
     step = eager_ops.mla_step(model, mla_caches, ops, decodes, prefill)
-    reps = _reps(0)
-    timings = (wall_us(step.ours, reps), wall_us(step.upstream, reps),
+    reps = 31  # ms-scale steps: more rounds against host noise
+    timings = (*wall_us((step.ours, step.upstream), reps),
                gpu_us(lambda: step.ours(graph_pieces=False), reps),
                gpu_us(lambda: step.upstream(graph_pieces=False), reps))
 

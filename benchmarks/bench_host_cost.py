@@ -264,21 +264,26 @@ def mla_calls(dev, ops=None, decodes=4, prefill=16):
     cos_sin = torch.randn(4096, r, device=dev, dtype=dtype)
     k_scale = torch.tensor(1.0, dtype=torch.float32, device=dev)
 
-    # The rows of each kind, as _RopeKVStep has them when it calls.
+    # The rows of each kind, as _RopeKVStep has them when it calls: the
+    # step's slots / positions (and their MLARopeRows, made once per step and
+    # shared by every layer), the layer's own q / kv views.
     d_args = (q[:decodes, :, p:], kv_c[:decodes], k_pe[:decodes], slots[:decodes],
               positions[:decodes])
     p_args = (q[decodes:, :, p:], kv_c[decodes:], k_pe[decodes:], slots[decodes:t],
               positions[decodes:t])
+    d_rows = mla.mla_rope_rows(d_args[3], d_args[4], cos_sin)
+    p_rows = mla.mla_rope_rows(p_args[3], p_args[4], cos_sin)
 
     def decode_call():
         q_pe, c, kp, sl, pos = d_args
         mla.mla_rope_concat_and_cache(ql_nope, q_pe, c, kp, cache, sl, pos, cos_sin, False,
-                                      kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out)
+                                      kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
+                                      rows=d_rows)
 
     def prefill_call():
         q_pe, c, kp, sl, pos = p_args
         mla.mla_rope_and_cache(q_pe, c, kp, cache, sl, pos, cos_sin, False,
-                               kv_cache_dtype="auto", k_scale=k_scale)
+                               kv_cache_dtype="auto", k_scale=k_scale, rows=p_rows)
 
     up_decode = up_prefill = None
     if ops is not None and ops.cache_mla is not None:

@@ -406,6 +406,7 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
     from vllm.v1.attention.ops.triton_mla_rope_cache import (
         mla_rope_and_cache,
         mla_rope_concat_and_cache,
+        mla_rope_rows,
     )
 
     dev = caches[0].device
@@ -453,22 +454,31 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
         graphs[name].replay()
 
     def ours(graph_pieces: bool = True):
+        shared = None
         for layer in range(layers):
             cache = caches[layer]
             replay("ours", piece_common, graph_pieces)
-            # _RopeKVStep: positions[:T] in begin(), then the rows of each kind.
-            pos = positions[:num_tokens]
+            # _RopeKVStep: the first layer slices positions[:T] and the rows of
+            # each kind and binds them (mla_rope_rows); every later layer finds
+            # them by identity (_step_rows) and slices only its own q / kv.
+            if shared is None or shared[0] is not positions:
+                pos = positions[:num_tokens]
+                d_sl, d_pos, p_sl, p_pos = (slots[:decodes], pos[:decodes],
+                                            slots[decodes:num_tokens], pos[decodes:num_tokens])
+                shared = (positions, d_sl, d_pos, mla_rope_rows(d_sl, d_pos, cos_sin),
+                          p_sl, p_pos, mla_rope_rows(p_sl, p_pos, cos_sin))
+            _, d_sl, d_pos, d_rows, p_sl, p_pos, p_rows = shared
             if prefill:
                 q_p = q[decodes:]
                 mla_rope_and_cache(q_p[..., p:], kv_c[decodes:], k_pe[decodes:], cache,
-                                   slots[decodes:num_tokens], pos[decodes:num_tokens], cos_sin,
-                                   False, kv_cache_dtype="auto", k_scale=k_scale)
+                                   p_sl, p_pos, cos_sin, False, kv_cache_dtype="auto",
+                                   k_scale=k_scale, rows=p_rows)
             if decodes:
                 q_out = ql_nope.new_empty((decodes, h, lr + r))
                 mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], kv_c[:decodes],
-                                          k_pe[:decodes], cache, slots[:decodes], pos[:decodes],
-                                          cos_sin, False, kv_cache_dtype="auto", k_scale=k_scale,
-                                          q_out=q_out)
+                                          k_pe[:decodes], cache, d_sl, d_pos, cos_sin, False,
+                                          kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
+                                          rows=d_rows)
 
     update = _kv_cache_update_op(ops)
     names = [f"model.layers.{layer}.self_attn.attn" for layer in range(layers)]

@@ -168,6 +168,89 @@ def test_interpreted_kernels_always_go_through_kernel_grid():
     assert not isinstance(_fetch_kv_kernel, tl_launch._JITFunction)
 
 
+# ------------------------------------------------------------ Triton 3.6's launchers
+
+
+def _recording_launcher(cls, **attrs):
+    """A real Triton launcher object whose C launch function records its arguments."""
+    launcher = object.__new__(cls)
+    calls = []
+    launcher.launch = lambda *args: calls.append(args)
+    for name, value in attrs.items():
+        setattr(launcher, name, value)
+    return launcher, calls
+
+
+LAUNCHERS = {
+    "cuda": ("triton.backends.nvidia.driver", "CudaLauncher",
+             dict(num_ctas=1, global_scratch_size=0, global_scratch_align=1,
+                  profile_scratch_size=0, profile_scratch_align=1,
+                  launch_cooperative_grid=True, launch_pdl=False)),
+    "hip": ("triton.backends.amd.driver", "HIPLauncher",
+            dict(profile_scratch_size=0, profile_scratch_align=1,
+                 launch_cooperative_grid=True)),
+}
+
+
+def _launcher_class(backend):
+    module, name, attrs = LAUNCHERS[backend]
+    if tl_launch._VERSION != (3, 6):
+        pytest.skip("the raw launch mirrors Triton 3.6's launchers")
+    return getattr(pytest.importorskip(module), name), attrs
+
+
+@pytest.mark.parametrize("backend", LAUNCHERS)
+def test_raw_launch_passes_what_the_launcher_passes(backend):
+    """The C launch function gets exactly the arguments the launcher's own
+    __call__ (Triton's code) hands it."""
+    cls, attrs = _launcher_class(backend)
+    launcher, calls = _recording_launcher(cls, **attrs)
+    launcher(7, 3, 1, 1234, "function", "metadata", None, None, None, 11, 12, 5, True)
+    fn, before, after = tl_launch._raw_launch(launcher, "function", "metadata", (7, 3, 1))
+    assert fn is launcher.launch, "no scratch: the C launch function is called directly"
+    fn(*before, 1234, *after, 11, 12, 5, True)
+    assert len(calls) == 2 and calls[0] == calls[1]
+
+
+@pytest.mark.parametrize("backend", LAUNCHERS)
+def test_raw_launch_keeps_the_launcher_when_the_kernel_needs_scratch(backend):
+    cls, attrs = _launcher_class(backend)
+    launcher, _ = _recording_launcher(cls, **dict(attrs, profile_scratch_size=64))
+    fn, before, after = tl_launch._raw_launch(launcher, "function", "metadata", (7, 3, 1))
+    assert fn is launcher and before == (7, 3, 1)
+    assert after == ("function", "metadata", None, None, None)
+
+
+def test_other_launchers_are_called_as_they_are():
+    run = lambda *args: None  # noqa: E731
+    assert tl_launch._raw_launch(run, "f", "m", (1, 1, 1)) == (
+        run, (1, 1, 1), ("f", "m", None, None, None))
+
+
+def test_hip_pointer_spec_selects_what_hip_backend_selects(monkeypatch):
+    """_HIP_BUFFER_OPS tells two argument lists apart exactly when
+    HIPBackend.get_tensor_specialization (buffer ops on) does: 16-byte
+    alignment and a storage within 2 GiB."""
+    hip = pytest.importorskip("triton.backends.amd.compiler").HIPBackend
+    monkeypatch.setattr(triton.knobs.amd, "use_buffer_ops", True)
+    assert tl_launch._is_hip_backend(hip, hip.get_tensor_specialization)
+    big = torch.empty(2**31, dtype=torch.uint8)  # not touched: no memory committed
+    small = torch.zeros(64)
+    kinds = [small, small[1:], big[:64], big[4:68], torch.zeros(2**29 - 16)[16:]]
+    monkeypatch.setattr(tl_launch._Driver, "tensor_spec", tl_launch._HIP_BUFFER_OPS)
+    ours, theirs = {}, {}
+    for a in kinds:
+        for b in kinds:
+            args = (a, b)
+            key = tl_launch._pointer_spec(args, [t.data_ptr() for t in args])
+            ref = tuple(hip.get_tensor_specialization(t, align=True) for t in args)
+            ours.setdefault(key, set()).add(ref)
+            theirs.setdefault(ref, set()).add(key)
+    assert all(len(v) == 1 for v in ours.values()), ours
+    assert all(len(v) == 1 for v in theirs.values()), theirs
+    assert len(ours) == 16, "aligned/not x within 2 GiB/not, for each of two pointers"
+
+
 # ------------------------------------------------------------ wrapper caches
 
 
@@ -390,7 +473,7 @@ def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch)
             tensors = (kc, vc, ko, vo, table, cu, starts, cu, cu, cu)
             picked = launch.kernel.warmup(*tensors, *launch.scalars, grid=launch.grid,
                                           **launch.constexprs, **launch.options)
-            functions = {entry[1] for entry in launch._compiled.values()}
+            functions = {after[0] for _, _, after in launch._compiled.values()}
             assert picked.function in functions
     torch.cuda.synchronize()
     for k in range(2):
@@ -426,3 +509,32 @@ def test_paged_context_metadata_bound_to_the_workspace(device):
     other[3] = d["block_table"].clone()
     out2, _ = paged_context_attention(*other, workspace=ws)
     assert torch.equal(out2, ref) and len(pca._LAUNCHES) == 3
+
+
+def test_mla_rows_bound_metadata(device):
+    """Calls passing the rows' own tensors take their geometry from them (one
+    key for every layer); other tensors with the same rows are keyed and
+    checked themselves; the outputs are those of the unbound call."""
+    from vllm.v1.attention.ops import triton_mla_rope_cache as mla
+
+    tl_launch.clear_caches()
+    args = mla_tests._valid_args(device)
+    ref = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()})
+    rows = mla.mla_rope_rows(args["slot_mapping"], args["positions"], args["cos_sin_cache"])
+    assert rows.key is not None
+    for _ in range(2):
+        out = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()},
+                                        rows=rows)
+        assert torch.equal(out, ref)
+    assert len(mla._DECODE_LAUNCHES) == 1, "bound and unbound calls share their key"
+    bad = dict(args, slot_mapping=args["slot_mapping"].float())
+    with pytest.raises(TypeError, match="slot_mapping"):
+        mla_rope_concat_and_cache(**bad, rows=rows)
+    longer = dict(args, positions=torch.tensor([0, 5], device=device))
+    with pytest.raises(ValueError, match="positions"):
+        mla_rope_concat_and_cache(**longer, rows=rows)
+    prefill = {k: v for k, v in args.items() if k != "ql_nope"}
+    mla_rope_and_cache(**prefill, rows=rows)
+    mla_rope_and_cache(**prefill, rows=rows)
+    assert len(mla._PREFILL_LAUNCHES) == 1
+    assert mla.mla_rope_rows(None, None, None).key is None

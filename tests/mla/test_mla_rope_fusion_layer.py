@@ -151,6 +151,34 @@ def test_no_slot_mapping_applies_plain_rope():
     assert torch.equal(q[..., : h.P], inputs["q"][..., : h.P])
 
 
+def test_layers_of_one_forward_share_their_rows():
+    """Every layer of a forward passes the same positions and slot mapping:
+    the second layer reuses the first one's row slices and their checked
+    geometry (MLARopeRows); other tensors, or another length, make new ones
+    (the outputs are views of the same tensors: the forward tests above
+    compare whole forwards)."""
+    case = h.CASES_BY_NAME["mixed_decode_first"]
+    rope = h.make_rope(case.rope)
+    inputs = h.make_inputs(case)
+    layers = [_fuse(h.make_layer(case), rope) for _ in range(2)]
+    q, k_pe = inputs["q"], inputs["kv_lora"][:, h.L:].unsqueeze(1)
+    pos, slots = inputs["positions"], inputs["slot_mapping"]
+
+    def begin(layer, positions=pos, slot_mapping=slots, tokens=None):
+        q_in = q if tokens is None else q[:tokens]
+        step, _ = layer.rope_kv_fusion.begin(layer, q_in.clone(), k_pe.clone(),
+                                             inputs["kv_cache"], positions, slot_mapping)
+        return step
+
+    first, second = begin(layers[0]), begin(layers[1])
+    assert first is not second and first.shared is second.shared
+    assert first.shared.rows(0, 2) is second.shared.rows(0, 2)
+    assert begin(layers[1], positions=pos.clone()).shared is not first.shared
+    assert begin(layers[0], tokens=q.shape[0] - 1).shared is not first.shared
+    fresh = begin(layers[0], slot_mapping=slots.clone())
+    assert fresh.shared is not first.shared
+
+
 # --- flags off: byte-for-byte upstream --------------------------------------
 
 def _pristine_tree(tmp_path_factory) -> Path | None:

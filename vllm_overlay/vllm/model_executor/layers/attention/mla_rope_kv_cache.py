@@ -66,7 +66,7 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return scale
 
 
-def _rope_concat_and_cache_impl(
+def _rope_concat_and_cache(
     ql_nope: torch.Tensor,
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
@@ -82,9 +82,12 @@ def _rope_concat_and_cache_impl(
     q_scale: torch.Tensor | None,
     use_aiter: bool,
     all_q_rope: bool,
+    rows=None,
 ) -> None:
     """Decode form: q_out = [ql_nope | rope(q_pe)] (fp8 / q_scale when q_scale
-    is given) and the cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched."""
+    is given) and the cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched.
+    ``rows``: the step's ``MLARopeRows`` (eager calls only; not in the op's
+    schema)."""
     if use_aiter:
         rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
             ql_nope,
@@ -119,7 +122,31 @@ def _rope_concat_and_cache_impl(
         k_scale=k_scale,
         q_out=q_out,
         q_scale=q_scale,
+        rows=rows,
     )
+
+
+def _rope_concat_and_cache_impl(
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    use_aiter: bool,
+    all_q_rope: bool,
+) -> None:
+    _rope_concat_and_cache(
+        ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, positions,
+        cos_sin_cache, is_neox, kv_cache_dtype, k_scale, q_scale, use_aiter, all_q_rope,
+    )  # fmt: skip
 
 
 def _rope_concat_and_cache_fake(
@@ -142,7 +169,7 @@ def _rope_concat_and_cache_fake(
     return None
 
 
-def _rope_and_cache_impl(
+def _rope_and_cache(
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -153,8 +180,10 @@ def _rope_and_cache_impl(
     is_neox: bool,
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
+    rows=None,
 ) -> None:
-    """Prefill form: rotate q_pe and k_pe in place, write [kv_c | k_pe] rows."""
+    """Prefill form: rotate q_pe and k_pe in place, write [kv_c | k_pe] rows
+    (``rows`` as for the decode form)."""
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_and_cache
 
     mla_rope_and_cache(
@@ -168,7 +197,26 @@ def _rope_and_cache_impl(
         is_neox,
         kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale,
+        rows=rows,
     )
+
+
+def _rope_and_cache_impl(
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+) -> None:
+    _rope_and_cache(
+        q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+        kv_cache_dtype, k_scale,
+    )  # fmt: skip
 
 
 def _rope_and_cache_fake(
@@ -298,50 +346,97 @@ class MLARopeKVFusion:
         the wrapper would have, and forward_impl continues on upstream's path.
         """
         num_tokens = q.shape[0]
-        positions = positions[:num_tokens]
         if slot_mapping is None or kv_cache.numel() == 0:
+            positions = positions[:num_tokens]
             nope = self.nope_dim
             q[..., nope:], k_pe = self.rotary_emb(positions, q[..., nope:], k_pe)
             return None, k_pe
-        step = _RopeKVStep(self, layer, kv_cache, positions, slot_mapping)
-        return step, k_pe
+        rows = _step_rows(
+            positions, slot_mapping, num_tokens, self.cos_sin_cache(kv_cache.device)
+        )
+        return _RopeKVStep(self, layer, kv_cache, rows), k_pe
+
+
+class _StepRows:
+    """What every fused layer of one forward shares: its positions, slots and
+    cos/sin cache, and per kind of rows their slices and ``MLARopeRows``
+    (the Triton wrapper's checked geometry), made on first use."""
+
+    __slots__ = ("given_positions", "slot_mapping", "num_tokens", "cos_sin_cache",
+                 "positions", "_rows")  # fmt: skip
+
+    def __init__(self, positions, slot_mapping, num_tokens, cos_sin_cache):
+        self.given_positions = positions
+        self.slot_mapping = slot_mapping
+        self.num_tokens = num_tokens
+        self.cos_sin_cache = cos_sin_cache
+        self.positions = positions[:num_tokens]
+        self._rows: dict = {}
+
+    def rows(self, start: int, end: int):
+        """(slots, positions, MLARopeRows) of rows ``start:end``."""
+        rows = self._rows.get((start, end))
+        if rows is None:
+            from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_rows
+
+            slots = self.slot_mapping[start:end]
+            positions = self.positions[start:end]
+            rows = self._rows[(start, end)] = (
+                slots, positions, mla_rope_rows(slots, positions, self.cos_sin_cache)
+            )  # fmt: skip
+        return rows
+
+
+# The last forward's _StepRows: the next layer of the same forward finds its
+# own tensors (the same objects) there.  Kept eager only (a traced forward has
+# fake tensors).
+_LAST_ROWS: list = [None]
+
+
+def _step_rows(positions, slot_mapping, num_tokens, cos_sin_cache) -> _StepRows:
+    last = _LAST_ROWS[0]
+    if (
+        last is not None
+        and last.given_positions is positions
+        and last.slot_mapping is slot_mapping
+        and last.num_tokens == num_tokens
+        and last.cos_sin_cache is cos_sin_cache
+    ):
+        return last
+    rows = _StepRows(positions, slot_mapping, num_tokens, cos_sin_cache)
+    if not torch.compiler.is_compiling():
+        _LAST_ROWS[0] = rows
+    return rows
 
 
 class _RopeKVStep:
-    """One forward of a fused layer: the batch's cache, positions and slots."""
+    """One forward of a fused layer: its cache and scale, and the rows."""
 
-    def __init__(self, fusion: MLARopeKVFusion, layer, kv_cache, positions, slots):
+    __slots__ = ("fusion", "kv_cache", "k_scale", "shared")
+
+    def __init__(self, fusion: MLARopeKVFusion, layer, kv_cache, shared: _StepRows):
         self.fusion = fusion
         self.kv_cache = kv_cache
-        self.positions = positions
-        self.slot_mapping = slots
         self.k_scale = layer._k_scale
-        self.cos_sin_cache = fusion.cos_sin_cache(kv_cache.device)
+        self.shared = shared
 
     def prefill(
         self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, start: int
     ) -> None:
         """Rows ``start:start + len(q)``: rotate q[..., P:] and k_pe in place
         and write their cache rows."""
-        end = start + q.shape[0]
         f = self.fusion
-        op = (
-            torch.ops.vllm.mla_rope_and_cache
-            if torch.compiler.is_compiling()
-            else _rope_and_cache_impl
-        )
-        op(
-            q[..., f.nope_dim :],
-            kv_c,
-            k_pe,
-            self.kv_cache,
-            self.slot_mapping[start:end],
-            self.positions[start:end],
-            self.cos_sin_cache,
-            f.is_neox,
-            f.kv_cache_dtype,
-            self.k_scale,
-        )
+        slots, positions, rows = self.shared.rows(start, start + q.shape[0])
+        if torch.compiler.is_compiling():
+            torch.ops.vllm.mla_rope_and_cache(
+                q[..., f.nope_dim :], kv_c, k_pe, self.kv_cache, slots, positions,
+                self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale,
+            )  # fmt: skip
+            return
+        _rope_and_cache(
+            q[..., f.nope_dim :], kv_c, k_pe, self.kv_cache, slots, positions,
+            self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale, rows,
+        )  # fmt: skip
 
     def decode(
         self,
@@ -359,26 +454,14 @@ class _RopeKVStep:
             (num_tokens, num_heads, f.kv_lora_rank + f.rope_dim),
             dtype=ql_nope.dtype if q_scale is None else f.fp8_dtype,
         )
-        op = (
-            torch.ops.vllm.mla_rope_concat_and_cache
-            if torch.compiler.is_compiling()
-            else _rope_concat_and_cache_impl
-        )
-        op(
-            ql_nope,
-            q_pe,
-            kv_c,
-            k_pe,
-            self.kv_cache,
-            q_out,
-            self.slot_mapping[:num_tokens],
-            self.positions[:num_tokens],
-            self.cos_sin_cache,
-            f.is_neox,
-            f.kv_cache_dtype,
-            self.k_scale,
-            q_scale,
-            f.use_aiter,
-            f.decision.aiter_all_q_rope,
-        )
+        slots, positions, rows = self.shared.rows(0, num_tokens)
+        args = (
+            ql_nope, q_pe, kv_c, k_pe, self.kv_cache, q_out, slots, positions,
+            self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale,
+            q_scale, f.use_aiter, f.decision.aiter_all_q_rope,
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            torch.ops.vllm.mla_rope_concat_and_cache(*args)
+        else:
+            _rope_concat_and_cache(*args, rows)
         return q_out

@@ -40,6 +40,9 @@ caching and the direct launch off everywhere (the plain path, for comparison).
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
+
 import torch
 import triton
 
@@ -63,10 +66,17 @@ except ImportError:  # pragma: no cover - another Triton layout
 # Direct launches follow the launcher calling convention of Triton 3.4 - 3.6
 # (the releases with triton.knobs: every bound argument, constexprs included,
 # after the grid, stream, function, metadata and hooks); other releases keep
-# the validation cache and launch through kernel[grid].
-_DIRECT = hasattr(triton, "knobs") and tuple(
-    int(p) for p in triton.__version__.split(".")[:2]
-) in ((3, 4), (3, 5), (3, 6))
+# the validation cache and launch through kernel[grid].  _RAW: the release
+# whose CUDA / HIP launcher internals _raw_launch and _pointer_spec mirror.
+_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
+_DIRECT = hasattr(triton, "knobs") and _VERSION in ((3, 4), (3, 5), (3, 6))
+_RAW = _DIRECT and _VERSION == (3, 6)
+if _DIRECT:
+    from triton.knobs import HookChain as _HookChain
+
+    _RUNTIME = triton.knobs.runtime
+else:  # pragma: no cover - never read: no direct launches
+    _HookChain = _RUNTIME = None
 
 
 def fast_path() -> bool:
@@ -95,14 +105,19 @@ def clear_caches() -> None:
         cache.clear()
 
 
+_MAX_INT32 = 2**31 - 1
+
+
 class _Driver:
-    """Triton's active driver's device / stream getters and the backend's
-    tensor specialisation, looked up on the first direct launch."""
+    """Triton's active driver's device / stream getters and how the backend
+    specialises pointer arguments, looked up on the first direct launch."""
 
     current_device = None
     current_stream = None
-    # None: the backend specialises tensors on 16-byte alignment only (the
-    # default); else its get_tensor_specialization, called per tensor.
+    # How pointer arguments select a compiled kernel: None, 16-byte alignment
+    # only (the default backend); _HIP_BUFFER_OPS, alignment and whether the
+    # storage fits in 2 GiB (HIPBackend with buffer ops on); else the
+    # backend's get_tensor_specialization, called per tensor.
     tensor_spec = None
 
     @classmethod
@@ -112,11 +127,16 @@ class _Driver:
         from triton.runtime import driver
 
         active = driver.active
-        backend = make_backend(active.get_current_target())
-        spec = type(backend).get_tensor_specialization
-        cls.tensor_spec = (
-            None if spec is BaseBackend.get_tensor_specialization else spec
-        )
+        backend = type(make_backend(active.get_current_target()))
+        spec = backend.get_tensor_specialization
+        if spec is BaseBackend.get_tensor_specialization:
+            cls.tensor_spec = None
+        elif _is_hip_backend(backend, spec) and _RAW:
+            # HIPBackend.get_tensor_specialization reads its knob from the
+            # environment on every call; it is read once per process here.
+            cls.tensor_spec = _HIP_BUFFER_OPS if triton.knobs.amd.use_buffer_ops else None
+        else:
+            cls.tensor_spec = spec
         cls.current_stream = active.get_current_stream
         # torch.cuda.current_device() without its lazy-init check (launches
         # have happened, so CUDA is initialised).
@@ -125,13 +145,71 @@ class _Driver:
         )
 
 
-def _launch_hooks_set() -> bool:
-    # Triton 3.6 keeps the hooks in (possibly empty) HookChains.
-    runtime = triton.knobs.runtime
-    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
+_HIP_BUFFER_OPS = "hip-buffer-ops"
+
+
+def _is_hip_backend(backend, spec) -> bool:
+    try:
+        from triton.backends.amd.compiler import HIPBackend
+    except ImportError:  # pragma: no cover - no AMD backend in this build
+        return False
+    return backend is HIPBackend and spec is HIPBackend.get_tensor_specialization
+
+
+def _pointer_spec(tensors, ptrs):
+    """What Triton specialises the pointer arguments on, as a cache key."""
+    spec = _Driver.tensor_spec
+    if spec is None or spec is _HIP_BUFFER_OPS:
+        # True: all 16-byte aligned (the common case).
+        aligned = True if not reduce(or_, ptrs) & 15 else tuple(not p & 15 for p in ptrs)
+        if spec is None:
+            return aligned
+        # HIPBackend: "D" for 16-byte alignment, "S" for a storage of at most
+        # 2**31 - 1 bytes (buffer ops with 32-bit offsets).
+        return aligned, tuple(_storage_nbytes(t) <= _MAX_INT32 for t in tensors)
+    return tuple(spec(t, align=True) for t in tensors)
+
+
+def _storage_nbytes(t) -> int:
+    return t.untyped_storage().nbytes()
+
+
+try:  # the launchers whose calling convention _raw_launch knows (Triton 3.6)
+    from triton.backends.nvidia.driver import CudaLauncher as _CudaLauncher
+except ImportError:  # pragma: no cover - no NVIDIA backend in this build
+    _CudaLauncher = None
+try:
+    from triton.backends.amd.driver import HIPLauncher as _HIPLauncher
+except ImportError:  # pragma: no cover - no AMD backend in this build
+    _HIPLauncher = None
+
+
+def _raw_launch(run, function, metadata, dims):
+    """``(fn, before, after)`` with ``fn(*before, stream, *after, *args)``
+    doing what ``run(*dims, stream, function, metadata, None, None, None,
+    *args)`` does (no launch metadata, no hooks).
+
+    ``run`` is a compiled kernel's launcher.  Triton 3.6's CUDA and HIP
+    launchers only allocate scratch buffers (when the kernel needs them) and
+    reorder their arguments for the C launch function; without scratch that
+    function is called here directly, saving a Python frame and a copy of the
+    argument tuple per launch.  Any other launcher is called as it is.
+    """
+    launch = getattr(run, "launch", None)
+    cls = type(run)
+    if _RAW and launch is not None and cls in (_CudaLauncher, _HIPLauncher):
+        if cls is _CudaLauncher and not (
+            run.global_scratch_size or run.profile_scratch_size
+        ):
+            return launch, dims, (
+                function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                metadata, None, None, None,
+            )  # fmt: skip
+        if cls is _HIPLauncher and not run.profile_scratch_size:
+            return launch, (run.launch_cooperative_grid, *dims), (
+                function, None, metadata, None, None, None,
+            )  # fmt: skip
+    return run, dims, (function, metadata, None, None, None)
 
 
 class KernelLaunch:
@@ -164,32 +242,24 @@ class KernelLaunch:
         self.options = options
         self._dims = (*self.grid, 1, 1)[:3]
         self._tail = None  # scalars + constexpr values in parameter order
-        # (device, pointer specialisation) -> (launcher, function, metadata)
+        # (device, pointer specialisation) -> (fn, before, after): _raw_launch
         self._compiled: dict = {}
 
     def __call__(self, *tensors) -> None:
         compiled = self._compiled
         if compiled:
-            ptrs = list(map(_data_ptr, tensors))
+            ptrs = [*map(_data_ptr, tensors)]
             device = _Driver.current_device()
             entry = compiled.get((device, _pointer_spec(tensors, ptrs)))
-            if entry is not None and not _launch_hooks_set():
-                run, function, metadata = entry
-                g0, g1, g2 = self._dims
-                run(
-                    g0,
-                    g1,
-                    g2,
-                    _Driver.current_stream(device),
-                    function,
-                    metadata,
-                    None,
-                    None,
-                    None,
-                    *ptrs,
-                    *self._tail,
-                )
-                return
+            if entry is not None:
+                runtime = _RUNTIME
+                enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+                if (enter is None or type(enter) is _HookChain and not enter.calls) and (
+                    leave is None or type(leave) is _HookChain and not leave.calls
+                ):
+                    fn, before, after = entry
+                    fn(*before, _Driver.current_stream(device), *after, *ptrs, *self._tail)
+                    return
         kernel = self.kernel[self.grid](
             *tensors, *self.scalars, **self.constexprs, **self.options
         )
@@ -214,20 +284,9 @@ class KernelLaunch:
             self._tail = (*self.scalars, *(self.constexprs[n] for n in names))
         ptrs = [t.data_ptr() for t in tensors]
         key = (_Driver.current_device(), _pointer_spec(tensors, ptrs))
-        self._compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+        self._compiled[key] = _raw_launch(
+            kernel.run, kernel.function, kernel.packed_metadata, self._dims
+        )
 
 
 _data_ptr = torch.Tensor.data_ptr
-
-
-def _pointer_spec(tensors, ptrs):
-    """What Triton specialises the pointer arguments on, as a cache key."""
-    spec = _Driver.tensor_spec
-    if spec is not None:
-        return tuple(spec(t, align=True) for t in tensors)
-    acc = 0
-    for p in ptrs:
-        acc |= p
-    if not acc & 15:
-        return True  # all 16-byte aligned (the common case)
-    return tuple(not p & 15 for p in ptrs)

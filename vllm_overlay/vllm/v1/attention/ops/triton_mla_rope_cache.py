@@ -70,10 +70,13 @@ CUDA-graph capturable.
 Host cost: a layer calls one form per step and token kind, 61 times a step
 for DeepSeek-V3; both check their arguments once per launch key (shapes,
 strides, dtypes, devices, ``is_neox``, ``kv_cache_dtype``;
-``triton_launcher.LaunchCache``) and launch through the compiled kernel.
+``triton_launcher.LaunchCache``) and launch through the compiled kernel.  The
+rows' slots, positions and cos/sin cache are the same tensors in every layer:
+``mla_rope_rows`` reads their geometry once per step (``rows=``).
 """
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -82,10 +85,12 @@ import triton.language as tl
 from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fast_path
 
 __all__ = [
+    "MLARopeRows",
     "decode_q_out_dtype",
     "decode_q_out_shape",
     "mla_rope_and_cache",
     "mla_rope_concat_and_cache",
+    "mla_rope_rows",
     "platform_fp8_e4m3_dtype",
 ]
 
@@ -826,22 +831,68 @@ def _kernel_launch(
     )
 
 
+def _geometry(t) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+@dataclass(frozen=True, eq=False)
+class MLARopeRows:
+    """One step's per-token metadata of a kind of rows, shared by every layer.
+
+    Made by ``mla_rope_rows``: the rows' ``slot_mapping`` and ``positions``
+    and the ``cos_sin_cache``.  A call of either form that passes these very
+    tensors (the same objects) with ``rows=`` takes their geometry from
+    ``key`` instead of reading it again; other tensors are read (and checked)
+    as without ``rows``.  Compared by identity.
+    """
+
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    # Their launch-key part (None: not tensors; the calls say what is wrong).
+    key: tuple | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self):
+        try:
+            key = tuple(
+                _geometry(t)
+                for t in (self.slot_mapping, self.positions, self.cos_sin_cache)
+            )
+        except AttributeError:
+            return
+        object.__setattr__(self, "key", key)
+
+
+def mla_rope_rows(
+    slot_mapping: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> MLARopeRows:
+    """Bind one step's rows' metadata for every layer's call (``rows=``)."""
+    return MLARopeRows(slot_mapping, positions, cos_sin_cache)
+
+
 def _common_key(
     q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
-    kv_cache_dtype, k_scale,
+    kv_cache_dtype, k_scale, rows,
 ):  # fmt: skip
     """Launch-key part of the arguments both forms take (raises
     AttributeError / TypeError for non-tensors: the checks say what is wrong)."""
+    if (
+        rows is not None
+        and rows.key is not None
+        and slot_mapping is rows.slot_mapping
+        and positions is rows.positions
+        and cos_sin_cache is rows.cos_sin_cache
+    ):
+        meta = rows.key
+    else:
+        meta = (_geometry(slot_mapping), _geometry(positions), _geometry(cos_sin_cache))
     return (
         q_pe.shape, q_pe.stride(), q_pe.dtype, q_pe.device,
         kv_c.shape, kv_c.stride(), kv_c.dtype, kv_c.device,
         k_pe.shape, k_pe.stride(), k_pe.dtype, k_pe.device,
         kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
-        slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype,
-        slot_mapping.device, positions.shape, positions.stride(), positions.dtype,
-        positions.device, cos_sin_cache.shape, cos_sin_cache.stride(),
-        cos_sin_cache.dtype, cos_sin_cache.device, is_neox, type(is_neox),
-        kv_cache_dtype, None if k_scale is None
+        meta, is_neox, type(is_neox), kv_cache_dtype,
+        None if k_scale is None
         else (k_scale.shape, k_scale.dtype, k_scale.device),
     )  # fmt: skip
 
@@ -868,6 +919,7 @@ def mla_rope_concat_and_cache(
     k_scale: torch.Tensor | None = None,
     q_out: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
+    rows: MLARopeRows | None = None,
 ) -> torch.Tensor:
     """Decode form: ``q_out = [ql_nope | rope(q_pe)]`` and the cache write.
 
@@ -875,13 +927,15 @@ def mla_rope_concat_and_cache(
     (the given one, or a new tensor: model dtype, or the platform's e4m3 fp8
     type divided by ``q_scale`` when ``q_scale`` is given).  Inputs are not
     modified; rows of padded tokens in ``q_out`` are computed all the same.
+    ``rows``: optionally ``mla_rope_rows(slot_mapping, positions,
+    cos_sin_cache)`` of this step (read once for all layers).
     """
     bound = key = None
     if fast_path():
         try:
             key = _common_key(
                 q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
-                is_neox, kv_cache_dtype, k_scale,
+                is_neox, kv_cache_dtype, k_scale, rows,
             ) + (
                 ql_nope.shape, ql_nope.stride(), ql_nope.dtype, ql_nope.device,
                 None if q_out is None
@@ -1016,18 +1070,20 @@ def mla_rope_and_cache(
     *,
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | None = None,
+    rows: MLARopeRows | None = None,
 ) -> None:
     """Prefill form: rotate ``q_pe`` and ``k_pe`` in place and write the cache.
 
     See the module docstring for layouts.  Every one of the ``T`` tokens is
     rotated; only tokens with a slot ``>= 0`` are written to the cache.
+    ``rows`` as for ``mla_rope_concat_and_cache``.
     """
     bound = key = None
     if fast_path():
         try:
             key = _common_key(
                 q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
-                is_neox, kv_cache_dtype, k_scale,
+                is_neox, kv_cache_dtype, k_scale, rows,
             )  # fmt: skip
             bound = _PREFILL_LAUNCHES.get(key)
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below

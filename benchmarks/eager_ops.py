@@ -30,7 +30,10 @@ decode and ``P`` prefill tokens:
 
   * ours (0303): the prefill rows' ``mla_rope_and_cache`` and the decode rows'
     ``mla_rope_concat_and_cache`` (the decode query, written into a new
-    ``q_out``), with the slices ``_RopeKVStep`` takes;
+    ``q_out``), with the slices ``_RopeKVStep`` takes: the step's rows and
+    their ``mla_rope_rows`` once (first layer), per layer ``q_pe`` of the
+    prefill views forward_impl makes for forward_mha anyway, and the decode
+    rows' ``q_pe`` / ``kv_c`` / ``k_pe``;
   * upstream: RoPE of ``q_pe`` / ``k_pe`` inside the compiled piece (replayed
     as a CUDA graph with the rest of the piece), the cache write
     (``unified_mla_kv_cache_update``, an eager custom op, modelled by one
@@ -453,6 +456,11 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
             graphs[name] = _graph(fn)
         graphs[name].replay()
 
+    # forward_impl's views of the prefill rows, which forward_mha reads on both
+    # sides (0303 hands the same views to the fused prefill call); not modelled
+    # on either side, as forward_mha itself is not.
+    mha_q, mha_kv_c, mha_k_pe = q[decodes:], kv_c[decodes:], k_pe[decodes:]
+
     def ours(graph_pieces: bool = True):
         shared = None
         for layer in range(layers):
@@ -469,10 +477,9 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
                           p_sl, p_pos, mla_rope_rows(p_sl, p_pos, cos_sin))
             _, d_sl, d_pos, d_rows, p_sl, p_pos, p_rows = shared
             if prefill:
-                q_p = q[decodes:]
-                mla_rope_and_cache(q_p[..., p:], kv_c[decodes:], k_pe[decodes:], cache,
-                                   p_sl, p_pos, cos_sin, False, kv_cache_dtype="auto",
-                                   k_scale=k_scale, rows=p_rows)
+                mla_rope_and_cache(mha_q[..., p:], mha_kv_c, mha_k_pe, cache, p_sl, p_pos,
+                                   cos_sin, False, kv_cache_dtype="auto", k_scale=k_scale,
+                                   rows=p_rows)
             if decodes:
                 q_out = ql_nope.new_empty((decodes, h, lr + r))
                 mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], kv_c[:decodes],

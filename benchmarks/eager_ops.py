@@ -33,7 +33,8 @@ decode and ``P`` prefill tokens:
     ``q_out``), with the slices ``_RopeKVStep`` takes: the step's rows and
     their ``mla_rope_rows`` once (first layer), per layer ``q_pe`` of the
     prefill views forward_impl makes for forward_mha anyway, and the decode
-    rows' ``q_pe`` / ``kv_c`` / ``k_pe``;
+    rows' ``q_pe`` / ``kv_c`` / ``k_pe`` (``kv_c`` / ``k_pe`` whole in a
+    decode-only step);
   * upstream: RoPE of ``q_pe`` / ``k_pe`` inside the compiled piece (replayed
     as a CUDA graph with the rest of the piece), the cache write
     (``unified_mla_kv_cache_update``, an eager custom op, modelled by one
@@ -482,8 +483,11 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
                                    rows=p_rows)
             if decodes:
                 q_out = ql_nope.new_empty((decodes, h, lr + r))
-                mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], kv_c[:decodes],
-                                          k_pe[:decodes], cache, d_sl, d_pos, cos_sin, False,
+                # forward_impl: a decode-only batch passes kv_c / k_pe whole.
+                d_kv_c, d_k_pe = (kv_c, k_pe) if not prefill else (kv_c[:decodes],
+                                                                   k_pe[:decodes])
+                mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], d_kv_c, d_k_pe,
+                                          cache, d_sl, d_pos, cos_sin, False,
                                           kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
                                           rows=d_rows)
 

@@ -20,6 +20,8 @@ figures come from seriestool/headlines.py, rounded for prose.  Writes:
       ``sentence:KERNEL``  the kernel's paragraph (paged_context: both baselines)
       ``claims:TOPIC``     the topic's claims, one bullet each
       ``skipped``          the result files not used, and why
+      ``host-cost``        every host_cost_* case: µs per call vs one torch op, target
+      ``eager-step``       every eager_step_* case: wall clock vs upstream, GPU-only, bound
   ``<!-- fig:NAME -->...<!-- /fig -->`` inline, NAME a figure (``--list`` prints
       them all with their values), e.g. ``fig:fetch_kv.speedup_32k``;
   and the older ``<!-- bench:begin ... -->`` / ``<!-- bench:end -->`` pair
@@ -148,8 +150,20 @@ class Report:
             out += [f"Baseline: {baseline}.", ""]
         out += [f"From `{h.result.path}` ({h.result.when}; commit {s.get('commit', '?')}, "
                 f"torch {s.get('torch', '?')}, triton {s.get('triton', '?')}).", ""]
-        out += [benchmeta.host_table(host) if host else benchmeta.case_table(cases, h.compare), ""]
+        out += [benchmeta.host_table(host) if host
+                else benchmeta.suite_table(h.kernel, cases, h.compare), ""]
         return out
+
+    def host_timed(self, prefix: str, base: Path) -> str:
+        """Every case of the newest results of the backends' entry points and steps,
+        one table per kernel (the stub and AMD-specialisation parts: RESULTS.md)."""
+        out = []
+        for h in self.sections:
+            if h.kernel.startswith(prefix) and h.kernel.endswith(("_fa", "_mla")):
+                target = self.root / h.result.path
+                out += [f"`{h.kernel}` on {h.device} ([`{h.result.name}`]({self.link(base, target)})):",
+                        "", benchmeta.suite_table(h.kernel, h.result.cases(h.kernel)), ""]
+        return "\n".join(out).rstrip() or f"No usable `{prefix}` results yet."
 
     def skipped(self) -> str:
         if not self.selection.skipped:
@@ -163,6 +177,8 @@ class Report:
             return self.summary(base)
         if name == "skipped":
             return self.skipped()
+        if name in ("host-cost", "eager-step"):
+            return self.host_timed(name.replace("-", "_"), base)
         kind, _, arg = name.partition(":")
         if kind in ("kernel", "sentence") and arg:
             if arg not in self.heads:
@@ -178,7 +194,7 @@ class Report:
             claims = [c for k in topics.TOPIC_KERNELS[arg] if k in self.heads for c in self.heads[k].claims]
             return "\n".join(f"- {c}" for c in claims) or "No usable results for this topic yet."
         raise ReportError(f"unknown generated block {name!r} (status, bench-summary, skipped, "
-                          "kernel:KERNEL, sentence:KERNEL, claims:TOPIC)")
+                          "host-cost, eager-step, kernel:KERNEL, sentence:KERNEL, claims:TOPIC)")
 
     def _known_kernel(self, kernel: str, where: str) -> None:
         known = set(headlines.KERNELS) | {k for ks in topics.TOPIC_KERNELS.values() for k in ks}
@@ -229,6 +245,8 @@ def plot(kernel: str, device: str, cases: list[dict], path: Path) -> bool:
     except ImportError:
         print("[report] matplotlib not installed: no plots", file=sys.stderr)
         return False
+    if benchmeta.timing_mode(cases[0]) in ("host", "eager"):
+        return False  # host-timed: the tables say it; no bytes axis
     points = [(c["nbytes"], c["speedup"], benchmeta.copy_fraction(c)) for c in cases
               if c.get("speedup") and c.get("nbytes")]
     if not points:

@@ -209,3 +209,29 @@ def test_every_committed_result_names_a_commit_of_this_history():
         pytest.skip("not a full clone: older commits are absent")
     bad = {f.path: results.commit_problem(REPO, f.commit) for f in results.committed(REPO)}
     assert {path: why for path, why in bad.items() if why} == {}
+
+
+def test_host_timed_suites_get_their_own_tables_and_no_l2_mode():
+    """host_cost_* / eager_step_* cases: host µs vs a torch op (target, met) and eager wall
+    clock vs upstream (GPU-only, bound), labelled by what they time, not by an L2 mode."""
+    from seriestool import benchmeta, headlines
+
+    host = {"kernel": "host_cost_mla", "case": "decode", "call": "per layer", "graph": False,
+            "results": {"ours": {"us": 12.0, "gpu_us": 2.0}, "torch_op": {"us": 8.0},
+                        "ours_plain": {"us": 90.0}, "baseline": {"us": 20.0}},
+            "ratio_to_torch_op": 1.5, "target_ratio": 1.5, "meets_target": True}
+    part = dict(host, kernel="host_cost_hip_spec", call="part of a call", target_ratio=None,
+                meets_target=None)
+    step = {"kernel": "eager_step_mla", "case": "d16_p0", "graph": False,
+            "results": {"ours": {"us": 2000.0}, "baseline": {"us": 3000.0},
+                        "ours_gpu": {"us": 200.0}, "baseline_gpu": {"us": 1000.0}},
+            "speedup": 1.5, "gpu_speedup": 5.0, "ours_bound": "host", "baseline_bound": "GPU"}
+    assert headlines.modes([host]) == "host µs per call"
+    assert headlines.modes([step]) == "eager wall clock"
+    table = benchmeta.suite_table("host_cost_mla", [host, part])
+    assert "| decode | per layer | 12.0 | 8.0 | 1.50× | 1.5× | yes | 90.0 | 20.0 | 2.0 |" in table
+    assert "| part of a call | 12.0 | 8.0 | 1.50× | none | n/a |" in table
+    table = benchmeta.suite_table("eager_step_mla", [step])
+    assert ("| d16_p0 | 2000.0 | 3000.0 | 1.50× | 200.0 | 1000.0 | 5.00× | host-bound | "
+            "GPU-bound |") in table
+    assert bench_report.plot("eager_step_mla", "dev", [step], Path("/nonexistent.png")) is False

@@ -48,11 +48,66 @@ def copy_fraction(case: dict):
     return case.get("frac_copy")
 
 
+# Suites that time the host: host µs per call (bench_host_cost.py) and eager
+# wall clock of whole steps (bench_eager_step.py); no L2 mode.
+HOST_TIMED = {"host_cost": "host", "eager_step": "eager"}
+
+
+def timing_mode(case: dict) -> str:
+    """host / eager (host-timed suites), else cold / warm as recorded; files from
+    before the cold rotation: graph replays were warm, the rest ``do_bench``
+    with its L2 flush ("flushed")."""
+    for prefix, mode in HOST_TIMED.items():
+        if str(case.get("kernel", "")).startswith(prefix):
+            return mode
+    return case.get("mode") or ("warm" if case.get("graph") else "flushed")
+
+
 def _mode(case: dict) -> str:
-    """cold ×N (buffer sets) / warm / flushed (do_bench's L2 flush, files before the rotation)."""
-    mode = case.get("mode") or ("warm" if case.get("graph") else "flushed")
+    """cold ×N (buffer sets) / warm / flushed / host / eager."""
+    mode = timing_mode(case)
     sets = case.get("buffer_sets")
     return f"{mode} ×{sets}" if mode == "cold" and sets else mode
+
+
+def host_cost_table(cases: list[dict]) -> str:
+    """Markdown: host µs per call of each entry point beside one torch op."""
+    rows = ["| entry | call | ours µs | torch op µs | ours / torch op | target | met | "
+            "plain path µs | upstream µs | GPU µs (ours) |",
+            "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for case in cases:
+        res = case.get("results", {})
+        target, met = case.get("target_ratio"), case.get("meets_target")
+        rows.append(
+            f"| {case.get('case', '?')} | {case.get('call', 'n/a')} | {_us(case, 'ours')} | "
+            f"{_us(case, 'torch_op')} | {_fmt(case.get('ratio_to_torch_op'))}× | "
+            f"{_fmt(target, '.1f') + '×' if target is not None else 'none'} | "
+            f"{'n/a' if met is None else 'yes' if met else 'no'} | {_us(case, 'ours_plain')} | "
+            f"{_us(case, 'baseline')} | {_fmt(res.get('ours', {}).get('gpu_us'), '.1f')} |")
+    return "\n".join(rows)
+
+
+def eager_step_table(cases: list[dict]) -> str:
+    """Markdown: eager wall clock of a step, ours vs upstream, and GPU-only time."""
+    rows = ["| step | ours µs | upstream µs | speedup | ours GPU µs | upstream GPU µs | "
+            "GPU speedup | ours | upstream |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for case in cases:
+        rows.append(
+            f"| {case.get('case', '?')} | {_us(case, 'ours')} | {_us(case, 'baseline')} | "
+            f"{_fmt(case.get('speedup'))}× | {_us(case, 'ours_gpu')} | "
+            f"{_us(case, 'baseline_gpu')} | {_fmt(case.get('gpu_speedup'))}× | "
+            f"{case.get('ours_bound', 'n/a')}-bound | {case.get('baseline_bound', 'n/a')}-bound |")
+    return "\n".join(rows)
+
+
+def suite_table(kernel: str, cases: list[dict], compare: tuple[str, ...] = ()) -> str:
+    """The per-case table a kernel's results are shown in."""
+    if kernel.startswith("host_cost"):
+        return host_cost_table(cases)
+    if kernel.startswith("eager_step"):
+        return eager_step_table(cases)
+    return case_table(cases, compare)
 
 
 def _over(case: dict, impl: str, key: str = "results"):

@@ -89,17 +89,17 @@ def over(case: dict, impl: str) -> float | None:
     return a / b if a and b else None
 
 
-def mode_of(case: dict) -> str:
-    """cold / warm, as recorded; files from before the cold rotation: graph replays were
-    warm, the rest ``do_bench`` with its L2 flush ("flushed")."""
-    return case.get("mode") or ("warm" if case.get("graph") else "flushed")
+mode_of = benchmeta.timing_mode
+
+_HOST_MODES = {"host": "host µs per call", "eager": "eager wall clock"}
 
 
 def modes(cases: list[dict]) -> str:
-    """``cold L2`` / ``warm L2`` / ``L2: 20 warm, 16 flushed``."""
+    """``cold L2`` / ``warm L2`` / ``L2: 20 warm, 16 flushed`` / ``host µs per call``."""
     counts = Counter(mode_of(c) for c in cases)
     if len(counts) == 1:
-        return f"{next(iter(counts))} L2"
+        mode = next(iter(counts))
+        return _HOST_MODES.get(mode, f"{mode} L2")
     return "L2: " + ", ".join(f"{n} {m}" for m, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 

@@ -67,27 +67,14 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def _rope_concat_and_cache(
-    ql_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    q_out: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    use_aiter: bool,
-    all_q_rope: bool,
-    rows=None,
-) -> None:
+    ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, positions, cos_sin_cache,
+    is_neox, kv_cache_dtype, k_scale, q_scale, use_aiter, all_q_rope, rows=None,
+) -> None:  # fmt: skip
     """Decode form: q_out = [ql_nope | rope(q_pe)] (fp8 / q_scale when q_scale
     is given) and the cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched.
-    ``rows``: the step's ``MLARopeRows`` (eager calls only; not in the op's
-    schema)."""
+    The parameters of torch.ops.vllm.mla_rope_concat_and_cache (typed in
+    _rope_concat_and_cache_impl), and ``rows``: the step's ``MLARopeRows``
+    (eager calls only; not in the op's schema)."""
     if use_aiter:
         rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
             ql_nope,
@@ -109,21 +96,10 @@ def _rope_concat_and_cache(
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_concat_and_cache
 
     mla_rope_concat_and_cache(
-        ql_nope,
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype=kv_cache_dtype,
-        k_scale=k_scale,
-        q_out=q_out,
-        q_scale=q_scale,
-        rows=rows,
-    )
+        ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+        is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, q_out=q_out,
+        q_scale=q_scale, rows=rows,
+    )  # fmt: skip
 
 
 def _rope_concat_and_cache_impl(
@@ -170,35 +146,18 @@ def _rope_concat_and_cache_fake(
 
 
 def _rope_and_cache(
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    rows=None,
-) -> None:
+    q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+    kv_cache_dtype, k_scale, rows=None,
+) -> None:  # fmt: skip
     """Prefill form: rotate q_pe and k_pe in place, write [kv_c | k_pe] rows
-    (``rows`` as for the decode form)."""
+    (parameters as torch.ops.vllm.mla_rope_and_cache, and ``rows`` as for the
+    decode form)."""
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_and_cache
 
     mla_rope_and_cache(
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype=kv_cache_dtype,
-        k_scale=k_scale,
-        rows=rows,
-    )
+        q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, rows=rows,
+    )  # fmt: skip
 
 
 def _rope_and_cache_impl(

@@ -1328,10 +1328,10 @@ def use_paged_context(extend_query_lens: torch.Tensor, max_tokens: int) -> bool:
     from parallelism: with few new tokens the dense kernel has few (query
     block x head) tiles and leaves most of the device idle, while this kernel
     splits the context across programs and needs no new-token pass or merge.
-    It shrinks as the step's total grows, whatever the per-request split: on
-    the H200, against gather + FlashAttention-2, 1.27-4.8x up to 512 new
-    tokens in total and 1.02-1.13x above.  The rule counts the total, which
-    also keeps every long chunk on the gather path.  ``extend_query_lens`` is
+    It shrinks as the step's total grows, whatever the per-request split
+    (``benchmarks/bench_paged_context.py``, ``gather_fa2`` baseline; figures in
+    benchmarks/RESULTS.md).  The rule counts the total, which also keeps every
+    long chunk on the gather path.  ``extend_query_lens`` is
     the host tensor of the extends' new-token counts; no extends: False.
     """
     if max_tokens <= 0 or extend_query_lens.numel() == 0:

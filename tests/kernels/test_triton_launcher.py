@@ -130,6 +130,23 @@ def test_launch_hooks_and_disabled_go_through_kernel_grid(fake_jit, monkeypatch)
     assert len(fake_jit.launches) == 4 and not fake_jit.compiled.calls
 
 
+def test_a_profiler_in_the_hook_chain_goes_through_kernel_grid(fake_jit, monkeypatch):
+    chain = getattr(triton.knobs, "HookChain", None)
+    if chain is None:
+        pytest.skip("this Triton has no HookChain")
+    launch = _launch(fake_jit)
+    x = torch.zeros(64)
+    launch(x, x)
+    empty, busy = chain(), chain()
+    busy.add(lambda meta: None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", empty)
+    launch(x, x)
+    assert len(fake_jit.launches) == 1 and len(fake_jit.compiled.calls) == 1
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", busy)
+    launch(x, x)
+    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
+
+
 def test_other_triton_releases_always_go_through_kernel_grid(fake_jit, monkeypatch):
     # The launcher calling convention is only relied on where it is known.
     monkeypatch.setattr(tl_launch, "_DIRECT", False)

@@ -71,12 +71,10 @@ except ImportError:  # pragma: no cover - another Triton layout
 _VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 _DIRECT = hasattr(triton, "knobs") and _VERSION in ((3, 4), (3, 5), (3, 6))
 _RAW = _DIRECT and _VERSION == (3, 6)
-if _DIRECT:
-    from triton.knobs import HookChain as _HookChain
-
-    _RUNTIME = triton.knobs.runtime
-else:  # pragma: no cover - never read: no direct launches
-    _HookChain = _RUNTIME = None
+# Launch hooks: Triton 3.5+ keeps them in (possibly empty) HookChains; a set
+# hook (a profiler) sends launches through kernel[grid].
+_RUNTIME = triton.knobs.runtime if _DIRECT else None
+_HookChain = getattr(triton.knobs, "HookChain", None) if _DIRECT else None
 
 
 def fast_path() -> bool:

@@ -30,6 +30,13 @@ shapes, strides, dtypes and devices, plus the host scalars the call takes.
     pointers' alignment (and, on backends that specialise on more, the
     backend's own tensor specialisation) is part of the per-call lookup.
 
+On Triton 3.6 a hit calls the launcher's C launch function itself when the
+kernel needs no scratch buffer (``_raw_launch``: the arguments the CUDA / HIP
+launcher would pass), and on ROCm the pointer specialisation (alignment and
+storage within 2 GiB, what ``HIPBackend`` selects on with buffer ops) is
+computed here with the ``AMDGCN_USE_BUFFER_OPS`` knob read once per process,
+not from the environment per pointer.
+
 The direct launch goes to the current stream, so it is captured by CUDA graphs
 like ``kernel[grid]``.  ``kernel[grid]`` is used instead when the kernel is not
 compiled (``TRITON_INTERPRET=1``), while torch.compile traces (``fast_path()``

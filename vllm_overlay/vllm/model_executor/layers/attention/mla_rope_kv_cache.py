@@ -267,6 +267,12 @@ class MLARopeKVFusion:
         # current_platform.fp8_dtype() is a host query on ROCm: ask once.
         self.fp8_dtype = current_platform.fp8_dtype()
         self._converted_caches: dict[tuple, torch.Tensor] = {}
+        # Both paths run the Triton kernel for prefill rows: a fused layer has
+        # Triton (the module itself imports without it).
+        from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_step_rows
+
+        # The forward's rows, shared with the other layers of the same forward.
+        self._step_rows = mla_rope_step_rows
 
     @classmethod
     def for_layer(cls, layer, rotary_emb) -> "MLARopeKVFusion | None":
@@ -310,62 +316,10 @@ class MLARopeKVFusion:
             nope = self.nope_dim
             q[..., nope:], k_pe = self.rotary_emb(positions, q[..., nope:], k_pe)
             return None, k_pe
-        rows = _step_rows(
+        rows = self._step_rows(
             positions, slot_mapping, num_tokens, self.cos_sin_cache(kv_cache.device)
         )
         return _RopeKVStep(self, layer, kv_cache, rows), k_pe
-
-
-class _StepRows:
-    """What every fused layer of one forward shares: its positions, slots and
-    cos/sin cache, and per kind of rows their slices and ``MLARopeRows``
-    (the Triton wrapper's checked geometry), made on first use."""
-
-    __slots__ = ("given_positions", "slot_mapping", "num_tokens", "cos_sin_cache",
-                 "positions", "_rows")  # fmt: skip
-
-    def __init__(self, positions, slot_mapping, num_tokens, cos_sin_cache):
-        self.given_positions = positions
-        self.slot_mapping = slot_mapping
-        self.num_tokens = num_tokens
-        self.cos_sin_cache = cos_sin_cache
-        self.positions = positions[:num_tokens]
-        self._rows: dict = {}
-
-    def rows(self, start: int, end: int):
-        """(slots, positions, MLARopeRows) of rows ``start:end``."""
-        rows = self._rows.get((start, end))
-        if rows is None:
-            from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_rows
-
-            slots = self.slot_mapping[start:end]
-            positions = self.positions[start:end]
-            rows = self._rows[(start, end)] = (
-                slots, positions, mla_rope_rows(slots, positions, self.cos_sin_cache)
-            )  # fmt: skip
-        return rows
-
-
-# The last forward's _StepRows: the next layer of the same forward finds its
-# own tensors (the same objects) there.  Kept eager only (a traced forward has
-# fake tensors).
-_LAST_ROWS: list = [None]
-
-
-def _step_rows(positions, slot_mapping, num_tokens, cos_sin_cache) -> _StepRows:
-    last = _LAST_ROWS[0]
-    if (
-        last is not None
-        and last.given_positions is positions
-        and last.slot_mapping is slot_mapping
-        and last.num_tokens == num_tokens
-        and last.cos_sin_cache is cos_sin_cache
-    ):
-        return last
-    rows = _StepRows(positions, slot_mapping, num_tokens, cos_sin_cache)
-    if not torch.compiler.is_compiling():
-        _LAST_ROWS[0] = rows
-    return rows
 
 
 class _RopeKVStep:
@@ -373,7 +327,7 @@ class _RopeKVStep:
 
     __slots__ = ("fusion", "kv_cache", "k_scale", "shared")
 
-    def __init__(self, fusion: MLARopeKVFusion, layer, kv_cache, shared: _StepRows):
+    def __init__(self, fusion: MLARopeKVFusion, layer, kv_cache, shared):
         self.fusion = fusion
         self.kv_cache = kv_cache
         self.k_scale = layer._k_scale

@@ -86,11 +86,13 @@ from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fas
 
 __all__ = [
     "MLARopeRows",
+    "MLARopeStepRows",
     "decode_q_out_dtype",
     "decode_q_out_shape",
     "mla_rope_and_cache",
     "mla_rope_concat_and_cache",
     "mla_rope_rows",
+    "mla_rope_step_rows",
     "platform_fp8_e4m3_dtype",
 ]
 
@@ -868,6 +870,63 @@ def mla_rope_rows(
 ) -> MLARopeRows:
     """Bind one step's rows' metadata for every layer's call (``rows=``)."""
     return MLARopeRows(slot_mapping, positions, cos_sin_cache)
+
+
+class MLARopeStepRows:
+    """What every fused layer of one forward shares: its positions, slot
+    mapping and cos/sin cache, and per kind of rows their slices and
+    ``MLARopeRows`` (made on first use).  From ``mla_rope_step_rows``."""
+
+    __slots__ = ("given_positions", "slot_mapping", "num_tokens", "cos_sin_cache",
+                 "positions", "_rows")  # fmt: skip
+
+    def __init__(self, positions, slot_mapping, num_tokens, cos_sin_cache):
+        self.given_positions = positions
+        self.slot_mapping = slot_mapping
+        self.num_tokens = num_tokens
+        self.cos_sin_cache = cos_sin_cache
+        self.positions = positions[:num_tokens]
+        self._rows: dict = {}
+
+    def rows(self, start: int, end: int):
+        """(slots, positions, MLARopeRows) of rows ``start:end``."""
+        rows = self._rows.get((start, end))
+        if rows is None:
+            slots = self.slot_mapping[start:end]
+            positions = self.positions[start:end]
+            rows = self._rows[(start, end)] = (
+                slots, positions, MLARopeRows(slots, positions, self.cos_sin_cache)
+            )  # fmt: skip
+        return rows
+
+
+# The last forward's rows: the next layer of the same forward finds its own
+# tensors (the same objects) there.  Kept eager only (a traced forward has fake
+# tensors).  Only views are kept, so a capture's rows are safe to reuse.
+_LAST_STEP_ROWS: list = [None]
+
+
+def mla_rope_step_rows(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+    cos_sin_cache: torch.Tensor,
+) -> MLARopeStepRows:
+    """The rows of a forward over ``num_tokens`` tokens: the previous call's
+    when it got these very tensors (the layers of one forward), else new."""
+    last = _LAST_STEP_ROWS[0]
+    if (
+        last is not None
+        and last.given_positions is positions
+        and last.slot_mapping is slot_mapping
+        and last.num_tokens == num_tokens
+        and last.cos_sin_cache is cos_sin_cache
+    ):
+        return last
+    rows = MLARopeStepRows(positions, slot_mapping, num_tokens, cos_sin_cache)
+    if not torch.compiler.is_compiling():
+        _LAST_STEP_ROWS[0] = rows
+    return rows
 
 
 def _common_key(

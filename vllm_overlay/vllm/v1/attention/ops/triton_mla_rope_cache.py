@@ -913,7 +913,11 @@ def mla_rope_step_rows(
     cos_sin_cache: torch.Tensor,
 ) -> MLARopeStepRows:
     """The rows of a forward over ``num_tokens`` tokens: the previous call's
-    when it got these very tensors (the layers of one forward), else new."""
+    when it got these very tensors (the layers of one forward), else new.
+    While torch.compile traces, always new (the traced code never reads or
+    guards on the eager calls' rows)."""
+    if torch.compiler.is_compiling():
+        return MLARopeStepRows(positions, slot_mapping, num_tokens, cos_sin_cache)
     last = _LAST_STEP_ROWS[0]
     if (
         last is not None
@@ -923,9 +927,9 @@ def mla_rope_step_rows(
         and last.cos_sin_cache is cos_sin_cache
     ):
         return last
-    rows = MLARopeStepRows(positions, slot_mapping, num_tokens, cos_sin_cache)
-    if not torch.compiler.is_compiling():
-        _LAST_STEP_ROWS[0] = rows
+    rows = _LAST_STEP_ROWS[0] = MLARopeStepRows(
+        positions, slot_mapping, num_tokens, cos_sin_cache
+    )
     return rows
 
 

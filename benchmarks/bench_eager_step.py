@@ -39,7 +39,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from benchmarks import eager_ops  # noqa: E402
+from benchmarks import eager_ops, graphs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -82,24 +82,15 @@ def wall_us(steps, reps: int) -> list[float]:
             step()
             torch.cuda.synchronize()
             samples.append(time.perf_counter() - t0)
-    return [eager_ops.median(t) * 1e6 for t in times]
+    return [graphs.median(t) * 1e6 for t in times]
 
 
 def gpu_us(step, reps: int) -> float:
     """Median replay time of the whole step captured in one CUDA graph."""
-    graph = eager_ops._graph(step)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+    graph = graphs.capture(step)
+    us = graphs.replay_us(graph, reps)
     del graph
-    return eager_ops.median(times)
+    return us
 
 
 def _record(benchmark, request, kernel, case, shapes, nbytes, timings, notes, synced):

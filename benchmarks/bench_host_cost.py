@@ -46,7 +46,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from benchmarks import eager_ops  # noqa: E402
+from benchmarks import eager_ops, graphs  # noqa: E402
 from vllm.v1.attention.ops import triton_fetch_kv as fk  # noqa: E402
 from vllm.v1.attention.ops import triton_launcher  # noqa: E402
 from vllm.v1.attention.ops import triton_mla_rope_cache as mla  # noqa: E402
@@ -84,26 +84,16 @@ def host_us(fns: dict, calls: int = CALLS, rounds: int = ROUNDS) -> dict:
                     fn()
                 samples[name].append((time.perf_counter() - t0) / calls * 1e6)
                 sync()
-    return {name: (eager_ops.median(v), min(v)) for name, v in samples.items()}
+    return {name: (graphs.median(v), min(v)) for name, v in samples.items()}
 
 
 def graph_us(fn, calls: int = 20) -> float | None:
     """GPU µs per call: ``calls`` calls captured in one CUDA graph, replayed."""
     try:
-        graph = eager_ops._graph(lambda: [fn() for _ in range(calls)])
+        graph = graphs.capture(lambda: [fn() for _ in range(calls)])
     except Exception:  # noqa: BLE001 - not capturable (upstream's host-built maps)
         return None
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return eager_ops.median(times)
+    return graphs.replay_us(graph, 10, calls=calls)
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # benchmarks import shared helpers as ``benchmarks.x``
     sys.path.insert(0, _REPO)
 
-from benchmarks import provenance, timing  # noqa: E402
+from benchmarks import graphs, provenance, timing  # noqa: E402
 
 # A CUDA graph holds this many back-to-back calls (rounded up to whole rounds
 # over the buffer sets); replay time / calls is the per-call time with launch
@@ -107,12 +107,6 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["series"] = {**series_state(), **info}
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
-
-
 def _as_list(fns) -> list[Callable[[], object]]:
     return list(fns) if isinstance(fns, Sequence) else [fns]
 
@@ -125,30 +119,12 @@ def time_graph_us(fn: Callable[[], object] | Sequence[Callable[[], object]]) -> 
     """
     fns = _as_list(fn)
     calls = timing.rotation(fns, timing.calls_per_replay(len(fns), GRAPH_CALLS_PER_REPLAY))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside capture (autotune, allocator)
-        for _ in range(3):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(GRAPH_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    # Warm-up outside capture (autotune, allocator): three rounds over the sets.
+    graph = graphs.capture(lambda: [f() for f in calls], warmups=3,
+                           warmup=lambda: [f() for f in fns])
+    us = graphs.replay_us(graph, GRAPH_REPLAYS, calls=len(calls), warm_replays=3)
     del graph
-    return _median(times)
+    return us
 
 
 def time_events_us(fn: Callable[[], object] | Sequence[Callable[[], object]]) -> float:
@@ -176,7 +152,7 @@ def time_events_us(fn: Callable[[], object] | Sequence[Callable[[], object]]) ->
         f()
         b.record()
     torch.cuda.synchronize()
-    return _median([a.elapsed_time(b) * 1e3 for a, b in events])
+    return graphs.median([a.elapsed_time(b) * 1e3 for a, b in events])
 
 
 def time_rotation_us(fns: Sequence[Callable[[], object]], graph: bool) -> float:

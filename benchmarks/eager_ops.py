@@ -68,6 +68,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.graphs import capture as _graph  # warm-up on a side stream, capture
+
 # ---------------------------------------------------------------- models
 
 QWEN3_30B = dict(name="qwen3-30b-a3b", layers=48, num_heads=32, num_kv_heads=4,
@@ -385,20 +387,6 @@ def mla_caches(model: dict, num_blocks: int, device="cuda") -> list[torch.Tensor
                         dtype=model["dtype"]) for _ in range(model["layers"])]
 
 
-def _graph(fn):
-    """Capture ``fn`` (warmed up on a side stream) in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 @dataclass
 class MlaStep:
     ours: object  # (graph_pieces: bool) -> None
@@ -514,12 +502,6 @@ def mla_bytes(model: dict, decodes: int, prefill: int) -> int:
     return 2 * (t * (lr + r) * 2 + decodes * h * (lr + r) * 2 + prefill * h * r * 2)
 
 
-def median(values):
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
-
-
 def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -527,6 +509,6 @@ def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 __all__ = [
     "DEEPSEEK_V3", "QWEN3_30B", "FaStep", "MlaStep", "UpstreamOps", "fa_caches", "fa_flops",
-    "fa_step", "median", "mla_bytes", "mla_caches", "mla_step", "relative_rms",
+    "fa_step", "mla_bytes", "mla_caches", "mla_step", "relative_rms",
     "upstream_ops",
 ]

@@ -378,3 +378,86 @@ def test_run_case_builds_the_planned_sets_adds_a_copy_to_each_and_records_the_mo
     assert extra["frac_copy"] is None and extra["copy_ceiling"] is False
     with pytest.raises(ValueError, match="impls .* or buffer_sets"):
         harness.run_case(bench, module, kernel="k", case="c", shapes={}, nbytes=1, graph=True)
+
+
+# --- CUDA-graph capture and replay timing (benchmarks/graphs.py), with a fake torch.cuda ---
+
+
+class _FakeCuda:
+    """What graphs.py uses of torch.cuda, recording the order of events."""
+
+    def __init__(self, replay_ms):
+        self.log, self.replay_ms, self.capturing = [], list(replay_ms), False
+        cuda = self
+
+        class Stream:
+            def wait_stream(self, other):
+                cuda.log.append("wait")
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = len(cuda.log)
+                cuda.log.append("event")
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return cuda.replay_ms.pop(0)
+
+        class CUDAGraph:
+            def replay(self):
+                cuda.log.append("replay")
+
+        class _Graph:
+            def __init__(self, graph):
+                pass
+
+            def __enter__(self):
+                cuda.capturing = True
+                cuda.log.append("capture")
+
+            def __exit__(self, *exc):
+                cuda.capturing = False
+                cuda.log.append("end capture")
+
+        class _StreamCtx:
+            def __init__(self, stream):
+                pass
+
+            def __enter__(self):
+                cuda.log.append("side stream")
+
+            def __exit__(self, *exc):
+                pass
+
+        self.Stream, self.Event, self.CUDAGraph = Stream, Event, CUDAGraph
+        self.graph, self.stream = _Graph, _StreamCtx
+        self.current_stream = lambda: Stream()
+        self.synchronize = lambda: self.log.append("sync")
+
+
+def test_graphs_capture_warms_up_on_a_side_stream_then_captures_once(bench_pkg, monkeypatch):
+    graphs = bench_pkg("graphs")
+    cuda = _FakeCuda([])
+    monkeypatch.setattr(graphs.torch, "cuda", cuda)
+    runs = []
+    graphs.capture(lambda: runs.append("fn capturing" if cuda.capturing else "fn"), warmups=3,
+                   warmup=lambda: runs.append("warmup"))
+    assert runs == ["warmup"] * 3 + ["fn capturing"]
+    assert cuda.log.index("side stream") < cuda.log.index("capture")
+
+
+def test_graphs_replay_us_is_the_median_per_call_of_the_timed_replays(bench_pkg, monkeypatch):
+    graphs = bench_pkg("graphs")
+    cuda = _FakeCuda([1.0, 3.0, 2.0, 100.0, 2.5])  # ms per replay
+    monkeypatch.setattr(graphs.torch, "cuda", cuda)
+    graph = cuda.CUDAGraph()
+    us = graphs.replay_us(graph, replays=5, calls=10, warm_replays=2)
+    assert us == pytest.approx(250.0)  # median 2.5 ms / 10 calls, in µs
+    assert cuda.log[:3] == ["replay", "replay", "sync"], "warm replays are untimed"
+    assert cuda.log.count("replay") == 7 and not cuda.replay_ms
+    assert graphs.median([4, 1, 3, 2]) == 2.5

@@ -245,7 +245,7 @@ def plot(kernel: str, device: str, cases: list[dict], path: Path) -> bool:
     except ImportError:
         print("[report] matplotlib not installed: no plots", file=sys.stderr)
         return False
-    if benchmeta.timing_mode(cases[0]) in ("host", "eager"):
+    if benchmeta.timing_mode(cases[0]) in benchmeta.HOST_TIMED.values():
         return False  # host-timed: the tables say it; no bytes axis
     points = [(c["nbytes"], c["speedup"], benchmeta.copy_fraction(c)) for c in cases
               if c.get("speedup") and c.get("nbytes")]

@@ -103,9 +103,10 @@ def eager_step_table(cases: list[dict]) -> str:
 
 def suite_table(kernel: str, cases: list[dict], compare: tuple[str, ...] = ()) -> str:
     """The per-case table a kernel's results are shown in."""
-    if kernel.startswith("host_cost"):
+    mode = timing_mode({"kernel": kernel})
+    if mode == "host":
         return host_cost_table(cases)
-    if kernel.startswith("eager_step"):
+    if mode == "eager":
         return eager_step_table(cases)
     return case_table(cases, compare)
 

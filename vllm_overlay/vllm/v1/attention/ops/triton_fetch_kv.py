@@ -83,7 +83,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fast_path
+from vllm.v1.attention.ops.triton_launcher import (
+    KernelLaunch,
+    LaunchCache,
+    fast_path,
+    tensor_geometry,
+)
 
 __all__ = ["FetchKVPlan", "fetch_kv", "fetch_kv_plan"]
 
@@ -145,8 +150,8 @@ class FetchKVPlan:
         t = self.table
         if isinstance(t, torch.Tensor):
             object.__setattr__(self, "key", (
-                t.shape, t.stride(), t.dtype, t.device, self.block_size,
-                self.pages_per_program, self.num_tokens, self.num_reqs,
+                tensor_geometry(t), self.block_size, self.pages_per_program,
+                self.num_tokens, self.num_reqs,
             ))  # fmt: skip
 
     @property
@@ -810,12 +815,11 @@ def fetch_kv_plan(
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
             key = None
     if bound is None:
-        bound = _bind_fetch_kv_plan(
-            block_table, cu_seqlens_kv, seq_starts, num_tokens, block_size,
-            head_size, cache_dtype, out_dtype, kv_cache_layout, out,
+        bound = _PLAN_LAUNCHES.bind(
+            key, _bind_fetch_kv_plan, block_table, cu_seqlens_kv, seq_starts,
+            num_tokens, block_size, head_size, cache_dtype, out_dtype, kv_cache_layout,
+            out,
         )  # fmt: skip
-        if key is not None:
-            _PLAN_LAUNCHES.put(key, bound)
     table_shape, pages_per_program, launch = bound
     if out is None:
         table = torch.empty(table_shape, dtype=torch.int32, device=block_table.device)
@@ -992,12 +996,11 @@ def fetch_kv(
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
             key = None
     if bound is None:
-        bound = _bind_fetch_kv(
-            key_cache, value_cache, key_out, value_out, block_table, cu_seqlens_kv,
-            seq_starts, k_scale, v_scale, kv_cache_layout, max_num_tokens, plan,
+        bound = _FETCH_KV_LAUNCHES.bind(
+            key, _bind_fetch_kv, key_cache, value_cache, key_out, value_out,
+            block_table, cu_seqlens_kv, seq_starts, k_scale, v_scale, kv_cache_layout,
+            max_num_tokens, plan,
         )  # fmt: skip
-        if key is not None:
-            _FETCH_KV_LAUNCHES.put(key, bound)
     launch, dequant = bound
     if launch is None:
         return

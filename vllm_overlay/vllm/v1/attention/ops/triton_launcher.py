@@ -53,7 +53,9 @@ from operator import or_
 import torch
 import triton
 
-__all__ = ["ENABLED", "KernelLaunch", "LaunchCache", "clear_caches", "fast_path"]
+__all__ = [
+    "ENABLED", "KernelLaunch", "LaunchCache", "clear_caches", "fast_path", "tensor_geometry",
+]
 
 # Caching and direct launches on (False: every call checks its arguments and
 # launches through kernel[grid]).
@@ -101,6 +103,20 @@ class LaunchCache(dict):
             self.clear()
         self[key] = value
         return value
+
+    def bind(self, key, check_and_bind, *args):
+        """A miss: ``check_and_bind(*args)`` (the wrapper's full checks; raises
+        before anything is cached), kept under ``key`` unless it is None (an
+        unkeyable call, or the plain path)."""
+        value = check_and_bind(*args)
+        if key is not None:
+            self.put(key, value)
+        return value
+
+
+def tensor_geometry(t) -> tuple:
+    """What a launch key holds of a tensor: shape, strides, dtype, device."""
+    return (t.shape, t.stride(), t.dtype, t.device)
 
 
 def clear_caches() -> None:

@@ -82,7 +82,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fast_path
+from vllm.v1.attention.ops.triton_launcher import (
+    KernelLaunch,
+    LaunchCache,
+    fast_path,
+    tensor_geometry,
+)
 
 __all__ = [
     "MLARopeRows",
@@ -833,10 +838,6 @@ def _kernel_launch(
     )
 
 
-def _geometry(t) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device)
-
-
 @dataclass(frozen=True, eq=False)
 class MLARopeRows:
     """One step's per-token metadata of a kind of rows, shared by every layer.
@@ -857,7 +858,7 @@ class MLARopeRows:
     def __post_init__(self):
         try:
             key = tuple(
-                _geometry(t)
+                tensor_geometry(t)
                 for t in (self.slot_mapping, self.positions, self.cos_sin_cache)
             )
         except AttributeError:
@@ -948,7 +949,7 @@ def _common_key(
     ):
         meta = rows.key
     else:
-        meta = (_geometry(slot_mapping), _geometry(positions), _geometry(cos_sin_cache))
+        meta = (tensor_geometry(slot_mapping), tensor_geometry(positions), tensor_geometry(cos_sin_cache))
     return (
         q_pe.shape, q_pe.stride(), q_pe.dtype, q_pe.device,
         kv_c.shape, kv_c.stride(), kv_c.dtype, kv_c.device,
@@ -1010,12 +1011,10 @@ def mla_rope_concat_and_cache(
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
             key = None
     if bound is None:
-        bound = _bind_decode(
-            ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions,
-            cos_sin_cache, is_neox, kv_cache_dtype, k_scale, q_out, q_scale,
+        bound = _DECODE_LAUNCHES.bind(
+            key, _bind_decode, ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+            positions, cos_sin_cache, is_neox, kv_cache_dtype, k_scale, q_out, q_scale,
         )  # fmt: skip
-        if key is not None:
-            _DECODE_LAUNCHES.put(key, bound)
     launch, cache_dtype, q_out_dtype = bound
     if q_out is None:
         q_out = torch.empty(
@@ -1152,12 +1151,10 @@ def mla_rope_and_cache(
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
             key = None
     if bound is None:
-        bound = _bind_prefill(
-            q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
-            is_neox, kv_cache_dtype, k_scale,
+        bound = _PREFILL_LAUNCHES.bind(
+            key, _bind_prefill, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions,
+            cos_sin_cache, is_neox, kv_cache_dtype, k_scale,
         )  # fmt: skip
-        if key is not None:
-            _PREFILL_LAUNCHES.put(key, bound)
     launch, cache_dtype = bound
     if launch is not None:
         cache = (

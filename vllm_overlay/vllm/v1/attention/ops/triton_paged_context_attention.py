@@ -93,7 +93,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.v1.attention.ops.triton_launcher import KernelLaunch, LaunchCache, fast_path
+from vllm.v1.attention.ops.triton_launcher import (
+    KernelLaunch,
+    LaunchCache,
+    fast_path,
+    tensor_geometry,
+)
 
 __all__ = [
     "PagedContextWorkspace",
@@ -806,13 +811,11 @@ def paged_context_attention(
     if lse is None and isinstance(workspace, PagedContextWorkspace):
         lse = workspace.lse
     if bound is None:
-        bound = _bind(
-            query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-            key, value, sliding_window, k_scale, v_scale, out, lse, max_context_len,
-            num_splits, workspace,
+        bound = _LAUNCHES.bind(
+            launch_key, _bind, query, key_cache, value_cache, block_table,
+            cu_seqlens_q, seq_lens, scale, key, value, sliding_window, k_scale, v_scale,
+            out, lse, max_context_len, num_splits, workspace,
         )  # fmt: skip
-        if launch_key is not None:
-            _LAUNCHES.put(launch_key, bound)
 
     if out is None:
         out = torch.empty_like(query)
@@ -890,7 +893,7 @@ class PagedContextWorkspace:
     def __post_init__(self):
         try:
             parts = tuple(
-                None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                None if t is None else tensor_geometry(t)
                 for t in (self.lse, self.partial_out, self.partial_lse,
                           self.block_table, self.cu_seqlens_q, self.seq_lens)
             )  # fmt: skip

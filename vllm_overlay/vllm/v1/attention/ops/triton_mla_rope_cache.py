@@ -949,7 +949,11 @@ def _common_key(
     ):
         meta = rows.key
     else:
-        meta = (tensor_geometry(slot_mapping), tensor_geometry(positions), tensor_geometry(cos_sin_cache))
+        meta = (
+            tensor_geometry(slot_mapping),
+            tensor_geometry(positions),
+            tensor_geometry(cos_sin_cache),
+        )
     return (
         q_pe.shape, q_pe.stride(), q_pe.dtype, q_pe.device,
         kv_c.shape, kv_c.stride(), kv_c.dtype, kv_c.device,

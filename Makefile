@@ -35,7 +35,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-gpu gpu-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-triton-next test-gpu gpu-payload gpu-triton-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -67,12 +67,18 @@ test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRIT
 test-upstream: apply venv ## Upstream's own tests, pristine vs patched tree, against tests/upstream/upstream_tests.toml
 	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(FILES),--files $(FILES))
 
+test-triton-next: apply venv ## Second leg: compile tier + launcher tests on pins.env TRITON_NEXT_VERSION; reports into build/triton-next/, never fails
+	@$(VPY) scripts/triton_next.py --tree $(TREE)
+
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest
 	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
 gpu-payload: apply venv ## Pack what test-gpu-backend imports (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
 	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
+
+gpu-triton-payload: ## The target's Triton (TRITON_VERSION, or TRITON=x.y.z) trimmed and split for the GPU machine: .gpu_payload/triton/
+	@$(PYTHON) scripts/gpu_triton_payload.py build $(if $(TRITON),--version $(TRITON))
 
 test-gpu-backend: ## GPU tier: AITER FA's extend path vs dense attention, vLLM from .gpu_payload/ (carry it)
 	$(NEED) test-gpu-backend torch triton pytest

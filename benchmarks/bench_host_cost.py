@@ -366,10 +366,16 @@ def stub_kernels(monkeypatch):
     base = triton_launcher._JITFunction
     monkeypatch.setattr(triton_launcher, "_JITFunction",
                         (*(base if isinstance(base, tuple) else (base,)), _StubKernel))
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(triton_launcher._Driver, "current_device", lambda: 0)
-        monkeypatch.setattr(triton_launcher._Driver, "current_stream", lambda device: 0)
-        monkeypatch.setattr(triton_launcher._Driver, "tensor_spec", None)
+    # The process's own launch path where there is a GPU (its device and
+    # stream getters, its pointer key), with the stubs as compiled kernels.
+    real = triton_launcher.launch_path() if torch.cuda.is_available() else None
+    monkeypatch.setattr(triton_launcher, "_PATH", triton_launcher.LaunchPath(
+        True, "stub kernels",
+        real.pointer_key if real and real.direct else triton_launcher.ALIGNMENT,
+        real.spec if real else None,
+        real.current_device if real and real.direct else (lambda: 0),
+        real.current_stream if real and real.direct else (lambda device: 0),
+        _StubKernel))
     triton_launcher.clear_caches()
     yield
     triton_launcher.clear_caches()
@@ -430,28 +436,24 @@ def test_host_cost_hip_spec(benchmark):
     HIPBackend.get_tensor_specialization for each pointer argument (what
     JITFunction.run and the previous KernelLaunch did: it reads its knob from
     the environment every call), against triton_launcher's equivalent
-    (_HIP_BUFFER_OPS: alignment + storage size, knob read once), for the MLA
+    (the ``alignment+2GiB`` key its probe finds for HIPBackend), for the MLA
     decode form's 11 pointer arguments.  ``torch_op`` is the host's own torch
     op (CPU tensors where there is no GPU)."""
     hip = pytest.importorskip("triton.backends.amd.compiler").HIPBackend
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tensors = [torch.zeros(64, device=dev) for _ in range(11)]
-    ptrs = [t.data_ptr() for t in tensors]
 
     def triton_spec():
         tuple(hip.get_tensor_specialization(t, align=True) for t in tensors)
 
+    path = triton_launcher.LaunchPath(True, "HIP", triton_launcher.ALIGNMENT_AND_2GB)
+
     def ours():
-        saved = triton_launcher._Driver.tensor_spec
-        triton_launcher._Driver.tensor_spec = triton_launcher._HIP_BUFFER_OPS
-        try:
-            triton_launcher._pointer_spec(tensors, ptrs)
-        finally:
-            triton_launcher._Driver.tensor_spec = saved
+        triton_launcher._pointer_key(path, tensors, [t.data_ptr() for t in tensors])
 
     record(benchmark, "host_cost_hip_spec", "mla_decode_11_pointers", None,
            {"ours": ours, "baseline": triton_spec},
            dict(pointers=len(tensors), device_tensors=dev),
            notes="baseline: Triton's HIPBackend.get_tensor_specialization per pointer "
-                 "(buffer ops on); ours: triton_launcher._pointer_spec (_HIP_BUFFER_OPS)",
+                 "(buffer ops on); ours: triton_launcher._pointer_key (alignment+2GiB)",
            gpu=False)

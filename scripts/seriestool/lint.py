@@ -11,6 +11,8 @@ Findings, each one line naming the file:
   * diffs with ``index`` lines (not refreshed);
   * overlay files that shadow a file upstream already has;
   * overlay files with no topic or an unknown one (patches/overlay-topics);
+  * pins.env's target stack (torch, Triton) not what the pinned tree runs
+    (stack.lint_target_stack);
   * a topic whose patches do not apply on pristine upstream without the
     other topics (each topic is exported as one upstream PR);
   * the whole series not applying to pristine upstream with zero fuzz and no
@@ -24,7 +26,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, export, figures, gitrepo, patchfile, progress, sdist, topics
+from . import SeriesError, export, figures, gitrepo, patchfile, progress, sdist, stack, topics
 from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
@@ -134,6 +136,7 @@ def lint(layout: Layout) -> list[str]:
         except SeriesError as exc:
             findings.append(str(exc).splitlines()[0])
             return findings
+        findings += stack.lint_target_stack(pins, stack.tree_reader(scratch.build))
         patches = series_patches(layout)
         root = gitrepo.root_commit(scratch.build)
         for topic in patchfile.TOPICS:

@@ -1,12 +1,13 @@
 """triton_launcher (vllm/v1/attention/ops/triton_launcher.py) and the wrappers' launch caches.
 
 KernelLaunch's direct path is exercised on the CPU tier with a stand-in for a
-compiled Triton kernel that records what it is handed: the first call of an
-alignment pattern goes through ``kernel[grid]`` with the tensors, later ones
-hand the data pointers, fixed scalars and constexprs (parameter order) to the
-compiled kernel's launcher, and anything that selects another compiled kernel
-(pointer alignment, device, launch hooks, torch.compile, ENABLED off) goes back
-through ``kernel[grid]``.
+compiled Triton kernel that records what it is handed: the first call of a
+pointer pattern goes through ``kernel[grid]``, later ones hand the tensors,
+fixed scalars and constexprs (parameter order) to the compiled kernel's
+launcher, and anything that selects another compiled kernel (pointer alignment
+or storage, device, ENABLED off, the plain path) goes back through
+``kernel[grid]``.  The pointer probe is checked against stand-in backends here
+and against every real Triton release in tests/launcher.
 
 The wrappers' caches: a call that misses runs the full checks; bad input after
 a good call with the same shapes still gets the same clear error (its key
@@ -41,13 +42,17 @@ import test_triton_paged_context_attention as pca_tests  # noqa: E402
 
 
 class _Compiled:
-    """Stands in for a triton CompiledKernel: records direct launches."""
+    """Stands in for a triton CompiledKernel: ``compiled[grid]`` is its launcher."""
 
     def __init__(self):
         self.function = object()
-        self.packed_metadata = ("warps", "ctas", "shared")
         self.calls = []
-        self.run = lambda *args: self.calls.append(args)
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.calls.append((grid, stream, args))
+
+        return runner
 
 
 class _FakeJIT:
@@ -67,15 +72,17 @@ class _FakeJIT:
         return launch
 
 
+def _path(pointer_key=tl_launch.ALIGNMENT, spec=None, device=0, direct=True):
+    return tl_launch.LaunchPath(direct, "test", pointer_key, spec, lambda: device,
+                                lambda dev: 1234 + dev, _Compiled)
+
+
 @pytest.fixture
 def fake_jit(monkeypatch):
-    kernel = _FakeJIT()
-    monkeypatch.setattr(tl_launch, "_DIRECT", True)  # the convention of triton 3.4-3.6
+    """A fake kernel on a launch path found for it."""
     monkeypatch.setattr(tl_launch, "_JITFunction", _FakeJIT)
-    monkeypatch.setattr(tl_launch._Driver, "current_device", lambda: 0)
-    monkeypatch.setattr(tl_launch._Driver, "current_stream", lambda device: 1234)
-    monkeypatch.setattr(tl_launch._Driver, "tensor_spec", None)
-    return kernel
+    monkeypatch.setattr(tl_launch, "_PATH", _path())
+    return _FakeJIT()
 
 
 def _launch(kernel):
@@ -91,9 +98,11 @@ def test_first_call_goes_through_kernel_grid_then_direct(fake_jit):
     a, b = torch.ones(64), torch.ones(64)
     launch(a, b)
     assert len(fake_jit.launches) == 1, "a hit must not go through kernel[grid]"
-    (call,) = fake_jit.compiled.calls
-    assert call == (7, 3, 1, 1234, fake_jit.compiled.function, fake_jit.compiled.packed_metadata,
-                    None, None, None, a.data_ptr(), b.data_ptr(), 5, 16, 64, True)
+    # The compiled kernel's own launcher, for the grid padded to three
+    # dimensions, with every parameter in order and the current stream.
+    ((grid, stream, args),) = fake_jit.compiled.calls
+    assert grid == (7, 3, 1) and stream == 1234
+    assert args[:2] == (a, b) and args[2:] == (5, 16, 64, True)
 
 
 def test_another_alignment_is_another_compiled_kernel(fake_jit):
@@ -110,58 +119,42 @@ def test_other_device_goes_through_kernel_grid(fake_jit, monkeypatch):
     launch = _launch(fake_jit)
     x = torch.zeros(64)
     launch(x, x)
-    monkeypatch.setattr(tl_launch._Driver, "current_device", lambda: 1)
+    monkeypatch.setattr(tl_launch, "_PATH", _path(device=1))
     launch(x, x)
     assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
+    launch(x, x)
+    assert fake_jit.compiled.calls[0][1] == 1235, "the stream of the current device"
 
 
-def test_launch_hooks_and_disabled_go_through_kernel_grid(fake_jit, monkeypatch):
-    launch = _launch(fake_jit)
+def test_disabled_and_the_plain_path_go_through_kernel_grid(fake_jit, monkeypatch):
     x = torch.zeros(64)
-    launch(x, x)
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda meta: None)
-    launch(x, x)
-    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
     monkeypatch.setattr(tl_launch, "ENABLED", False)
-    fresh = _launch(fake_jit)
-    fresh(x, x)
-    fresh(x, x)
+    launch = _launch(fake_jit)
+    launch(x, x)
+    launch(x, x)
+    monkeypatch.setattr(tl_launch, "ENABLED", True)
+    monkeypatch.setattr(tl_launch, "_PATH", _path(direct=False))
+    launch = _launch(fake_jit)
+    launch(x, x)
+    launch(x, x)
     assert len(fake_jit.launches) == 4 and not fake_jit.compiled.calls
 
 
-def test_a_profiler_in_the_hook_chain_goes_through_kernel_grid(fake_jit, monkeypatch):
-    chain = getattr(triton.knobs, "HookChain", None)
-    if chain is None:
-        pytest.skip("this Triton has no HookChain")
+def test_storage_within_2gib_is_part_of_the_key(fake_jit, monkeypatch):
+    monkeypatch.setattr(tl_launch, "_PATH", _path(tl_launch.ALIGNMENT_AND_2GB))
     launch = _launch(fake_jit)
-    x = torch.zeros(64)
-    launch(x, x)
-    empty, busy = chain(), chain()
-    busy.add(lambda meta: None)
-    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", empty)
-    launch(x, x)
-    assert len(fake_jit.launches) == 1 and len(fake_jit.compiled.calls) == 1
-    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", busy)
-    launch(x, x)
-    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
+    small = torch.zeros(64)
+    big = torch.empty(2**31, dtype=torch.uint8)  # not touched: no memory committed
+    launch(small, small)
+    launch(big[:256].view(torch.float32), small)
+    launch(big[256:512].view(torch.float32), small)
+    launch(torch.ones(64), small)
+    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 2
 
 
-def test_other_triton_releases_always_go_through_kernel_grid(fake_jit, monkeypatch):
-    # The launcher calling convention is only relied on where it is known.
-    monkeypatch.setattr(tl_launch, "_DIRECT", False)
-    launch = _launch(fake_jit)
-    x = torch.zeros(64)
-    launch(x, x)
-    launch(x, x)
-    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
-
-
-def test_backend_tensor_specialisation_is_part_of_the_key(fake_jit, monkeypatch):
-    # A backend that specialises on more than alignment (AMD buffer ops: the
-    # storage size) is asked per tensor.
-    monkeypatch.setattr(tl_launch._Driver, "tensor_spec",
-                        staticmethod(lambda t, align: "S" if t.numel() < 100 else ""))
+def test_backend_call_asks_the_backend_per_tensor(fake_jit, monkeypatch):
+    monkeypatch.setattr(tl_launch, "_PATH", _path(
+        tl_launch.BACKEND_CALL, spec=lambda t: "S" if t.numel() < 100 else ""))
     launch = _launch(fake_jit)
     small, big = torch.zeros(64), torch.zeros(128)
     launch(small, small)
@@ -185,87 +178,46 @@ def test_interpreted_kernels_always_go_through_kernel_grid():
     assert not isinstance(_fetch_kv_kernel, tl_launch._JITFunction)
 
 
-# ------------------------------------------------------------ Triton 3.6's launchers
+# ------------------------------------------------------------ the launch path
 
 
-def _recording_launcher(cls, **attrs):
-    """A real Triton launcher object whose C launch function records its arguments."""
-    launcher = object.__new__(cls)
-    calls = []
-    launcher.launch = lambda *args: calls.append(args)
-    for name, value in attrs.items():
-        setattr(launcher, name, value)
-    return launcher, calls
+def test_no_usable_driver_is_the_plain_path_not_an_error(monkeypatch):
+    """Where Triton cannot name its driver (the CPU tier), the path is the
+    plain one, with the reason; nothing raises."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU driver is active here")
+    path = tl_launch._find_launch_path()
+    assert not path.direct and "Triton internals not found" in path.reason
 
 
-LAUNCHERS = {
-    "cuda": ("triton.backends.nvidia.driver", "CudaLauncher",
-             dict(num_ctas=1, global_scratch_size=0, global_scratch_align=1,
-                  profile_scratch_size=0, profile_scratch_align=1,
-                  launch_cooperative_grid=True, launch_pdl=False)),
-    "hip": ("triton.backends.amd.driver", "HIPLauncher",
-            dict(profile_scratch_size=0, profile_scratch_align=1,
-                 launch_cooperative_grid=True)),
-}
+def _backend(**functions):
+    return type("Backend", (), {k: staticmethod(v) for k, v in functions.items()})
 
 
-def _launcher_class(backend):
-    module, name, attrs = LAUNCHERS[backend]
-    if tl_launch._VERSION != (3, 6):
-        pytest.skip("the raw launch mirrors Triton 3.6's launchers")
-    return getattr(pytest.importorskip(module), name), attrs
+@pytest.mark.parametrize("functions, key", [
+    ({"get_tensor_specialization": lambda t, align: "D" if t.data_ptr() % 16 == 0 else ""},
+     tl_launch.ALIGNMENT),
+    ({"get_arg_specialization": lambda t, ty, align: "D" if t.data_ptr() % 16 == 0 else ""},
+     tl_launch.ALIGNMENT),
+    ({"get_tensor_specialization": lambda t, align: ("D" if t.data_ptr() % 16 == 0 else "")
+      + ("S" if t.untyped_storage().size() < 2**31 else "")}, tl_launch.ALIGNMENT_AND_2GB),
+    ({"get_tensor_specialization": lambda t, align: "D" if t.dim() == 1 else ""},
+     tl_launch.BACKEND_CALL),
+    ({"get_tensor_specialization": lambda t, align: "D" if t.data_ptr() % 8 == 0 else ""},
+     tl_launch.BACKEND_CALL),
+], ids=["alignment", "alignment_before_3_6", "buffer_ops", "shape", "8_byte_alignment"])
+def test_pointer_probe_names_what_the_backend_specialises_on(functions, key):
+    assert tl_launch.probe_pointer_specialization(_backend(**functions))[0] == key
 
 
-@pytest.mark.parametrize("backend", LAUNCHERS)
-def test_raw_launch_passes_what_the_launcher_passes(backend):
-    """The C launch function gets exactly the arguments the launcher's own
-    __call__ (Triton's code) hands it."""
-    cls, attrs = _launcher_class(backend)
-    launcher, calls = _recording_launcher(cls, **attrs)
-    launcher(7, 3, 1, 1234, "function", "metadata", None, None, None, 11, 12, 5, True)
-    fn, before, after = tl_launch._raw_launch(launcher, "function", "metadata", (7, 3, 1))
-    assert fn is launcher.launch, "no scratch: the C launch function is called directly"
-    fn(*before, 1234, *after, 11, 12, 5, True)
-    assert len(calls) == 2 and calls[0] == calls[1]
+def test_a_backend_the_probe_cannot_read_gets_the_plain_path():
+    assert tl_launch.probe_pointer_specialization(_backend())[0] is None
 
+    def boom(t, align):
+        raise RuntimeError("needs a device tensor")
 
-@pytest.mark.parametrize("backend", LAUNCHERS)
-def test_raw_launch_keeps_the_launcher_when_the_kernel_needs_scratch(backend):
-    cls, attrs = _launcher_class(backend)
-    launcher, _ = _recording_launcher(cls, **dict(attrs, profile_scratch_size=64))
-    fn, before, after = tl_launch._raw_launch(launcher, "function", "metadata", (7, 3, 1))
-    assert fn is launcher and before == (7, 3, 1)
-    assert after == ("function", "metadata", None, None, None)
-
-
-def test_other_launchers_are_called_as_they_are():
-    run = lambda *args: None  # noqa: E731
-    assert tl_launch._raw_launch(run, "f", "m", (1, 1, 1)) == (
-        run, (1, 1, 1), ("f", "m", None, None, None))
-
-
-def test_hip_pointer_spec_selects_what_hip_backend_selects(monkeypatch):
-    """_HIP_BUFFER_OPS tells two argument lists apart exactly when
-    HIPBackend.get_tensor_specialization (buffer ops on) does: 16-byte
-    alignment and a storage within 2 GiB."""
-    hip = pytest.importorskip("triton.backends.amd.compiler").HIPBackend
-    monkeypatch.setattr(triton.knobs.amd, "use_buffer_ops", True)
-    assert tl_launch._is_hip_backend(hip, hip.get_tensor_specialization)
-    big = torch.empty(2**31, dtype=torch.uint8)  # not touched: no memory committed
-    small = torch.zeros(64)
-    kinds = [small, small[1:], big[:64], big[4:68], torch.zeros(2**29 - 16)[16:]]
-    monkeypatch.setattr(tl_launch._Driver, "tensor_spec", tl_launch._HIP_BUFFER_OPS)
-    ours, theirs = {}, {}
-    for a in kinds:
-        for b in kinds:
-            args = (a, b)
-            key = tl_launch._pointer_spec(args, [t.data_ptr() for t in args])
-            ref = tuple(hip.get_tensor_specialization(t, align=True) for t in args)
-            ours.setdefault(key, set()).add(ref)
-            theirs.setdefault(ref, set()).add(key)
-    assert all(len(v) == 1 for v in ours.values()), ours
-    assert all(len(v) == 1 for v in theirs.values()), theirs
-    assert len(ours) == 16, "aligned/not x within 2 GiB/not, for each of two pointers"
+    key, why = tl_launch.probe_pointer_specialization(_backend(get_tensor_specialization=boom))
+    assert key is None and "probe failed" in why
 
 
 # ------------------------------------------------------------ wrapper caches
@@ -490,7 +442,7 @@ def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch)
             tensors = (kc, vc, ko, vo, table, cu, starts, cu, cu, cu)
             picked = launch.kernel.warmup(*tensors, *launch.scalars, grid=launch.grid,
                                           **launch.constexprs, **launch.options)
-            functions = {after[0] for _, _, after in launch._compiled.values()}
+            functions = {compiled.function for compiled, _ in launch._compiled.values()}
             assert picked.function in functions
     torch.cuda.synchronize()
     for k in range(2):

@@ -4,45 +4,40 @@
 
 An attention wrapper runs eagerly once per layer (48-61 times a step) between
 the pieces of a piecewise CUDA graph, so its host time is paid on every layer.
-Two costs dominate it:
-
-  * its argument checks, the same for every layer of a step;
-  * ``kernel[grid](...)``: ``JITFunction.run`` binds and specialises every
-    argument, builds the compile-cache key from them and reads Triton's knobs
-    on every call -- about 15 us of Python for a 40-argument kernel before the
-    driver launch.
-
-This module lets a wrapper pay both once per *launch key*: the argument
-shapes, strides, dtypes and devices, plus the host scalars the call takes.
+Two costs dominate it: its argument checks, the same for every layer of a
+step, and ``kernel[grid](...)``, where ``JITFunction.run`` binds and
+specialises every argument and builds the compile-cache key on every call.
 
   * ``LaunchCache`` maps a wrapper's key to what it derived from validated
     arguments (a ``KernelLaunch`` per kernel, buffer sizes, ...).  A miss runs
-    the wrapper's full checks (one code path for validation; bad input raises
-    before anything is cached or launched); a hit skips them.  A key must
-    determine everything the checks look at.
+    the wrapper's full checks; a hit skips them.
   * ``KernelLaunch`` fixes a kernel's grid, scalar arguments, constexprs and
-    options.  Per call only its tensor arguments (the kernel's leading
-    parameters) change.  The first call of each pointer-alignment pattern
-    launches through ``kernel[grid]`` (compiling if needed) and keeps the
-    ``CompiledKernel`` it returns; later calls hand the data pointers to that
-    kernel's launcher directly.  What selects the compiled kernel is known:
-    scalars, constexprs and tensor dtypes are fixed by the key, and the
-    pointers' alignment (and, on backends that specialise on more, the
-    backend's own tensor specialisation) is part of the per-call lookup.
+    options; per call only its tensor arguments (the kernel's leading
+    parameters) change.  The first call of each pointer pattern launches
+    through ``kernel[grid]`` (compiling if needed) and keeps the
+    ``CompiledKernel`` it returns together with that kernel's own launcher,
+    ``compiled[grid]`` (``CompiledKernel.__getitem__``: it builds the launch
+    metadata and passes the launch hooks exactly as ``JITFunction.run`` does).
+    Later calls whose pointers Triton would specialise the same way call that
+    launcher directly.
 
-On Triton 3.6 a hit calls the launcher's C launch function itself when the
-kernel needs no scratch buffer (``_raw_launch``: the arguments the CUDA / HIP
-launcher would pass), and on ROCm the pointer specialisation (alignment and
-storage within 2 GiB, what ``HIPBackend`` selects on with buffer ops) is
-computed here with the ``AMDGCN_USE_BUFFER_OPS`` knob read once per process,
-not from the environment per pointer.
+Which path runs is decided once per process, on the first compiled launch, by
+what the installed Triton provides (``launch_path()``), not by its version:
 
-The direct launch goes to the current stream, so it is captured by CUDA graphs
-like ``kernel[grid]``.  ``kernel[grid]`` is used instead when the kernel is not
-compiled (``TRITON_INTERPRET=1``), while torch.compile traces (``fast_path()``
-is False; the wrappers then check every call and launch normally), and when
-Triton launch hooks (profilers) are installed.  ``ENABLED = False`` turns
-caching and the direct launch off everywhere (the plain path, for comparison).
+  * ``kernel[grid]`` must return a ``CompiledKernel`` with ``__getitem__``;
+  * the active backend's pointer specialisation is probed on meta tensors
+    (no memory): if it depends only on 16-byte alignment, or on alignment and
+    a storage within 2 GiB (AMD buffer ops), the per-call key computes just
+    that; if it depends on anything else, the backend's own function is
+    called per tensor.  The key is never coarser than Triton's, so a direct
+    launch never runs a kernel compiled for assumptions the pointers break.
+
+Anything missing (another Triton layout, no AMD/NVIDIA backend, a driver
+that cannot be asked) selects the plain path, ``kernel[grid]`` on every call;
+the choice and its reason are logged once at info.  Direct launches go to the
+current stream, so CUDA graphs capture them like ``kernel[grid]``; while
+torch.compile traces, ``fast_path()`` is False and the wrappers check and
+launch normally.  ``ENABLED = False`` turns caching and direct launches off.
 """
 
 from __future__ import annotations
@@ -51,39 +46,33 @@ from functools import reduce
 from operator import or_
 
 import torch
-import triton
+
+from vllm.logger import init_logger
+from vllm.triton_utils import triton
+
+logger = init_logger(__name__)
 
 __all__ = [
-    "ENABLED", "KernelLaunch", "LaunchCache", "clear_caches", "fast_path", "tensor_geometry",
+    "ENABLED",
+    "KernelLaunch",
+    "LaunchCache",
+    "clear_caches",
+    "fast_path",
+    "launch_path",
+    "tensor_geometry",
 ]
 
 # Caching and direct launches on (False: every call checks its arguments and
 # launches through kernel[grid]).
 ENABLED = True
 
-# A cache holding more keys than this is emptied (keys carry the step's token
-# counts, so they accumulate slowly over a run; dropping them all is cheap).
+# A cache holding more keys than this is emptied (dropping them all is cheap).
 _MAX_KEYS = 4096
 
 _CACHES: list[LaunchCache] = []
 
-try:
-    from triton.runtime.jit import JITFunction as _JITFunction
-except ImportError:  # pragma: no cover - another Triton layout
-    _JITFunction = ()
-
-# Direct launches follow the launcher calling convention of Triton 3.4 - 3.6
-# (the releases with triton.knobs: every bound argument, constexprs included,
-# after the grid, stream, function, metadata and hooks); other releases keep
-# the validation cache and launch through kernel[grid].  _RAW: the release
-# whose CUDA / HIP launcher internals _raw_launch and _pointer_spec mirror.
-_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
-_DIRECT = hasattr(triton, "knobs") and _VERSION in ((3, 4), (3, 5), (3, 6))
-_RAW = _DIRECT and _VERSION == (3, 6)
-# Launch hooks: Triton 3.5+ keeps them in (possibly empty) HookChains; a set
-# hook (a profiler) sends launches through kernel[grid].
-_RUNTIME = triton.knobs.runtime if _DIRECT else None
-_HookChain = getattr(triton.knobs, "HookChain", None) if _DIRECT else None
+# Compiled kernels (not TRITON_INTERPRET=1, not vLLM's Triton placeholder).
+_JITFunction = getattr(getattr(triton, "runtime", None), "JITFunction", ())
 
 
 def fast_path() -> bool:
@@ -126,111 +115,139 @@ def clear_caches() -> None:
         cache.clear()
 
 
+# ---------------------------------------------------------------- launch path
+
 _MAX_INT32 = 2**31 - 1
+ALIGNMENT = "alignment"
+ALIGNMENT_AND_2GB = "alignment+2GiB"
+BACKEND_CALL = "backend call"
 
 
-class _Driver:
-    """Triton's active driver's device / stream getters and how the backend
-    specialises pointer arguments, looked up on the first direct launch."""
+class LaunchPath:
+    """What the installed Triton lets a ``KernelLaunch`` do, found once.
 
-    current_device = None
-    current_stream = None
-    # How pointer arguments select a compiled kernel: None, 16-byte alignment
-    # only (the default backend); _HIP_BUFFER_OPS, alignment and whether the
-    # storage fits in 2 GiB (HIPBackend with buffer ops on); else the
-    # backend's get_tensor_specialization, called per tensor.
-    tensor_spec = None
+    ``direct``: whether hits call the compiled kernel's launcher; ``reason``:
+    why (logged once); ``pointer_key``: how pointers select a compiled kernel
+    (``ALIGNMENT``, ``ALIGNMENT_AND_2GB`` or ``BACKEND_CALL``); ``spec``: the
+    backend's per-tensor specialisation (for ``BACKEND_CALL``).
+    """
 
-    @classmethod
-    def load(cls) -> None:
-        from triton.backends.compiler import BaseBackend
-        from triton.compiler.compiler import make_backend
+    def __init__(
+        self,
+        direct,
+        reason,
+        pointer_key=None,
+        spec=None,
+        current_device=None,
+        current_stream=None,
+        compiled_type=None,
+    ):
+        self.direct = direct
+        self.reason = reason
+        self.pointer_key = pointer_key
+        self.spec = spec
+        self.current_device = current_device
+        self.current_stream = current_stream
+        self.compiled_type = compiled_type
+
+
+_PATH: LaunchPath | None = None
+
+
+def launch_path() -> LaunchPath:
+    """The process's launch path (found and logged on first use)."""
+    global _PATH
+    if _PATH is None:
+        _PATH = _find_launch_path()
+        logger.info(
+            "Triton %s: %s launches (%s)",
+            getattr(triton, "__version__", "?"),
+            "direct CompiledKernel" if _PATH.direct else "kernel[grid]",
+            _PATH.reason,
+        )
+    return _PATH
+
+
+def _find_launch_path() -> LaunchPath:
+    try:
+        from triton.compiler.compiler import CompiledKernel, make_backend
         from triton.runtime import driver
 
         active = driver.active
         backend = type(make_backend(active.get_current_target()))
-        spec = backend.get_tensor_specialization
-        if spec is BaseBackend.get_tensor_specialization:
-            cls.tensor_spec = None
-        elif _is_hip_backend(backend, spec) and _RAW:
-            # HIPBackend.get_tensor_specialization reads its knob from the
-            # environment on every call; it is read once per process here.
-            cls.tensor_spec = _HIP_BUFFER_OPS if triton.knobs.amd.use_buffer_ops else None
-        else:
-            cls.tensor_spec = spec
-        cls.current_stream = active.get_current_stream
-        # torch.cuda.current_device() without its lazy-init check (launches
-        # have happened, so CUDA is initialised).
-        cls.current_device = getattr(
-            torch._C, "_cuda_getDevice", active.get_current_device
-        )
+        current_device = active.get_current_device
+        current_stream = active.get_current_stream
+    except Exception as e:  # another Triton layout, or no usable driver
+        return LaunchPath(False, f"Triton internals not found: {e!r}")
+    if not callable(getattr(CompiledKernel, "__getitem__", None)):
+        return LaunchPath(False, "CompiledKernel has no launcher (__getitem__)")
+    pointer_key, spec = probe_pointer_specialization(backend)
+    if pointer_key is None:
+        return LaunchPath(False, f"{backend.__name__}: {spec}")
+    return LaunchPath(
+        True,
+        f"{backend.__name__}, pointer key: {pointer_key}",
+        pointer_key,
+        spec,
+        current_device,
+        current_stream,
+        CompiledKernel,
+    )
 
 
-_HIP_BUFFER_OPS = "hip-buffer-ops"
+def probe_pointer_specialization(backend):
+    """``(pointer_key, spec)``: what ``backend`` specialises a pointer on.
 
-
-def _is_hip_backend(backend, spec) -> bool:
-    try:
-        from triton.backends.amd.compiler import HIPBackend
-    except ImportError:  # pragma: no cover - no AMD backend in this build
-        return False
-    return backend is HIPBackend and spec is HIPBackend.get_tensor_specialization
-
-
-def _pointer_spec(tensors, ptrs):
-    """What Triton specialises the pointer arguments on, as a cache key."""
-    spec = _Driver.tensor_spec
-    if spec is None or spec is _HIP_BUFFER_OPS:
-        # True: all 16-byte aligned (the common case).
-        aligned = True if not reduce(or_, ptrs) & 15 else tuple(not p & 15 for p in ptrs)
-        if spec is None:
-            return aligned
-        # HIPBackend: "D" for 16-byte alignment, "S" for a storage of at most
-        # 2**31 - 1 bytes (buffer ops with 32-bit offsets).
-        return aligned, tuple(_storage_nbytes(t) <= _MAX_INT32 for t in tensors)
-    return tuple(spec(t, align=True) for t in tensors)
-
-
-def _storage_nbytes(t) -> int:
-    return t.untyped_storage().nbytes()
-
-
-try:  # the launchers whose calling convention _raw_launch knows (Triton 3.6)
-    from triton.backends.nvidia.driver import CudaLauncher as _CudaLauncher
-except ImportError:  # pragma: no cover - no NVIDIA backend in this build
-    _CudaLauncher = None
-try:
-    from triton.backends.amd.driver import HIPLauncher as _HIPLauncher
-except ImportError:  # pragma: no cover - no AMD backend in this build
-    _HIPLauncher = None
-
-
-def _raw_launch(run, function, metadata, dims):
-    """``(fn, before, after)`` with ``fn(*before, stream, *after, *args)``
-    doing what ``run(*dims, stream, function, metadata, None, None, None,
-    *args)`` does (no launch metadata, no hooks).
-
-    ``run`` is a compiled kernel's launcher.  Triton 3.6's CUDA and HIP
-    launchers only allocate scratch buffers (when the kernel needs them) and
-    reorder their arguments for the C launch function; without scratch that
-    function is called here directly, saving a Python frame and a copy of the
-    argument tuple per launch.  Any other launcher is called as it is.
+    ``spec(tensor)`` is the backend's own per-tensor specialisation
+    (``get_tensor_specialization``, or ``get_arg_specialization`` before it
+    existed).  It is called on meta tensors (no memory) at byte offsets 0, 1,
+    8, 16 and 32, with storages under and over 2 GiB, and in two shapes; the
+    result says which cheap key reproduces it.  ``(None, why)`` when the
+    backend offers neither function or the probe fails.
     """
-    launch = getattr(run, "launch", None)
-    cls = type(run)
-    if _RAW and launch is not None and cls in (_CudaLauncher, _HIPLauncher):
-        if cls is _CudaLauncher and not (
-            run.global_scratch_size or run.profile_scratch_size
-        ):
-            return launch, dims, (
-                function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                metadata, None, None, None,
-            )  # fmt: skip
-        if cls is _HIPLauncher and not run.profile_scratch_size:
-            return launch, (run.launch_cooperative_grid, *dims), (
-                function, None, metadata, None, None, None,
-            )  # fmt: skip
-    return run, dims, (function, metadata, None, None, None)
+    tensor_spec = getattr(backend, "get_tensor_specialization", None)
+    arg_spec = getattr(backend, "get_arg_specialization", None)
+    if tensor_spec is not None:
+
+        def spec(t):
+            return tensor_spec(t, align=True)
+    elif arg_spec is not None:
+
+        def spec(t):
+            return arg_spec(t, "tensor", align=True)
+    else:
+        return None, "no pointer specialisation function"
+    results: dict[tuple[bool, bool], set] = {}
+    try:
+        for size in (64, _MAX_INT32 + 64):
+            base = torch.empty(size, dtype=torch.uint8, device="meta")
+            for offset in (0, 1, 8, 16, 32):
+                flat = base[offset : offset + 32]
+                for view in (flat, flat.view(4, 8)):
+                    features = (offset % 16 == 0, size <= _MAX_INT32)
+                    results.setdefault(features, set()).add(spec(view))
+    except Exception as e:
+        return None, f"pointer specialisation probe failed: {e!r}"
+    if any(len(v) > 1 for v in results.values()):
+        return BACKEND_CALL, spec  # depends on more than these features
+    if all(results[(a, True)] == results[(a, False)] for a in (True, False)):
+        return ALIGNMENT, spec
+    return ALIGNMENT_AND_2GB, spec
+
+
+def _pointer_key(path, tensors, ptrs):
+    """The per-call part of the compiled-kernel key (never coarser than
+    Triton's own specialisation of these pointers)."""
+    key = path.pointer_key
+    # True: all 16-byte aligned (the common case).
+    aligned = True if not reduce(or_, ptrs) & 15 else tuple(not p & 15 for p in ptrs)
+    if key is ALIGNMENT:
+        return aligned
+    if key is ALIGNMENT_AND_2GB:
+        return aligned, tuple(
+            t.untyped_storage().nbytes() <= _MAX_INT32 for t in tensors
+        )
+    return tuple(map(path.spec, tensors))
 
 
 class KernelLaunch:
@@ -250,7 +267,6 @@ class KernelLaunch:
         "scalars",
         "constexprs",
         "options",
-        "_dims",
         "_tail",
         "_compiled",
     )
@@ -261,39 +277,29 @@ class KernelLaunch:
         self.scalars = tuple(scalars)
         self.constexprs = dict(constexprs or {})
         self.options = options
-        self._dims = (*self.grid, 1, 1)[:3]
         self._tail = None  # scalars + constexpr values in parameter order
-        # (device, pointer specialisation) -> (fn, before, after): _raw_launch
+        # (device, pointer key) -> (CompiledKernel, its launcher for the grid)
         self._compiled: dict = {}
 
     def __call__(self, *tensors) -> None:
-        compiled = self._compiled
-        if compiled:
-            ptrs = [*map(_data_ptr, tensors)]
-            device = _Driver.current_device()
-            entry = compiled.get((device, _pointer_spec(tensors, ptrs)))
+        if self._compiled:
+            path = _PATH
+            device = path.current_device()
+            ptrs = [t.data_ptr() for t in tensors]
+            entry = self._compiled.get((device, _pointer_key(path, tensors, ptrs)))
             if entry is not None:
-                runtime = _RUNTIME
-                enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-                if (enter is None or type(enter) is _HookChain and not enter.calls) and (
-                    leave is None or type(leave) is _HookChain and not leave.calls
-                ):
-                    fn, before, after = entry
-                    fn(*before, _Driver.current_stream(device), *after, *ptrs, *self._tail)
-                    return
-        kernel = self.kernel[self.grid](
+                entry[1](*tensors, *self._tail, stream=path.current_stream(device))
+                return
+        compiled = self.kernel[self.grid](
             *tensors, *self.scalars, **self.constexprs, **self.options
         )
-        if _DIRECT and isinstance(self.kernel, _JITFunction) and fast_path():
-            self._remember(kernel, tensors)
+        if isinstance(self.kernel, _JITFunction) and fast_path():
+            self._remember(compiled, tensors)
 
-    def _remember(self, kernel, tensors) -> None:
-        # kernel[grid] returns the CompiledKernel it launched (None when a
-        # compile hook took over); its launcher now has handles loaded.
-        if kernel is None or not hasattr(kernel, "packed_metadata"):
+    def _remember(self, compiled, tensors) -> None:
+        path = launch_path()
+        if not path.direct or not isinstance(compiled, path.compiled_type):
             return
-        if _Driver.current_device is None:
-            _Driver.load()
         if self._tail is None:
             names = self.kernel.arg_names[len(tensors) + len(self.scalars) :]
             if sorted(names) != sorted(self.constexprs):
@@ -303,11 +309,7 @@ class KernelLaunch:
                     f"constexprs {sorted(self.constexprs)}"
                 )
             self._tail = (*self.scalars, *(self.constexprs[n] for n in names))
+        grid = (*self.grid, 1, 1)[:3]
         ptrs = [t.data_ptr() for t in tensors]
-        key = (_Driver.current_device(), _pointer_spec(tensors, ptrs))
-        self._compiled[key] = _raw_launch(
-            kernel.run, kernel.function, kernel.packed_metadata, self._dims
-        )
-
-
-_data_ptr = torch.Tensor.data_ptr
+        key = (path.current_device(), _pointer_key(path, tensors, ptrs))
+        self._compiled[key] = (compiled, compiled[grid])

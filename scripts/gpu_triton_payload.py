@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""A Triton release for the GPU machine, in parts that each fit one device command.
+
+The GPU machine has its own Triton (3.6), no package index, and takes at most
+64 MiB of files per command; the target's Triton (pins.env TRITON_VERSION) is a
+250 MB wheel.  This trims it to what compiling and launching on an NVIDIA GPU
+needs (the Python package, ``libtriton.so``, ``ptxas``, libdevice; no CUPTI, no
+proton, no Blackwell ptxas, no cuobjdump/nvdisasm), packs it as one xz tar and
+splits that into parts of at most ``--part-mib`` MiB (~103 MB in 3 parts).
+
+Here (``make gpu-triton-payload``)::
+
+    python3 scripts/gpu_triton_payload.py build [--version 3.8.0]
+
+writes ``.gpu_payload/triton/`` (git-ignored): ``triton-<v>.tar.xz.<n>`` and
+``MANIFEST.json`` (version, sha256 of the whole and of each part).  On the GPU
+machine, one command per part, each carrying ``.gpu_payload/triton/MANIFEST.json``
+and its part::
+
+    python3 scripts/gpu_triton_payload.py stash          # copies the parts it has into /tmp
+    python3 scripts/gpu_triton_payload.py assemble       # once all are there: verify, extract
+
+``assemble`` prints the folder to put first on PYTHONPATH (``/tmp/triton-<v>``)
+and is a no-op when that folder is already complete.  /tmp survives between
+commands while the machine stays warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / ".gpu_payload" / "triton"
+STASH = Path("/tmp/triton-parts")
+PYTHON_TAG = "cp312"  # the GPU machine's python3
+
+# Wheel members left out: profiling (CUPTI, proton), Blackwell's ptxas, and the
+# disassemblers; nothing on the path that compiles and launches for sm_90.
+DROP = (
+    "triton/backends/nvidia/lib/cupti/",
+    "triton/backends/nvidia/lib/cupti-blackwell/",
+    "triton/backends/nvidia/bin/ptxas-blackwell",
+    "triton/backends/nvidia/bin/cuobjdump",
+    "triton/backends/nvidia/bin/nvdisasm",
+    "triton/_C/libproton.so",
+    "triton/profiler/",
+)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download(version: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = cache / "vllm-aiter-series" / "gpu-wheels" / PYTHON_TAG
+    found = sorted(folder.glob(f"triton-{version}-{PYTHON_TAG}-*.whl"))
+    if found:
+        return found[-1]
+    print(f"gpu-triton-payload: downloading triton=={version} ({PYTHON_TAG}) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
+                    "-d", str(folder), f"triton=={version}"], check=True)
+    return sorted(folder.glob(f"triton-{version}-{PYTHON_TAG}-*.whl"))[-1]
+
+
+def build(version: str, wheel: Path, out: Path, part_bytes: int) -> dict:
+    """Trim ``wheel``, pack and split it into ``out``; returns the manifest."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-triton-") as tmp:
+        tar_path = Path(tmp) / f"triton-{version}.tar"
+        with zipfile.ZipFile(wheel) as zf, tarfile.open(tar_path, "w") as tar:
+            for info in zf.infolist():
+                name = info.filename
+                if info.is_dir() or not name.startswith("triton/") or name.startswith(DROP):
+                    continue
+                member = tarfile.TarInfo(name)
+                member.size = info.file_size
+                member.mode = 0o755 if (info.external_attr >> 16) & 0o111 else 0o644
+                with zf.open(info) as src:
+                    tar.addfile(member, src)
+        print(f"gpu-triton-payload: compressing {tar_path.stat().st_size >> 20} MiB with xz ...",
+              flush=True)
+        subprocess.run(["xz", "-T0", "-6", str(tar_path)], check=True)
+        packed = tar_path.with_suffix(".tar.xz")
+        manifest = {"version": version, "wheel": wheel.name, "sha256": _sha256(packed),
+                    "bytes": packed.stat().st_size, "parts": []}
+        with open(packed, "rb") as f:
+            for n, block in enumerate(iter(lambda: f.read(part_bytes), b"")):
+                part = out / f"triton-{version}.tar.xz.{n}"
+                part.write_bytes(block)
+                manifest["parts"].append({"name": part.name, "sha256": hashlib.sha256(block).hexdigest()})
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def stash(src: Path, stash_dir: Path) -> list[str]:
+    """Copy the verified parts present in ``src`` into ``stash_dir``; return the
+    names still missing there."""
+    manifest = json.loads((src / "MANIFEST.json").read_text())
+    stash_dir.mkdir(parents=True, exist_ok=True)
+    (stash_dir / "MANIFEST.json").write_text(json.dumps(manifest))
+    for part in manifest["parts"]:
+        here = src / part["name"]
+        if here.is_file() and _sha256(here) == part["sha256"]:
+            shutil.copyfile(here, stash_dir / f"{part['name']}.tmp")
+            os.replace(stash_dir / f"{part['name']}.tmp", stash_dir / part["name"])
+    return [p["name"] for p in manifest["parts"] if not (stash_dir / p["name"]).is_file()]
+
+
+def assemble(stash_dir: Path, dest_root: Path) -> Path:
+    """Verify the stashed parts and extract them to ``dest_root/triton-<v>``."""
+    manifest = json.loads((stash_dir / "MANIFEST.json").read_text())
+    dest = dest_root / f"triton-{manifest['version']}"
+    done = dest / ".complete"
+    if done.is_file() and done.read_text().strip() == manifest["sha256"]:
+        return dest
+    missing = [p["name"] for p in manifest["parts"] if not (stash_dir / p["name"]).is_file()]
+    if missing:
+        raise SystemExit(f"gpu-triton-payload: parts not stashed yet: {', '.join(missing)} "
+                         "(run `stash` in a command that carries them)")
+    data = io.BytesIO()
+    for part in manifest["parts"]:
+        data.write((stash_dir / part["name"]).read_bytes())
+    if hashlib.sha256(data.getbuffer()).hexdigest() != manifest["sha256"]:
+        raise SystemExit("gpu-triton-payload: the assembled archive does not match MANIFEST.json")
+    shutil.rmtree(dest, ignore_errors=True)
+    data.seek(0)
+    with tarfile.open(fileobj=data, mode="r:xz") as tar:
+        tar.extractall(dest, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(dest)
+    done.write_text(manifest["sha256"] + "\n")
+    return dest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    b = sub.add_parser("build", help="here: trim, pack and split a Triton wheel")
+    b.add_argument("--version", help="default: pins.env TRITON_VERSION")
+    b.add_argument("--wheel", type=Path, help="a cp312 wheel already at hand")
+    b.add_argument("--out", type=Path, default=OUT)
+    b.add_argument("--part-mib", type=int, default=48)
+    s = sub.add_parser("stash", help="GPU machine: keep the parts this command carries")
+    s.add_argument("--src", type=Path, default=OUT)
+    s.add_argument("--stash", type=Path, default=STASH)
+    a = sub.add_parser("assemble", help="GPU machine: verify and extract; prints the folder")
+    a.add_argument("--stash", type=Path, default=STASH)
+    a.add_argument("--dest", type=Path, default=Path("/tmp"))
+    args = parser.parse_args()
+    if args.verb == "build":
+        sys.path.insert(0, str(REPO / "scripts"))
+        from seriestool.pins import load_pins
+
+        version = args.version or load_pins(REPO)["TRITON_VERSION"]
+        manifest = build(version, args.wheel or download(version), args.out, args.part_mib << 20)
+        print(f"gpu-triton-payload: {args.out}: {manifest['bytes'] >> 20} MiB in "
+              f"{len(manifest['parts'])} parts; carry MANIFEST.json and one part per command")
+    elif args.verb == "stash":
+        missing = stash(args.src, args.stash)
+        print(f"gpu-triton-payload: stashed in {args.stash}; missing: {', '.join(missing) or 'none'}")
+    else:
+        print(assemble(args.stash, args.dest))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

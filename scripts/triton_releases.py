@@ -1,0 +1,53 @@
+"""Triton releases beside the venv's own, for tests that load the launcher on each.
+
+``python3 scripts/triton_releases.py VERSION...`` installs each ``triton==VERSION``
+wheel (no dependencies) into ``<series cache>/triton/<VERSION>`` and prints the
+folders; a folder already there is reused.  Put one first on PYTHONPATH to run
+the venv's torch and the patched tree on that Triton.  An interrupted install
+leaves only a ``.partial`` folder, removed by the next run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seriestool.sdist import cache_dir  # noqa: E402
+
+
+def release_dir(version: str) -> Path:
+    return cache_dir() / "triton" / version
+
+
+def install(version: str, python: str = sys.executable) -> Path:
+    """The folder holding ``triton==version`` (installed on first use)."""
+    target = release_dir(version)
+    if (target / "triton" / "__init__.py").is_file():
+        return target
+    partial = target.with_name(f"{version}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    print(f"triton-releases: installing triton=={version} into {target} ...", file=sys.stderr, flush=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", "--target", str(partial), f"triton=={version}"],
+                   check=True)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("versions", nargs="+")
+    parser.add_argument("--python", default=sys.executable, help="the pip to install with")
+    args = parser.parse_args()
+    for version in args.versions:
+        print(install(version, args.python))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The first compiled launches of a KernelLaunch, under whatever Triton is on the path.
+
+Run as ``python first_launch.py <target>`` (``cuda:90`` or ``hip:gfx942``) with a
+Triton release and the patched tree on PYTHONPATH; prints one JSON line.  No GPU:
+a stand-in driver for ``target`` is made active, so ``kernel[grid]`` really
+specialises, compiles (Triton's own compiler for that target) and builds its
+``CompiledKernel``; only the driver's load and launch are recorded instead of
+run.  What the launcher does on the first compiled launch (``launch_path()``:
+the capability checks and the pointer probe) runs for real.
+
+Reported: the launch path, and per call whether it went through
+``JITFunction.run`` and which compiled kernel's launcher got which arguments,
+so the test can compare the direct launch with Triton's own launch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import torch
+
+
+class _Launcher:
+    """Stands in for the backend launcher: records the calls it gets."""
+
+    instances: list = []
+
+    def __init__(self, src, metadata):
+        self.calls = []
+        _Launcher.instances.append(self)
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _Utils:
+    def load_binary(self, name, kernel, shared, device):
+        # module, function, n_regs, n_spills, n_max_threads
+        return object(), object(), 32, 0, 1024
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 228 * 1024, "multiprocessor_count": 132,
+                "max_num_regs": 65536, "warpSize": 32, "sm_clock_rate": 1,
+                "mem_clock_rate": 1, "mem_bus_width": 1}
+
+    def unload_module(self, module):
+        pass
+
+
+def _driver(target):
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    backend, arch = target.split(":")
+    gpu_target = GPUTarget(backend, int(arch) if backend == "cuda" else arch,
+                           32 if backend == "cuda" else 64)
+
+    class Driver(DriverBase):
+        launcher_cls = _Launcher
+
+        def __init__(self):
+            self.utils = _Utils()
+
+        @classmethod
+        def is_active(cls):
+            return True
+
+        def get_current_target(self):
+            return gpu_target
+
+        def get_current_device(self):
+            return 0
+
+        def set_current_device(self, device):
+            pass
+
+        def get_current_stream(self, device=None):
+            return 4242
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def map_python_to_cpp_type(self, ty):
+            return ty
+
+        def get_benchmarker(self):
+            raise NotImplementedError
+
+        def get_empty_cache_for_benchmark(self):
+            raise NotImplementedError
+
+        def clear_cache(self, cache):
+            pass
+
+    return Driver()
+
+
+def _label(arg, buf):
+    """A comparable label: tensors by offset, per-call metadata by type,
+    other objects (function handles, hooks) by identity."""
+    if isinstance(arg, torch.Tensor):
+        if arg.untyped_storage().data_ptr() != buf.data_ptr():
+            return "tensor@big"
+        return f"tensor@{arg.data_ptr() - buf.data_ptr()}"
+    if isinstance(arg, (int, tuple)) or arg is None:
+        return repr(arg)
+    if type(arg).__name__ == "LazyDict":
+        return "LazyDict"
+    return f"{type(arg).__name__}#{id(arg)}"
+
+
+def main(target):
+    logging.basicConfig(level=logging.INFO)
+    import triton
+    from triton.runtime import driver
+
+    driver.set_active(_driver(target))
+
+    import triton.language as tl
+
+    from vllm.v1.attention.ops import triton_launcher as tl_launch
+
+    @triton.jit
+    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1, mask=mask)
+
+    jit_runs = []
+    run = add_one.run
+
+    def counting_run(*args, **kwargs):
+        jit_runs.append(1)
+        return run(*args, **kwargs)
+
+    add_one.run = counting_run
+    buf = torch.zeros(4096, dtype=torch.float32)
+    x, y = buf[:128], buf[1024:1152]
+    launch = tl_launch.KernelLaunch(add_one, (2,), (128,), {"BLOCK": 64}, num_warps=4)
+    calls = []
+
+    def call(*tensors):
+        before = len(jit_runs)
+        counts = [len(i.calls) for i in _Launcher.instances]
+        launch(*tensors)
+        counts += [0] * (len(_Launcher.instances) - len(counts))
+        (launcher,) = [i for i, n in zip(_Launcher.instances, counts) if len(i.calls) > n]
+        args = launcher.calls[-1]
+        # The compiled kernel JITFunction.run itself selects for these arguments.
+        picked = run(*tensors, 128, BLOCK=64, num_warps=4, grid=(2,), warmup=True)
+        calls.append({
+            "jit": len(jit_runs) > before,
+            "launcher": _Launcher.instances.index(launcher),
+            "picked": _Launcher.instances.index(picked.run),
+            "args": [_label(a, buf) for a in args],
+        })
+
+    call(x, y)          # 0: compiles, through kernel[grid]
+    call(x, y)          # 1: direct
+    x1 = buf[1:129]
+    call(x1, y)         # 2: misaligned x: another specialisation, through kernel[grid]
+    call(x1, y)         # 3: direct, the misaligned kernel
+    call(x, y)          # 4: direct, the aligned kernel again
+    # 6, 7: an aligned tensor whose storage exceeds 2 GiB (never touched; AMD
+    # buffer ops specialise on it): the kernel Triton picks, both times.
+    big = torch.empty(2**31 + 4096, dtype=torch.uint8).view(torch.float32)
+    hooked = []
+    from triton import knobs
+
+    saved = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = hook = lambda metadata: hooked.append(metadata)
+    call(x, y)          # 5: a launch hook is set: the launcher is handed it
+    knobs.runtime.launch_enter_hook = saved
+    call(big[:128], y)  # 6
+    call(big[:128], y)  # 7
+    path = tl_launch.launch_path()
+    print(json.dumps({
+        "triton": triton.__version__,
+        "direct": path.direct,
+        "reason": path.reason,
+        "pointer_key": path.pointer_key,
+        "calls": calls,
+        "hook": _label(hook, buf),
+    }))
+
+
+def probe():
+    """The pointer key of each backend, with no compile (AMD's with buffer ops
+    on and off)."""
+    import os
+
+    from triton.backends.amd.compiler import HIPBackend
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from vllm.v1.attention.ops.triton_launcher import probe_pointer_specialization
+
+    keys = {"cuda": probe_pointer_specialization(CUDABackend)[0]}
+    for knob in ("1", "0"):
+        os.environ["AMDGCN_USE_BUFFER_OPS"] = knob
+        keys[f"hip_buffer_ops_{knob}"] = probe_pointer_specialization(HIPBackend)[0]
+    print(json.dumps(keys))
+
+
+if __name__ == "__main__":
+    probe() if sys.argv[1] == "probe" else main(sys.argv[1])

@@ -34,7 +34,7 @@ def quote_found(root: Path, claim: dict) -> bool:
 
 def _part(parts: dict, name: str) -> tuple[dict | None, str | None]:
     part = parts.get(name)
-    if part is None or part.get("status") in (None, NOT_RUN):
+    if part is None or part.get("status") in (None, NOT_RUN, "skipped"):
         reason = (part or {}).get("reason") or "not run"
         return None, f"{name}: {reason}"
     return part, None

@@ -1,0 +1,142 @@
+"""Each part's command, as the kit builds it, and the readers of the parts' outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from rocm_standin import MI300X, ROOT
+from seriestool.pins import load_pins
+from validate_rocm import bench_roofline, device_facts, junit, prereqs
+from validate_rocm.parts import PARTS, Context, facts_target, fake_test_files
+
+
+@pytest.fixture
+def ctx(tmp_path):
+    opts = prereqs.Options(root=ROOT, pins=load_pins(ROOT), model="/models/llama",
+                           upstream="/opt/up/bin/python", patched="docker exec vllm python3")
+    return Context(root=ROOT, out=tmp_path, python="/usr/bin/python3", env=MI300X, opts=opts,
+                   base_env={"PYTHONPATH": "/site", "TRITON_INTERPRET": "1"})
+
+
+PYTEST = ["/usr/bin/python3", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+
+
+def test_rocm_tests_run_the_rocm_marker_on_the_patched_tree(ctx):
+    part = PARTS["rocm-tests"]
+    assert part.command(ctx) == [*PYTEST, "-m", "rocm", "tests",
+                                 f"--junitxml={ctx.out / 'rocm-tests.xml'}"]
+    env = part.env(ctx)
+    assert env["PYTHONPATH"] == os.pathsep.join([str(ROOT / "build/vllm"), "/site"])
+    assert env["VLLM_BUILD_TREE"] == str(ROOT / "build/vllm")
+
+
+def test_conformance_runs_every_test_file_that_goes_through_the_fakes(ctx):
+    files = fake_test_files(ROOT)
+    for f in ("tests/aiter_fa/test_aiter_fa_fakes.py", "tests/aiter_fa/test_extend_path.py",
+              "tests/mla/test_mla_rope_fusion_aiter.py"):
+        assert f in files
+    assert not any(f.startswith(("tests/fakes/", "tests/validate_rocm/")) for f in files)
+    assert "tests/kernels/test_triton_fetch_kv.py" not in files
+    part = PARTS["conformance"]
+    cmd = part.command(ctx)
+    assert cmd[:8] == [*PYTEST, "-p", "conformance"] and cmd[8:-1] == files
+    env = part.env(ctx)
+    assert env["AITER_CONFORMANCE"] == str(ctx.out / "conformance.json")
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(ROOT / "build/vllm"),
+                                                        str(ROOT / "tests/fakes")]
+
+
+def test_kernels_and_bench_run_as_make_test_gpu_and_make_bench(ctx):
+    assert PARTS["kernels"].command(ctx) == [*PYTEST, "tests/kernels",
+                                             f"--junitxml={ctx.out / 'kernels.xml'}"]
+    gpu_path = os.pathsep.join([str(ROOT / "vllm_overlay"), str(ROOT), "/site"])
+    assert PARTS["kernels"].env(ctx)["PYTHONPATH"] == gpu_path
+    assert PARTS["bench"].command(ctx) == ["/usr/bin/python3", str(ROOT / "scripts/run_bench.py"),
+                                           "--out", str(ctx.out / "bench")]
+    assert PARTS["bench"].env(ctx)["PYTHONPATH"] == gpu_path
+    makefile = (ROOT / "Makefile").read_text()
+    assert "PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels" in makefile
+    assert "PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py" in makefile
+
+
+def test_facts_compile_the_devices_own_target_without_the_interpreter(ctx):
+    cmd = PARTS["facts"].command(ctx)
+    assert cmd == ["/usr/bin/python3", "-m", "validate_rocm.device_facts", "--target", "gfx942",
+                   "--out", str(ctx.out / "device-facts.json")]
+    env = PARTS["facts"].env(ctx)
+    assert env["TRITON_INTERPRET"] is None  # removed
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(ROOT / "vllm_overlay"),
+                                                        str(ROOT / "scripts")]
+    assert [facts_target(a) for a in ("gfx942", "gfx950", "sm_90", "gfx90a", None)] == [
+        "gfx942", "gfx950", "sm_90", None, None]
+
+
+def test_e2e_command_parses_with_the_e2e_cli_and_stays_offline(ctx):
+    cmd = PARTS["e2e"].command(ctx)
+    assert cmd[:3] == ["/usr/bin/python3", str(ROOT / "scripts/e2e.py"), "all"]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from e2e.cli import build_parser
+
+    args = build_parser().parse_args(cmd[2:])
+    assert args.model == "/models/llama" and args.recipes == ["all"]
+    assert (args.upstream, args.patched) == ("/opt/up/bin/python", "docker exec vllm python3")
+    assert args.out == ctx.out / "e2e" and args.work == ctx.out / "e2e-work"
+    assert args.env == ["HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"]
+    assert PARTS["e2e"].env(ctx)["HF_HUB_OFFLINE"] == "1"
+
+
+def test_junit_node_ids(tmp_path):
+    from rocm_standin import junit as write_junit
+
+    path = tmp_path / "j.xml"
+    write_junit(path, [("tests.mla.test_mla_rope_fusion_aiter",
+                        "test_real_aiter_op_matches_the_triton_kernel[fp8-False]", "failed"),
+                       ("tests.kernels.test_triton_launcher", "test_x", "skipped"),
+                       ("tests.kernels.test_triton_launcher.TestGroup", "test_y", "passed")])
+    tests = junit.read(path, ROOT)
+    assert [t["test"] for t in tests] == [
+        "tests/mla/test_mla_rope_fusion_aiter.py::test_real_aiter_op_matches_the_triton_kernel[fp8-False]",
+        "tests/kernels/test_triton_launcher.py::test_x",
+        "tests/kernels/test_triton_launcher.py::TestGroup::test_y"]
+    assert [t["outcome"] for t in tests] == ["failed", "skipped", "passed"]
+    assert tests[0]["message"] == "assert 1 == 2"
+    assert junit.summary(tests) == {"failed": 1, "skipped": 1, "passed": 1}
+
+
+def test_bench_cases_beside_the_roofline_of_docs_roofline_amd():
+    results = ROOT / "benchmarks/results/20261201-1039-nvidia-h200-98d223cb1f.json"
+    rows = {(r["kernel"], r["case"]): r for r in bench_roofline.cases(results, "gfx942")}
+    row = rows[("fetch_kv", "nhd_bf16_h1_d128_b16_4k")]
+    # docs/roofline-amd.md: 4.0 MiB, MI300X bound 0.791 µs, MI355X 0.524 µs.
+    assert row["bounds_us"] == {"MI300X": pytest.approx(0.7914, abs=1e-4),
+                                "MI355X": pytest.approx(0.5243, abs=1e-4)}
+    assert row["fraction_of_bound"] == pytest.approx(0.7914 / 3.56, abs=1e-3)
+    assert row["vs_upstream"] == 1.408 and row["bound_device"] == "MI300X"
+    assert "nhd_bf16_h1_d128_b16_4k" in (ROOT / "docs/roofline-amd.md").read_text()
+    assert all(r["fraction_of_bound"] is None for r in bench_roofline.cases(results, "sm_90"))
+
+
+def test_device_facts_compare_with_the_committed_target(tmp_path):
+    from rocm_standin import device_facts as write_facts
+
+    committed = json.loads((ROOT / "benchmarks/results/compile/gfx942.json").read_text())
+    path = tmp_path / "f.json"
+    write_facts(path, change=3)
+    cmp = device_facts.compare(json.loads(path.read_text()), committed)
+    assert cmp["cases"] == len(committed["records"]) and cmp["spills"] == [] and cmp["errors"] == []
+    [diff] = cmp["differences"]
+    rec = committed["records"][3]
+    assert diff == {"case": f"{rec['kernel']}/{rec['case']}",
+                    "committed_vs_here": {"vgpr_total": (rec["vgpr_total"], rec["vgpr_total"] + 1)}}
+    device = json.loads(path.read_text())
+    device["records"][0]["driver"]["n_spills"] = 4
+    assert len(device_facts.compare(device, committed)["spills"]) == 1
+
+
+def test_device_facts_refuses_the_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert device_facts.main(["--target", "gfx942", "--out", str(tmp_path / "x.json")]) == 2

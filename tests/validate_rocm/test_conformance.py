@@ -105,11 +105,14 @@ def test_disagreeing_fakes_are_reported_by_name_with_their_call(harness_with):
     assert fa["function"] == "aiter.flash_attn_varlen_func"
 
 
-def test_other_arch_not_modelled_and_misreads_are_counted_not_compared(harness_with):
+def test_other_arch_compared_only_without_fp8_and_not_modelled_counted(harness_with):
     h = harness_with(standins.identical())  # a gfx942 device
     fake = _install("gfx950")
     try:
-        _varlen()
+        _varlen()  # fp16: the arch does not matter
+        args = standins.mla_inputs()
+        args["kv_cache"] = args["kv_cache"].to(torch.float8_e4m3fn)  # gfx950's fp8
+        _mla(kv_cache=args["kv_cache"])
     finally:
         fake.uninstall()
     fake = _install()
@@ -118,8 +121,11 @@ def test_other_arch_not_modelled_and_misreads_are_counted_not_compared(harness_w
             _varlen(alibi_slopes=torch.zeros(4))
     finally:
         fake.uninstall()
-    fa = h.report()["fakes"]["flash_attn_varlen_func"]
-    assert (fa["not_compared_arch"], fa["not_modelled"], fa["compared"]) == (1, 1, 0)
+    report = h.report()["fakes"]
+    fa = report["flash_attn_varlen_func"]
+    assert (fa["compared_other_arch"], fa["agreed"], fa["not_modelled"]) == (1, 1, 1)
+    mla = report["fused_qk_rope_concat_and_cache_mla"]
+    assert (mla["not_compared_arch"], mla["compared"]) == (1, 0)
 
 
 def test_clone_keeps_aliasing_and_strides():

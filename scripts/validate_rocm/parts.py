@@ -141,8 +141,10 @@ def _facts_command(ctx: Context) -> list[str]:
 
 
 def _facts_env(ctx: Context) -> dict:
+    # As compile_tier.run: a scratch Triton cache and every kernel compiled (ptxas -v runs).
     return {"PYTHONPATH": _path(ctx.root / "vllm_overlay", ctx.root / "scripts",
-                                ctx.base_env.get("PYTHONPATH")), "TRITON_INTERPRET": None}
+                                ctx.base_env.get("PYTHONPATH")), "TRITON_INTERPRET": None,
+            "TRITON_CACHE_DIR": str(ctx.out / "triton-cache"), "TRITON_ALWAYS_COMPILE": "1"}
 
 
 def _collect_facts(ctx: Context, rc: int) -> dict:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 from rocm_standin import MI300X, ROOT
@@ -68,6 +70,8 @@ def test_facts_compile_the_devices_own_target_without_the_interpreter(ctx):
                    "--out", str(ctx.out / "device-facts.json")]
     env = PARTS["facts"].env(ctx)
     assert env["TRITON_INTERPRET"] is None  # removed
+    assert env["TRITON_ALWAYS_COMPILE"] == "1"
+    assert env["TRITON_CACHE_DIR"] == str(ctx.out / "triton-cache")
     assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(ROOT / "vllm_overlay"),
                                                         str(ROOT / "scripts")]
     assert [facts_target(a) for a in ("gfx942", "gfx950", "sm_90", "gfx90a", None)] == [
@@ -139,3 +143,35 @@ def test_device_facts_compare_with_the_committed_target(tmp_path):
 def test_device_facts_refuses_the_interpreter(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert device_facts.main(["--target", "gfx942", "--out", str(tmp_path / "x.json")]) == 2
+
+
+def test_device_facts_compiles_a_case_as_the_compile_tier_does(tmp_path):
+    """One gfx942 case compiled here (Triton's AMD backend works on the CPU); loading on a
+    device is stood in for: the record carries the driver's numbers beside the facts."""
+    script = textwrap.dedent("""
+        import json, sys
+        from compile_tier import cases
+        from triton.compiler import CompiledKernel
+        from validate_rocm import device_facts
+
+        first = cases.build_specs
+        cases.build_specs = lambda target: first(target)[:1]
+        def init_handles(self):  # what the HIP driver sets when it loads the kernel
+            self.n_regs, self.n_spills, self.n_max_threads = 32, 0, 1024
+        CompiledKernel._init_handles = init_handles
+        [rec] = device_facts.run("gfx942")
+        json.dump(rec, sys.stdout)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "vllm_overlay"), str(ROOT / "scripts")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    committed = json.loads((ROOT / "benchmarks/results/compile/gfx942.json").read_text())
+    ref = next(r for r in committed["records"] if (r["kernel"], r["case"]) == (rec["kernel"], rec["case"]))
+    assert rec["driver"] == {"n_regs": 32, "n_spills": 0, "n_max_threads": 1024}
+    for key in ("vgpr_total", "vgpr_spill", "scratch_bytes", "waves_per_simd"):
+        assert isinstance(rec["facts"][key], int), key
+    assert rec["facts"]["vgpr_spill"] == ref["vgpr_spill"] == 0

@@ -103,7 +103,8 @@ RULES = {
 
 class Reference:
     """What a fake is compared with: ``lookup(kind, module, name)`` gives the
-    callable ("op": a ``torch.ops.aiter`` op; "plain": a module attribute);
+    callable (an attribute of ``module``, or the ``torch.ops.aiter`` op where
+    the fake is reached only there: ``module`` None);
     ``active()`` is the context it runs in; ``arch`` its device's gfx arch;
     ``device`` where its inputs must live."""
 
@@ -143,7 +144,9 @@ class RealAiter(Reference):
         self.arch = getattr(props, "gcnArchName", "").split(":")[0] or None
 
     def lookup(self, kind, module, name):
-        if kind == "op":
+        # A guarded op through its module's export (``wrapper_custom`` builds and
+        # registers the op on first use); a direct op through torch.ops.aiter.
+        if module is None:
             return getattr(self.ops, name, None)
         mod = self.modules.get(module)
         return getattr(mod, name, None) if mod is not None else None
@@ -182,7 +185,7 @@ class StandIn(Reference):
         self.device = torch.device(device)
 
     def lookup(self, kind, module, name):
-        if kind == "op":
+        if module is None:
             return getattr(getattr(torch.ops, self.export.namespace), name, None)
         mod = self.export.modules.get(module)
         return getattr(mod, name, None) if mod is not None else None

@@ -34,7 +34,8 @@ def _part_line(name: str, part: dict) -> str:
     elif name == "facts" and "cases" in part:
         detail = (f"{part['target']}: {part['cases']} cases, {len(part['differences'])} differ "
                   f"from the committed facts, {len(part['spills'])} spill, "
-                  f"{len(part['errors'])} errors")
+                  f"{len(part.get('occupancy_differs', []))} with another occupancy at run "
+                  f"time, {len(part['errors'])} errors")
     elif name == "bench" and "cases" in part:
         detail = f"{len(part['cases'])} cases ({part['file']})"
     elif name == "e2e" and "recipes" in part:

@@ -137,7 +137,16 @@ def test_device_facts_compare_with_the_committed_target(tmp_path):
                     "committed_vs_here": {"vgpr_total": (rec["vgpr_total"], rec["vgpr_total"] + 1)}}
     device = json.loads(path.read_text())
     device["records"][0]["driver"]["n_spills"] = 4
-    assert len(device_facts.compare(device, committed)["spills"]) == 1
+    device["records"][1]["driver"]["waves_per_simd"] = 1
+    cmp = device_facts.compare(device, committed)
+    assert len(cmp["spills"]) == 1
+    rec = committed["records"][1]
+    assert cmp["occupancy_differs"] == [{"case": f"{rec['kernel']}/{rec['case']}",
+                                         "facts": rec["waves_per_simd"], "runtime": 1}]
+    from validate_rocm import claims
+
+    verdict, detail = claims.check("facts:waves", {"facts": {"status": "passed", **cmp}})
+    assert verdict == "failed" and detail.startswith("1 cases under 2 waves per SIMD")
 
 
 def test_device_facts_refuses_the_interpreter(tmp_path, monkeypatch):
@@ -171,7 +180,8 @@ def test_device_facts_compiles_a_case_as_the_compile_tier_does(tmp_path):
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     committed = json.loads((ROOT / "benchmarks/results/compile/gfx942.json").read_text())
     ref = next(r for r in committed["records"] if (r["kernel"], r["case"]) == (rec["kernel"], rec["case"]))
-    assert rec["driver"] == {"n_regs": 32, "n_spills": 0, "n_max_threads": 1024}
+    assert rec["driver"] == {"n_regs": 32, "n_spills": 0, "n_max_threads": 1024,
+                             "occupancy_source": None}  # no HIP / CUDA runtime here
     for key in ("vgpr_total", "vgpr_spill", "scratch_bytes", "waves_per_simd"):
         assert isinstance(rec["facts"][key], int), key
     assert rec["facts"]["vgpr_spill"] == ref["vgpr_spill"] == 0

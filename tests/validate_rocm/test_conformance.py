@@ -204,3 +204,21 @@ def test_plugin_writes_the_disagreements_of_a_pytest_run(tmp_path):
     [d] = report["disagreements"]
     assert d["fake"] == "fused_qk_rope_concat_and_cache_mla"
     assert d["test"] == "test_uses_fakes.py::test_mla_refusal"
+
+
+def test_the_fa_fakes_own_tests_pass_under_the_plugin_and_agree_with_a_copy(tmp_path):
+    """tests/aiter_fa/test_aiter_fa_fakes.py as the conformance part runs it: the wrapping
+    keeps every export check true (identity, signatures, schemas) and a copy of the fakes
+    agrees with them call for call."""
+    out = tmp_path / "conformance.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fakes"),
+                                                        str(Path(__file__).parent)]),
+           conformance.ENV: str(out), conformance.REFERENCE_ENV: "standins:identical_gfx950"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "conformance", "tests/aiter_fa/test_aiter_fa_fakes.py"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["disagreeing"] == []
+    assert sum(e["compared"] for e in report["fakes"].values()) >= 50
+    assert {"flash_attn_varlen_func", "unified_attention", "paged_attention_v1"} <= set(report["fakes"])

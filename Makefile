@@ -17,6 +17,11 @@ FORCE      ?=
 # make bench writes here (default benchmarks/results/); make bench-host defaults to an ignored folder.
 BENCH_OUT  ?=
 HOST_BENCH_OUT ?= $(BUILD)/results
+# make validate-rocm PARTS=kernels,facts,bench ALLOW_CUDA=1 (docs/rocm.md); writes
+# build/validate-rocm/<date>-<device>-<commit>/ unless VALIDATE_OUT= is given.
+PARTS      ?=
+ALLOW_CUDA ?=
+VALIDATE_OUT ?=
 # make sweep writes here (default an ignored folder named after the config file).
 SWEEP_OUT  ?=
 # make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y, then CONTINUE=1 or ABORT=1.
@@ -35,7 +40,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-triton-next test-gpu gpu-payload gpu-triton-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-triton-next test-gpu gpu-payload gpu-triton-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e validate-rocm clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -113,6 +118,9 @@ sweep-report: ## Rewrite and print a sweep's REPORT.md: make sweep-report DIR=bu
 
 e2e: ## ROCm end-to-end recipes: make e2e RECIPES=all MODEL=... UPSTREAM=/path/python PATCHED=/path/python
 	$(PYTHON) scripts/e2e.py $(or $(RECIPES),all) --model $(MODEL) $(if $(UPSTREAM),--upstream '$(UPSTREAM)') $(if $(PATCHED),--patched '$(PATCHED)')
+
+validate-rocm: ## ROCm day one: check prerequisites, run every ROCm check, report each claim (PARTS= MODEL= ALLOW_CUDA=1)
+	$(GPU_PYTHON) scripts/validate_rocm.py $(if $(PARTS),--parts $(PARTS)) $(if $(ALLOW_CUDA),--allow-cuda) $(if $(MODEL),--model '$(MODEL)') $(if $(UPSTREAM),--upstream '$(UPSTREAM)') $(if $(PATCHED),--patched '$(PATCHED)') $(if $(VALIDATE_OUT),--out $(VALIDATE_OUT))
 
 clean: ## Remove build outputs (build/, dist/); never the sdist cache or the venv
 	rm -rf $(BUILD) dist

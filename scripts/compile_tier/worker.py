@@ -67,6 +67,12 @@ def compile_key(fn, target, signature, constexprs, attrs, options) -> str:
 
 
 def compile_facts(fn, target, signature, constexprs, attrs, options) -> dict:
+    return compile_kernel(fn, target, signature, constexprs, attrs, options)[1]
+
+
+def compile_kernel(fn, target, signature, constexprs, attrs, options):
+    """(the CompiledKernel, its facts); make validate-rocm loads the kernel on
+    the device to read what the driver reports beside the facts."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -88,7 +94,7 @@ def compile_facts(fn, target, signature, constexprs, attrs, options) -> dict:
         facts = cuda_facts(target, kernel.asm["ptx"], log.getvalue(), kernel.metadata.shared,
                            warps)
     facts["compile_s"] = round(seconds, 2)
-    return facts
+    return kernel, facts
 
 
 def _cached(cache: Path, key: str) -> dict | None:

@@ -26,7 +26,7 @@ CONTINUE   ?=
 ABORT      ?=
 # One clear line (exit 2) when GPU_PYTHON lacks what a GPU verb imports.
 NEED       = @$(GPU_PYTHON) scripts/require_modules.py
-# make pr / build / image (README "Upstream PRs, wheels and the ROCm image").
+# make pr / build / image (docs/prs-wheels-image.md).
 TOPIC      ?=
 RUFF       ?= $(wildcard $(VENV)/bin/ruff)
 DEVICE     ?= auto
@@ -46,7 +46,7 @@ fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
 apply: ## Build build/vllm: pristine vLLM, overlay, one commit per patch (FORCE=1 discards local work)
 	@$(SERIES) apply $(if $(FORCE),--force)
 
-check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing
+check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing, docs links
 	@$(SERIES) check
 
 refresh: ## Regenerate patches/ and vllm_overlay/ from commits in build/vllm

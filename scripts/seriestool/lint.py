@@ -14,7 +14,9 @@ Findings, each one line naming the file:
   * a topic whose patches do not apply on pristine upstream without the
     other topics (each topic is exported as one upstream PR);
   * the whole series not applying to pristine upstream with zero fuzz and no
-    whitespace errors (built in a scratch directory from the cached sdist).
+    whitespace errors (built in a scratch directory from the cached sdist);
+  * relative links in the tracked Markdown (README.md, docs/, ...) to files or
+    anchors that do not exist (doclinks.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, export, figures, gitrepo, patchfile, progress, sdist, topics
+from . import SeriesError, doclinks, export, figures, gitrepo, patchfile, progress, sdist, topics
 from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
@@ -116,7 +118,7 @@ def lint_header_claims(layout: Layout) -> list[str]:
 
 
 def lint(layout: Layout) -> list[str]:
-    findings = lint_series_files(layout) + lint_header_claims(layout)
+    findings = lint_series_files(layout) + lint_header_claims(layout) + doclinks.lint_links(layout.root)
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     with progress.stage("check", f"listing {sdist_file.name}"):

@@ -96,8 +96,8 @@ bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step)
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
 
-compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md
-	$(VPY) scripts/compile_tier.py report
+compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md (NO_CANDIDATES=1: without the candidate tiles)
+	$(VPY) scripts/compile_tier.py report $(if $(NO_CANDIDATES),--no-candidates)
 
 sweep: ## Ray sweep: CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]; into build/sweeps/<config>/ (SWEEP_OUT=)
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) --out $(or $(SWEEP_OUT),$(BUILD)/sweeps/$(basename $(notdir $(CONFIG)))) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)
@@ -111,9 +111,12 @@ e2e: ## ROCm end-to-end recipes: make e2e RECIPES=all MODEL=... UPSTREAM=/path/p
 clean: ## Remove build outputs (build/, dist/); never the sdist cache or the venv
 	rm -rf $(BUILD) dist
 
-.PHONY: pr build image
+.PHONY: pr pr-stack build image
 pr: ## Export TOPIC=order-contract|fetch-kv|mla-fusion as an upstream PR: branch pr/TOPIC, dist/TOPIC/
 	@$(SERIES) pr --topic "$(TOPIC)" $(if $(RUFF),--ruff $(RUFF))
+
+pr-stack: venv ## After make pr for every topic: git am each PR alone and all stacked on pristine vLLM; run their tests there (CPU)
+	@$(SERIES) pr-stack --python $(abspath $(VPY))
 
 build: apply ## Wheel of the patched tree into dist/: ROCm extensions on ROCm, else Python-only (DEVICE=auto|rocm|empty)
 	@$(PYTHON) scripts/build_wheel.py --tree $(TREE) --dist dist --device $(DEVICE)

@@ -11,6 +11,8 @@ Findings, each one line naming the file:
   * diffs with ``index`` lines (not refreshed);
   * overlay files that shadow a file upstream already has;
   * overlay files with no topic or an unknown one (patches/overlay-topics);
+  * patches/pr-tests lines naming a missing test, an unknown topic, or a path
+    upstream already has;
   * a topic whose patches do not apply on pristine upstream without the
     other topics (each topic is exported as one upstream PR);
   * the whole series not applying to pristine upstream with zero fuzz and no
@@ -127,6 +129,7 @@ def lint(layout: Layout) -> list[str]:
         if rel in pristine:
             findings.append(f"vllm_overlay/{rel}: shadows a file upstream has (use a patch)")
     findings += topics.lint_overlay_topics(layout.patches, overlay_files(layout))
+    findings += topics.lint_pr_tests(layout.root, layout.patches, pristine)
     if any("does not exist" in f or "shadows" in f for f in findings):
         return findings  # applying would only repeat these
     with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:

@@ -52,3 +52,7 @@ def test_broken_files_and_anchors_are_found_good_ones_pass(tmp_path):
 
 def test_the_repository_docs_have_no_broken_links():
     assert doclinks.lint_links(REPO) == []
+
+
+def test_readme_is_for_a_reviewer_with_five_minutes():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 150

@@ -194,7 +194,7 @@ def topic_alone_problem(repo: Path, base: str, all_patches: list[patchfile.Patch
 
 def find_ruff(root: Path, explicit: str | None) -> list[str]:
     if explicit:  # resolved now: the checks run inside the scratch checkout
-        found = str(Path(explicit).resolve()) if os.sep in explicit else shutil.which(explicit)
+        found = str(Path(explicit).absolute()) if os.sep in explicit else shutil.which(explicit)
         if not found or not Path(found).is_file():
             raise SeriesError(f"ruff not found at {explicit!r}")
         return [found]

@@ -31,7 +31,7 @@ CONTINUE   ?=
 ABORT      ?=
 # One clear line (exit 2) when GPU_PYTHON lacks what a GPU verb imports.
 NEED       = @$(GPU_PYTHON) scripts/require_modules.py
-# make pr / build / image (README "Upstream PRs, wheels and the ROCm image").
+# make pr / build / image (docs/prs-wheels-image.md).
 TOPIC      ?=
 RUFF       ?= $(wildcard $(VENV)/bin/ruff)
 DEVICE     ?= auto
@@ -51,7 +51,7 @@ fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
 apply: ## Build build/vllm: pristine vLLM, overlay, one commit per patch (FORCE=1 discards local work)
 	@$(SERIES) apply $(if $(FORCE),--force)
 
-check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing
+check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing, docs links
 	@$(SERIES) check
 
 refresh: ## Regenerate patches/ and vllm_overlay/ from commits in build/vllm
@@ -107,8 +107,8 @@ bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step)
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
 
-compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md
-	$(VPY) scripts/compile_tier.py report
+compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md (NO_CANDIDATES=1: without the candidate tiles)
+	$(VPY) scripts/compile_tier.py report $(if $(NO_CANDIDATES),--no-candidates)
 
 sweep: ## Ray sweep: CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]; into build/sweeps/<config>/ (SWEEP_OUT=)
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) --out $(or $(SWEEP_OUT),$(BUILD)/sweeps/$(basename $(notdir $(CONFIG)))) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)
@@ -125,9 +125,12 @@ validate-rocm: ## ROCm day one: check prerequisites, run every ROCm check, repor
 clean: ## Remove build outputs (build/, dist/); never the sdist cache or the venv
 	rm -rf $(BUILD) dist
 
-.PHONY: pr build image
+.PHONY: pr pr-stack build image
 pr: ## Export TOPIC=order-contract|fetch-kv|mla-fusion as an upstream PR: branch pr/TOPIC, dist/TOPIC/
 	@$(SERIES) pr --topic "$(TOPIC)" $(if $(RUFF),--ruff $(RUFF))
+
+pr-stack: venv ## After make pr for every topic: git am each PR alone and all stacked on pristine vLLM; run their tests there (CPU)
+	@$(SERIES) pr-stack --python $(abspath $(VPY))
 
 build: apply ## Wheel of the patched tree into dist/: ROCm extensions on ROCm, else Python-only (DEVICE=auto|rocm|empty)
 	@$(PYTHON) scripts/build_wheel.py --tree $(TREE) --dist dist --device $(DEVICE)

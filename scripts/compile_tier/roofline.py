@@ -91,17 +91,28 @@ def page(latest: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def write(root: Path) -> Path:
+def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
+    """(kernel, device) -> {"file", "cases"} of the newest committed, clean results file with
+    the kernel's timed cases (seriestool/results.py: the files `make report` uses)."""
     sys.path.insert(0, str(root / "scripts"))
-    import bench_report
+    from seriestool import results
 
-    latest = {k: v for k, v in bench_report.load(root / "benchmarks" / "results").items()
-              if v.get("host") is None}
+    selection = results.select(root)
+    latest = {}
+    for kernel in sorted({k for f in selection.usable for k in f.kernels()}):
+        for device in selection.devices(kernel):
+            found = selection.latest(kernel, device)
+            if found is not None and found.cases(kernel):
+                latest[(kernel, device)] = {"file": found.name, "cases": found.cases(kernel)}
+    return latest
+
+
+def render(root: Path) -> dict[Path, str]:
+    """docs/roofline-amd.md with its generated region, path -> text (nothing written)."""
     path = root / "docs" / "roofline-amd.md"
     text = path.read_text() if path.exists() else f"# AMD roofline\n\n{BEGIN}\n{END}\n"
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{path}: the generated-table markers are missing")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{page(latest)}{END}{tail}")
-    return path
+    return {path: f"{head}{BEGIN}\n{page(latest_cases(root))}{END}{tail}"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,9 +25,47 @@ def cache_dir() -> Path:
     return series_cache() / "compile"
 
 
+SCRATCH_PREFIX = "compile-tier-"
+TICK_S = 15.0
+
+
+def say(text: str) -> None:
+    print(f"[compile-tier] {text}", file=sys.stderr, flush=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_scratch(tmp_root: Path | None = None) -> list[Path]:
+    """Scratch folders (``compile-tier-<pid>-*``) of runs whose process is gone: a run killed
+    by SIGKILL cleans nothing up; the next one removes what it left (Triton's cache, 100+ MB)."""
+    removed = []
+    for path in Path(tmp_root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _progress(tmp: Path, target: str) -> str:
+    try:
+        done, total, compiled = (tmp / f"{target}.progress").read_text().split()
+    except (OSError, ValueError):
+        return f"{target} starting"
+    return f"{target} {done}/{total} ({compiled} compiled)"
+
+
 def run(targets=None, jobs: int = 2, cache: Path | None = None,
         kernels_root: Path | None = None, timeout_s: float = 1800,
-        candidates: bool = False) -> dict:
+        candidates: bool = False, tick_s: float = TICK_S) -> dict:
     """Compile (or read from the cache) every spec of ``targets``.
 
     One worker process per target, all started at once (the imports overlap);
@@ -37,7 +76,11 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
     ``kernels_root``: the directory holding the ``vllm`` package of the
     kernels (default: the checkout's vllm_overlay).  ``candidates``: compile
     the candidate tiles of paged_context_attention instead
-    (``cases.TILE_CANDIDATES``).
+    (``cases.TILE_CANDIDATES``).  Progress goes to stderr every ``tick_s``
+    seconds.  The scratch folder (Triton's cache, the workers' logs) is
+    removed however the run ends: an exception or an interrupt (SIGINT, or
+    SIGTERM turned into KeyboardInterrupt by the caller) stops the workers
+    first; a SIGKILLed run's folder goes with the next run.
     """
     targets = list(targets or TARGETS)
     cache = cache or cache_dir()
@@ -46,27 +89,44 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(kernels_root), str(SCRIPTS)])
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="compile-tier-") as tmp:
-        tmp = Path(tmp)
+    for stale in remove_stale_scratch():
+        say(f"removed {stale}, left by a killed run")
+    what = "candidate tiles" if candidates else "kernels"
+    say(f"{what} for {', '.join(targets)}: facts cached in {cache} (a cold cache compiles every "
+        f"spec, {jobs} at a time: minutes)")
+    tmp = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+    running = []
+    try:
         # Triton's own cache goes to a scratch directory: the facts cache is
         # the one that persists, so a cold run compiles everything it claims to.
         env["TRITON_CACHE_DIR"] = str(tmp / "triton")
         env["TRITON_ALWAYS_COMPILE"] = "1"  # ptxas -v runs (and logs) for every compile
-        running = []
         for target in targets:
             out, log = tmp / f"{target}.json", open(tmp / f"{target}.log", "w")
             cmd = [sys.executable, "-m", "compile_tier.worker", "--target", target,
                    "--cache", str(cache), "--slots", str(tmp), "--jobs", str(jobs),
-                   "--out", str(out), *(["--candidates"] if candidates else [])]
+                   "--out", str(out), "--progress", str(tmp / f"{target}.progress"),
+                   *(["--candidates"] if candidates else [])]
             proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
             running.append((proc, target, out, log))
+        last_tick = time.perf_counter()
+        pending = list(running)
+        while pending:
+            time.sleep(0.2)
+            now = time.perf_counter()
+            for item in list(pending):
+                proc, target = item[0], item[1]
+                if proc.poll() is not None:
+                    pending.remove(item)
+                    say(f"{target} done (exit {proc.returncode}), {now - start:.0f} s")
+                elif now - start > timeout_s:
+                    proc.kill()
+                    proc.wait()
+            if pending and now - last_tick >= tick_s:
+                last_tick = now
+                say(", ".join(_progress(tmp, t) for _, t, _, _ in pending) + f"; {now - start:.0f} s")
         failed = []
         for proc, target, out, log in running:
-            try:
-                proc.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - start)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
             log.close()
             if proc.returncode != 0:
                 failed.append(f"compile worker {target} exited {proc.returncode}:\n"
@@ -74,6 +134,13 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
         if failed:
             raise RuntimeError("\n".join(failed))
         records = [r for _, _, out, _ in running for r in json.loads(out.read_text())]
+    finally:
+        for proc, _, _, log in running:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     records.sort(key=lambda r: (r["target"], r["kernel"], r["case"]))
     unique = {t: len({r["key"] for r in records if r["target"] == t}) for t in targets}
     compiled = {t: len({r["key"] for r in records if r["target"] == t and not r["cached"]})

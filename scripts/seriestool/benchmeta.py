@@ -40,6 +40,21 @@ def _fmt(value, spec: str = ".2f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "n/a"
 
 
+def _x(value) -> str:
+    """A ratio cell: ``1.25×``, or ``n/a`` (never ``n/a×``)."""
+    return f"{value:.2f}×" if isinstance(value, (int, float)) else "n/a"
+
+
+def _pct(fraction) -> str:
+    """A fraction as a percent cell: ``88%``, or ``n/a``."""
+    return f"{100 * fraction:.0f}%" if isinstance(fraction, (int, float)) else "n/a"
+
+
+def shown_ratio(value) -> float:
+    """The ratio as a table cell shows it (two decimals); 0 when there is none."""
+    return round(value, 2) if isinstance(value, (int, float)) else 0.0
+
+
 def copy_fraction(case: dict):
     """The case's fraction of same-bytes copy bandwidth, or None where the copy
     is no ceiling for the operation (its suite says ``copy_ceiling=False``)."""
@@ -80,7 +95,7 @@ def host_cost_table(cases: list[dict]) -> str:
         target, met = case.get("target_ratio"), case.get("meets_target")
         rows.append(
             f"| {case.get('case', '?')} | {case.get('call', 'n/a')} | {_us(case, 'ours')} | "
-            f"{_us(case, 'torch_op')} | {_fmt(case.get('ratio_to_torch_op'))}× | "
+            f"{_us(case, 'torch_op')} | {_x(case.get('ratio_to_torch_op'))} | "
             f"{_fmt(target, '.1f') + '×' if target is not None else 'none'} | "
             f"{'n/a' if met is None else 'yes' if met else 'no'} | {_us(case, 'ours_plain')} | "
             f"{_us(case, 'baseline')} | {_fmt(res.get('ours', {}).get('gpu_us'), '.1f')} |")
@@ -95,8 +110,8 @@ def eager_step_table(cases: list[dict]) -> str:
     for case in cases:
         rows.append(
             f"| {case.get('case', '?')} | {_us(case, 'ours')} | {_us(case, 'baseline')} | "
-            f"{_fmt(case.get('speedup'))}× | {_us(case, 'ours_gpu')} | "
-            f"{_us(case, 'baseline_gpu')} | {_fmt(case.get('gpu_speedup'))}× | "
+            f"{_x(case.get('speedup'))} | {_us(case, 'ours_gpu')} | "
+            f"{_us(case, 'baseline_gpu')} | {_x(case.get('gpu_speedup'))} | "
             f"{case.get('ours_bound', 'n/a')}-bound | {case.get('baseline_bound', 'n/a')}-bound |")
     return "\n".join(rows)
 
@@ -138,13 +153,13 @@ def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
         row = (f"| {case.get('case', '?')} | {_mode(case)} | "
                f"{_us(case, 'ours')} | {_us(case, 'baseline')} | "
                + "".join(f"{_us(case, impl)} | " for impl in extra)
-               + f"{_us(case, 'copy')} | {_fmt(case.get('speedup'))}× | "
-               + "".join(f"{_fmt(_over(case, impl))}× | " for impl in compare)
+               + f"{_us(case, 'copy')} | {_x(case.get('speedup'))} | "
+               + "".join(f"{_x(_over(case, impl))} | " for impl in compare)
                + f"{_fmt(ours.get('gbps'), '.0f')} | "
-               f"{_fmt(100 * frac if isinstance(frac, (int, float)) else None, '.0f')}% |")
+               f"{_pct(frac)} |")
         if warm:
-            row += (f" {_fmt(case.get('speedup_warm'))}× | "
-                    f"{_fmt(100 * frac_warm if isinstance(frac_warm, (int, float)) else None, '.0f')}% |")
+            row += (f" {_x(case.get('speedup_warm'))} | "
+                    f"{_pct(frac_warm)} |")
         rows.append(row)
     return "\n".join(rows)
 
@@ -175,5 +190,5 @@ def host_table(rows: list[dict]) -> str:
            "|---|---:|---:|---:|"]
     for row in rows:
         out.append(f"| {row['case']} | {_fmt(row['before_us'], '.1f')} | "
-                   f"{_fmt(row['after_us'], '.1f')} | {_fmt(row['speedup'])}× |")
+                   f"{_fmt(row['after_us'], '.1f')} | {_x(row['speedup'])} |")
     return "\n".join(out)

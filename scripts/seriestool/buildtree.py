@@ -356,6 +356,23 @@ def _patch_commits(build: Path, root: str, pristine: set[str]) -> list[tuple[str
     return out
 
 
+def _overlay_only_commits(build: Path, root: str, pristine: set[str]) -> list[tuple[str, list[str], list[str], None]]:
+    """Commits after the pristine root that change only files upstream lacks (overlay files),
+    except the overlay commit `make apply` itself makes: their messages must be complete patch
+    headers too (docs/series-workflow.md), so a new file's commit says why and for which topic."""
+    out = []
+    for commit in gitrepo.out(build, "rev-list", "--reverse", f"{root}..HEAD").split():
+        changed = gitrepo.out(build, "diff", "--name-only", "--no-renames", f"{commit}^", commit).splitlines()
+        if any(p in pristine for p in changed):
+            continue
+        message = gitrepo.out(build, "log", "-1", "--format=%B", commit)
+        if message.startswith(OVERLAY_SUBJECT):
+            continue
+        header, _ = patchfile.header_from_commit_message(message)
+        out.append((commit, [], header, None))
+    return out
+
+
 def _refuse_incomplete_headers(build: Path, commits) -> None:
     bad = []
     for commit, _, header, _ in commits:
@@ -369,7 +386,7 @@ def _refuse_incomplete_headers(build: Path, commits) -> None:
             bad.append(f"  {commit[:10]} {subject!r}: {text}")
     if bad:
         raise SeriesError(
-            "refresh: these commits would become patches, but their messages are not complete "
+            "refresh: these commits would become patches (or overlay files), but their messages are not complete "
             "patch headers:\n" + "\n".join(bad) + "\n"
             "A patch commit's message is its header: the subject line, a blank line, then one field a "
             "line (continuation lines indented two spaces):\n"
@@ -396,7 +413,7 @@ def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset())
     root = gitrepo.root_commit(build)
     pristine = gitrepo.files_at(build, root)
     commits = _patch_commits(build, root, pristine)
-    _refuse_incomplete_headers(build, commits)
+    _refuse_incomplete_headers(build, commits + _overlay_only_commits(build, root, pristine))
     report: list[str] = []
 
     # Overlay: every file at HEAD that upstream does not have.

@@ -1,4 +1,4 @@
-"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status,readme,pr,rebase}."""
+"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status,readme,pr,pr-stack,topics,rebase}."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import Interrupted, SeriesError, buildtree, export, gitrepo, lint, progress, readme, rebase, sdist
+from . import Interrupted, SeriesError, buildtree, export, gitrepo, lint, patchfile, progress, prstack, readme, rebase, sdist
 from .pins import load_pins
 
 
@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     pr_p.add_argument("--topic", required=True, help="one of the patch header topics")
     pr_p.add_argument("--dist", type=Path, default=None, help="output folder (default: ROOT/dist)")
     pr_p.add_argument("--ruff", default=None, help="the ruff executable (default: found next to python)")
+    stack_p = sub.add_parser("pr-stack", help="git am each exported PR alone and all stacked on pristine "
+                             "upstream; with --python, run the PRs' tests there")
+    stack_p.add_argument("--dist", type=Path, default=None, help="the exports (default: ROOT/dist)")
+    stack_p.add_argument("--python", default=None, help="the Python that runs the PRs' tests (CPU)")
+    sub.add_parser("topics", help="print the topics, in series order")
     reb = sub.add_parser("rebase", help="port the series to another vLLM release (git's three-way merges)")
     reb.add_argument("--version", default=None, help="the vLLM release to port to (VLLM_VERSION)")
     reb.add_argument("--sha256", default=None, help="its sdist's sha256 (VLLM_SDIST_SHA256)")
@@ -64,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "pr":
             report = export.export(layout, args.topic, (args.dist or root / "dist").resolve(), ruff=args.ruff)
             print("\n".join(report))
+        elif args.verb == "pr-stack":
+            print("\n".join(prstack.check_stack(layout, (args.dist or root / "dist").resolve(), args.python)))
+        elif args.verb == "topics":
+            print("\n".join(patchfile.TOPICS))
         elif args.verb == "rebase":
             if args.abort:
                 print(rebase.abort(layout))

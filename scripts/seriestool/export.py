@@ -32,6 +32,7 @@ import sys
 import tempfile
 import textwrap
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import (
@@ -193,7 +194,7 @@ def topic_alone_problem(repo: Path, base: str, all_patches: list[patchfile.Patch
 
 def find_ruff(root: Path, explicit: str | None) -> list[str]:
     if explicit:  # resolved now: the checks run inside the scratch checkout
-        found = str(Path(explicit).resolve()) if os.sep in explicit else shutil.which(explicit)
+        found = str(Path(explicit).absolute()) if os.sep in explicit else shutil.which(explicit)
         if not found or not Path(found).is_file():
             raise SeriesError(f"ruff not found at {explicit!r}")
         return [found]
@@ -221,8 +222,13 @@ def upstream_pre_commit_ruff(tree: Path) -> str | None:
     return match.group(1) if match else None
 
 
-def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str]) -> list[str]:
-    """ruff format --check, ruff check (tree's config), py_compile; report lines or raise."""
+def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str],
+                       origins: dict[str, str] | None = None) -> list[str]:
+    """ruff format --check, ruff check (tree's config), py_compile; report lines or raise.
+
+    ``origins``: files copied into the PR as they are (its tests): tree path -> the file here.
+    """
+    origins = origins or {}
     python = [f for f in files if f.endswith((".py", ".pyi")) and (tree / f).is_file()]
     if not python:
         return ["checks: no Python files changed"]
@@ -237,10 +243,18 @@ def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str]) -> list[st
     if fmt.returncode:
         output = fmt.stdout + fmt.stderr
         named = [f for f in python if f in output]
+        tree_files = [f for f in named if f not in origins]
+        hints = []
+        if tree_files:
+            hints.append(f"(cd build/vllm && {' '.join(ruff)} format {' '.join(tree_files)}), commit there "
+                         "and `make refresh`")
+        if any(f in origins for f in named):
+            hints.append(f"{' '.join(ruff)} format --config build/vllm/pyproject.toml "
+                         + " ".join(origins[f] for f in named if f in origins))
         raise SeriesError(
             f"ruff format --check failed (pinned tree's pyproject.toml): {', '.join(named) or 'see below'}\n"
-            + _shown(output) + "\nTo fix: format them with the pinned tree's configuration, e.g. "
-            f"(cd build/vllm && ruff format {' '.join(named)}), commit there and `make refresh`.")
+            + _shown(output) + "\nTo fix: format them with the pinned tree's configuration and this ruff, "
+            "e.g. " + (" and ".join(hints) or f"{' '.join(ruff)} format") + ".")
     lint = run([*ruff, "check", "--no-fix", "--no-cache", "--force-exclude",
                 "--output-format", "concise", "--", *python])
     if lint.returncode:
@@ -283,6 +297,50 @@ def overlay_message(topic: str, files: list[str]) -> str:
     return (f"Add the new files of {topic}\n\n"
             + textwrap.fill(topics.TOPIC_TITLES.get(topic, topic) + ".", width=72) + "\n\n"
             + "\n".join(f"  {f}" for f in files) + "\n")
+
+
+def shared_message(layout: buildtree.Layout, owners: list[str], files: list[str]) -> str:
+    """The commit that adds files several PRs ship: the same in each (same ids), so a later PR
+    built on it shows it as the earlier PR's commit."""
+    names = ", ".join(Path(f).name for f in files)
+    lines = [f"Add {names}, shared by PRs {' and '.join(owners)}", ""]
+    lines += [_fill(Path(f).name, _docstring_line(layout.overlay / f)) for f in files]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"  {f}" for f in files) + "\n"
+
+
+def tests_message(topic: str, tests: list[topics.PrTest]) -> str:
+    return (f"Add tests of {topic}\n\n"
+            + textwrap.fill("What the new code must do, checked against independent references "
+                            "(GPU: compiled, real sizes; CPU: TRITON_INTERPRET=1, small shapes).",
+                            width=72) + "\n\n"
+            + "\n".join(f"  {t.dest}" for t in tests) + "\n")
+
+
+@dataclass
+class ExportPlan:
+    """What one topic's PR is made of, commit by commit, on pristine upstream."""
+    topic: str
+    depends: list[tuple[str, list[str]]]   # (earlier topic, the shared files its commit adds)
+    shared: list[str]                      # shared files this topic adds first (own commit)
+    own: list[str]                         # overlay files of this topic alone
+    tests: list[topics.PrTest]
+    shared_with: dict[str, list[str]]      # shared file -> the other topics shipping it
+
+
+def export_plan(layout: buildtree.Layout, topic: str, files: list[str]) -> ExportPlan:
+    shared = topics.shared_files(layout.patches, files)
+    mine = topics.overlay_files_of(layout.patches, files, topic)
+    first: dict[str, list[str]] = {}
+    for rel, owned in shared.items():
+        first.setdefault(owned[0], []).append(rel)
+    depends = [(u, first[u]) for u in patchfile.TOPICS if u != topic and u in first
+               and any(rel in mine for rel in first[u])]
+    return ExportPlan(
+        topic=topic, depends=depends, shared=first.get(topic, []),
+        own=[rel for rel in mine if rel not in shared],
+        tests=topics.pr_tests_of(layout.patches, topic),
+        shared_with={rel: [t for t in owned if t != topic] for rel, owned in shared.items()
+                     if rel in mine})
 
 
 # --- results and the PR description ------------------------------------------------------
@@ -420,57 +478,86 @@ def _fold(summary: str, body: str) -> list[str]:
     return ["<details>", f"<summary>{summary}</summary>", "", body.strip(), "", "</details>"]
 
 
+def _where_tests_run(tests: list[str], upstream_kernel_tests: bool) -> list[str]:
+    """pytest lines for vLLM's tree, each saying where it runs."""
+    if not tests:
+        return []
+    joined = " ".join(tests)
+    if upstream_kernel_tests:
+        return [f"pytest -q {joined}   # GPU (CUDA or ROCm): compiled, real sizes",
+                f"VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 pytest -q {joined}"
+                "   # CPU: Triton interpreter, small shapes (GPU cases skip)"]
+    return [f"VLLM_TARGET_DEVICE=cpu pytest -q {joined}   # CPU (no GPU needed); on a GPU machine "
+            "without VLLM_TARGET_DEVICE"]
+
+
 def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches: list[patchfile.Patch],
-             overlay: list[str], changed: list[str], template: str | None, series_commit: str) -> str:
+             overlay: list[str], changed: list[str], template: str | None, series_commit: str,
+             plan: ExportPlan | None = None) -> str:
     """The PR body in the pinned template's sections (Overview, Claims, Validation, Details):
-    short, with every figure rounded from committed results (seriestool/headlines.py) and the
-    per-case tables and per-patch notes folded."""
+    short, each thing said once, with every figure rounded from committed results
+    (seriestool/headlines.py) and the per-case tables and per-patch notes folded."""
     root = layout.root
+    plan = plan or ExportPlan(topic, [], [], list(overlay), [], {})
     kernels = topics.TOPIC_KERNELS.get(topic, ())
     title = f"[ROCm] {topics.TOPIC_TITLES.get(topic, topic)}"
     fields = [p.fields() for p in patches]
     selection = results.select(root)
     heads = {k: headlines.headline(root, k, f) for k in kernels if (f := selection.latest(k))}
 
-    problem = next((_first_sentence(f["Why"]) for f in fields if f.get("Why")), "")
+    problem_at = next((i for i, f in enumerate(fields) if f.get("Why")), None)
+    problem = _first_sentence(fields[problem_at]["Why"]) if problem_at is not None else ""
     refs = related_refs([f.get("Upstream", "") for f in fields])
     overview = [f"**{topics.TOPIC_TITLES.get(topic, topic)}** (vLLM {pins['VLLM_VERSION']})."
                 + (f" {problem}" if problem else ""),
                 "Related: " + (", ".join(refs) if refs else "none") + "."]
+    stacking = []
+    for other, shared in plan.depends:
+        stacking.append(f"Depends on PR `{other}`: its first commit adds "
+                        f"{', '.join(f'`{f}`' for f in shared)}, which this PR uses too. This branch "
+                        f"starts with that commit, unchanged (the same commit id); the patches of this "
+                        f"PR come after it: `git am` `dist/{other}/0001-*.patch` first, or apply PR "
+                        f"`{other}`.")
+    if plan.shared:
+        users = sorted({t for f in plan.shared for t in plan.shared_with.get(f, [])},
+                       key=patchfile.TOPICS.index)
+        stacking.append(f"The first commit adds {', '.join(f'`{f}`' for f in plan.shared)}, shared "
+                        f"with PR{'s' if len(users) > 1 else ''} {', '.join(f'`{u}`' for u in users)}, "
+                        f"which build{'' if len(users) > 1 else 's'} on that commit.")
 
     claims = [c for k in kernels if k in heads for c in heads[k].claims][:MAX_CLAIMS]
     for patch in patches:
         if len(claims) >= MAX_CLAIMS:
             break
         claims.append(f"{patch.subject}.")
-    if overlay and len(claims) < MAX_CLAIMS:
-        claims.append(f"New files: {', '.join(f'`{f}`' for f in overlay)}.")
 
     py = [f for f in changed if f.endswith((".py", ".pyi"))]
-    tests = test_files_of(root, topic, overlay, patches)
-    upstream_tests = [f for f in changed if f.startswith("tests/") and Path(f).name.startswith("test_")]
-    plan = ["From a vLLM checkout with this PR (upstream CI's lint, its pyproject.toml):", "", "```sh"]
+    shipped = [t.dest for t in plan.tests]
+    upstream_tests = [f for f in changed if f.startswith("tests/") and Path(f).name.startswith("test_")
+                      and f not in shipped]
+    plan_lines = ["From a vLLM checkout with this PR (upstream's pre-commit ruff and pyproject.toml):",
+                  "", "```sh"]
     if py:
-        plan += [f"ruff format --check {' '.join(py)}", f"ruff check {' '.join(py)}",
-                 f"python -m py_compile {' '.join(py)}"]
-    if upstream_tests:
-        plan += [f"pytest -q {' '.join(upstream_tests)}"]
-    plan += ["```", "", f"In the series repository (vLLM {pins['VLLM_VERSION']} + the AITER series; "
-             f"`make pr TOPIC={topic}` runs the lint above):", "", "```sh",
-             "make apply venv   # pinned sdist, build/vllm, CPU test environment"]
-    if tests:
-        plan += [f"PYTHONPATH=build/vllm .venv/bin/python -m pytest -q -p no:cacheprovider {' '.join(tests)}"
-                 "   # CPU tier (kernels under TRITON_INTERPRET=1)"]
+        plan_lines += [f"FILES=\"{' '.join(py)}\"", "ruff format --check $FILES && ruff check $FILES"]
+    plan_lines += _where_tests_run(shipped, upstream_kernel_tests=True)
+    plan_lines += _where_tests_run(upstream_tests, upstream_kernel_tests=False)
+    series_tests = [f for f in test_files_of(root, topic, overlay, patches)
+                    if f not in {t.source for t in plan.tests}]
+    plan_lines += ["```", "", f"In the series repository (vLLM {pins['VLLM_VERSION']} + the AITER series; "
+                   f"`make pr TOPIC={topic}` runs the lint above):", "", "```sh"]
+    if series_tests:
+        plan_lines += [f"make test TESTS=\"{' '.join(series_tests)}\"   # CPU: builds build/vllm and .venv"]
     else:
-        plan += ["make test   # no topic-specific tests: the whole CPU tier"]
-    gpu_tests = [t for t in tests if t.startswith("tests/kernels/")]
-    if gpu_tests:
-        plan += [f"PYTHONPATH=vllm_overlay:. python3 -m pytest -q -p no:cacheprovider {' '.join(gpu_tests)}"
-                 "   # GPU tier: compiled, real sizes"]
+        plan_lines += ["make test   # CPU: the whole tier"]
     benched = _benchmarked(root, kernels)
-    if benched:
-        plan += [f"make bench   # GPU: benchmarks/results/<date>-<device>-<commit>.json ({', '.join(benched)})"]
-    plan += ["```"]
+    on_host = [k for k in benched if k in heads and not (heads[k].result.series.get("cuda")
+                                                           or heads[k].result.rocm)]
+    if on_host:
+        plan_lines += [f"make bench-host   # CPU: host cost into build/results/ ({', '.join(on_host)})"]
+    if [k for k in benched if k not in on_host]:
+        plan_lines += [f"make bench   # GPU: benchmarks/results/<date>-<device>-<commit>.json "
+                       f"({', '.join(k for k in benched if k not in on_host)})"]
+    plan_lines += ["```"]
 
     result: list[str] = []
     files = list(dict.fromkeys(h.result.path for h in heads.values()))
@@ -497,23 +584,33 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
                                        else benchmeta.case_table(cases, h.compare)] if x)
         result += [""] + _fold(f"Per-case results: <code>{kernel}</code> on {h.device}", body)
 
-    details = [f"- `{p.name}`: {_first_sentence(f.get('How') or p.subject)}"
-               for p, f in zip(patches, fields, strict=True)]
-    if overlay:
-        details.append(f"- New files (none replaces an upstream file): {', '.join(f'`{f}`' for f in overlay)}.")
+    details = []
+    new_files = [*plan.shared, *plan.own]
+    if new_files:
+        details.append("New files (none replaces an upstream file):")
+        details += [f"- `{f}`: {_docstring_line(layout.overlay / f)}" for f in new_files]
+    if shipped:
+        details.append(f"Tests: {', '.join(f'`{t}`' for t in shipped)} (also run by the series' CPU tier).")
     notes = []
-    for patch, f in zip(patches, fields, strict=True):
-        notes += [f"**{patch.subject}** (`{', '.join(patch.files())}`)", ""]
-        notes += [f"- {k}: {f[k]}" for k in ("Why", "How", "Upstream", "Drop when", "Tested on") if f.get(k)]
+    for i, (patch, f) in enumerate(zip(patches, fields, strict=True)):
+        why = f.get("Why", "")
+        if i == problem_at:   # its first sentence is the Overview's
+            why = why.strip()[len(problem):].strip()
+        notes += [f"**{', '.join(f'`{x}`' for x in patch.files())}**", ""]
+        notes += [f"- {k}: {v}" for k, v in (("Why", why), ("How", f.get("How", ""))) if v]
+        if related(f.get("Upstream", "")):
+            notes.append(f"- Related: {related(f['Upstream'])}")
         notes.append("")
-    notes += [f"- `{f}`: {_docstring_line(layout.overlay / f)}" for f in overlay]
-    details += [""] + _fold("Why and how, per patch", "\n".join(notes))
+    if notes:
+        details += [""] + _fold("Why and how, one patch commit after the other", "\n".join(notes))
+    base = (f"after PR {', '.join(f'`{u}`' for u, _ in plan.depends)}'s first commit"
+            if plan.depends else "by itself, without the series' other topics")
     details += ["", f"Generated by `make pr TOPIC={topic}` from series commit {series_commit}; applies on "
-                f"vLLM {pins['VLLM_VERSION']} (upstream {pins['VLLM_COMMIT']}) by itself, without the "
-                f"series' other topics."]
+                f"vLLM {pins['VLLM_VERSION']} (upstream {pins['VLLM_COMMIT']}) {base}."]
 
-    content = {"overview": "\n".join(overview), "claims": "\n".join(f"- {c}" for c in claims),
-               "plan": "\n".join(plan), "result": "\n".join(result), "details": "\n".join(details)}
+    content = {"overview": "\n".join(overview) + ("\n\n" + "\n\n".join(stacking) if stacking else ""),
+               "claims": "\n".join(f"- {c}" for c in claims),
+               "plan": "\n".join(plan_lines), "result": "\n".join(result), "details": "\n".join(details)}
     return render_description(template or FALLBACK_TEMPLATE, title, content)
 
 
@@ -545,16 +642,32 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
 
     branch = f"pr/{topic}"
     report: list[str] = []
+    plan = export_plan(layout, topic, files)
+    missing = [t.source for t in plan.tests if not (layout.root / t.source).is_file()]
+    if missing:
+        raise SeriesError(f"patches/{topics.PR_TESTS} names tests that do not exist: {', '.join(missing)}")
     progress.say("pr", f"checking out pristine vLLM {pins['VLLM_VERSION']} in a scratch worktree ...")
     with scratch_worktree(build, f"pr-{topic}", root) as tree:
-        if overlay:
-            for rel in overlay:
+        def add(pairs: list[tuple[Path, str]], message: str) -> None:
+            for source, rel in pairs:
                 dest = tree / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(layout.overlay / rel, dest)
-            gitrepo.git(tree, "add", "-f", "--", *overlay)
-            gitrepo.git(tree, "commit", "-q", "-s", "-F", "-", input_text=overlay_message(topic, overlay),
-                        env=ident)
+                shutil.copy2(source, dest)
+            gitrepo.git(tree, "add", "-f", "--", *[rel for _, rel in pairs])
+            gitrepo.git(tree, "commit", "-q", "-s", "-F", "-", input_text=message, env=ident)
+
+        # Built on the commits of earlier PRs that add files this one ships too.
+        for other, shared in plan.depends:
+            add([(layout.overlay / rel, rel) for rel in shared],
+                shared_message(layout, topics.owners(rules, shared[0]), shared))
+        base = gitrepo.head(tree)
+        if plan.shared:
+            add([(layout.overlay / rel, rel) for rel in plan.shared],
+                shared_message(layout, topics.owners(rules, plan.shared[0]), plan.shared))
+        if plan.own:
+            add([(layout.overlay / rel, rel) for rel in plan.own], overlay_message(topic, plan.own))
+        if plan.tests:
+            add([(layout.root / t.source, t.dest) for t in plan.tests], tests_message(topic, plan.tests))
         for i, patch in enumerate(mine, 1):
             progress.say("pr", f"patch {i}/{len(mine)} {patch.name}")
             try:
@@ -564,10 +677,10 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
             gitrepo.git(tree, "commit", "--amend", "-q", "--reset-author", "-s", "-F", "-",
                         input_text=upstream_message(patch), env=ident)
         changed = gitrepo.out(tree, "diff", "--name-only", "--no-renames", "--diff-filter=d",
-                              root, "HEAD").splitlines()
+                              base, "HEAD").splitlines()
         try:
             with progress.stage("pr", f"ruff format --check, ruff check, py_compile on {len(changed)} file(s)"):
-                report += upstream_ci_checks(tree, changed, ruff_cmd)
+                report += upstream_ci_checks(tree, changed, ruff_cmd, {t.dest: t.source for t in plan.tests})
         except SeriesError as exc:
             raise SeriesError(f"{exc}\nThe export stopped: {branch} and dist/{topic}/ "
                               "were not written.") from None
@@ -583,16 +696,19 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
         shutil.rmtree(out)
     out.mkdir(parents=True)
     written = gitrepo.git(build, "format-patch", "--signoff", "--no-signature", "-o", str(out),
-                          f"{root}..{branch}", env=ident).stdout.splitlines()
+                          f"{base}..{branch}", env=ident).stdout.splitlines()
     commit = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip()
     dirty = gitrepo.series_inputs_dirty(layout.root)
     series_commit = (commit or "(none)") + (" + uncommitted changes" if dirty else "")
     text = describe(layout, topic, pins, mine, overlay, changed,
-                    template.stdout if template.returncode == 0 else None, series_commit)
+                    template.stdout if template.returncode == 0 else None, series_commit, plan)
     (out / "PR_DESCRIPTION.md").write_text(text)
     count = len(written)
-    report.insert(0, f"{branch} in {build}: {count} commit(s) on vLLM {pins['VLLM_VERSION']} pristine "
-                     f"({len(overlay)} overlay file(s), {len(mine)} patch(es)); main untouched")
+    on = (f"on PR {', '.join(u for u, _ in plan.depends)}'s shared commit(s) on "
+          if plan.depends else "on ")
+    report.insert(0, f"{branch} in {build}: {count} commit(s) {on}vLLM {pins['VLLM_VERSION']} pristine "
+                     f"({len(overlay)} overlay file(s), {len(plan.tests)} test file(s), {len(mine)} "
+                     f"patch(es)); main untouched")
     report += [f"wrote {out / Path(w).name}" for w in written]
     report.append(f"wrote {out / 'PR_DESCRIPTION.md'}")
     return report

@@ -13,10 +13,14 @@ Findings, each one line naming the file:
   * overlay files with no topic or an unknown one (patches/overlay-topics);
   * pins.env's target stack (torch, Triton) not what the pinned tree runs
     (stack.lint_target_stack);
+  * patches/pr-tests lines naming a missing test, an unknown topic, or a path
+    upstream already has;
   * a topic whose patches do not apply on pristine upstream without the
     other topics (each topic is exported as one upstream PR);
   * the whole series not applying to pristine upstream with zero fuzz and no
-    whitespace errors (built in a scratch directory from the cached sdist).
+    whitespace errors (built in a scratch directory from the cached sdist);
+  * relative links in the tracked Markdown (README.md, docs/, ...) to files or
+    anchors that do not exist (doclinks.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, export, figures, gitrepo, patchfile, progress, sdist, stack, topics
+from . import (
+    SeriesError, doclinks, export, figures, gitrepo, patchfile, progress, sdist, stack, topics,
+)
 from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
@@ -118,7 +124,7 @@ def lint_header_claims(layout: Layout) -> list[str]:
 
 
 def lint(layout: Layout) -> list[str]:
-    findings = lint_series_files(layout) + lint_header_claims(layout)
+    findings = lint_series_files(layout) + lint_header_claims(layout) + doclinks.lint_links(layout.root)
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     with progress.stage("check", f"listing {sdist_file.name}"):
@@ -127,6 +133,7 @@ def lint(layout: Layout) -> list[str]:
         if rel in pristine:
             findings.append(f"vllm_overlay/{rel}: shadows a file upstream has (use a patch)")
     findings += topics.lint_overlay_topics(layout.patches, overlay_files(layout))
+    findings += topics.lint_pr_tests(layout.root, layout.patches, pristine)
     if any("does not exist" in f or "shadows" in f for f in findings):
         return findings  # applying would only repeat these
     with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:

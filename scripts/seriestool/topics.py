@@ -22,6 +22,7 @@ from pathlib import Path
 from .patchfile import TOPICS
 
 OVERLAY_TOPICS = "overlay-topics"
+PR_TESTS = "pr-tests"
 
 # Titles for the exported PR, and the benchmark kernels whose committed
 # results (benchmarks/results/*.json, extra_info["kernel"]) are the topic's.
@@ -122,3 +123,79 @@ def lint_overlay_topics(patches_dir: Path, files: list[str]) -> list[str]:
 def overlay_files_of(patches_dir: Path, files: list[str], topic: str) -> list[str]:
     rules, _ = read_rules(patches_dir)
     return [rel for rel in files if topic in (overlay_topic(rules, rel)[0] or "").split(",")]
+
+
+# --- shared overlay files: which PR adds them ---------------------------------------------------
+
+def owners(rules: list[Rule], rel: str) -> list[str]:
+    """The topics that ship an overlay file, in series order (patchfile.TOPICS)."""
+    topic, _ = overlay_topic(rules, rel)
+    names = (topic or "").split(",")
+    return [t for t in TOPICS if t in names]
+
+
+def shared_files(patches_dir: Path, files: list[str]) -> dict[str, list[str]]:
+    """Overlay files shipped by several topics -> those topics in series order.
+
+    The first of them adds the file (in a commit of its own); each later one is
+    built on that commit and says so ("Depends on").
+    """
+    rules, _ = read_rules(patches_dir)
+    return {rel: owned for rel in files if len(owned := owners(rules, rel)) > 1}
+
+
+# --- tests each PR carries --------------------------------------------------------------------------
+
+@dataclass
+class PrTest:
+    lineno: int
+    source: str   # in this repository
+    dest: str     # in vLLM's tree
+    topic: str
+
+
+def read_pr_tests(patches_dir: Path) -> tuple[list[PrTest], list[str]]:
+    """The lines of patches/pr-tests, and findings about malformed ones."""
+    path = patches_dir / PR_TESTS
+    out: list[PrTest] = []
+    findings: list[str] = []
+    if not path.exists():
+        return out, findings
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        where = f"patches/{PR_TESTS}:{lineno}"
+        if len(parts) != 3:
+            findings.append(f"{where}: expected '<test file> <path in vLLM> <topic>', got {raw.strip()!r}")
+            continue
+        source, dest, topic = parts
+        if topic not in TOPICS:
+            findings.append(f"{where}: unknown topic {topic!r} (one of {', '.join(TOPICS)})")
+            continue
+        if not dest.startswith("tests/") or not Path(dest).name.startswith("test_"):
+            findings.append(f"{where}: {dest} is not a test file of vLLM's tests/ (tests/.../test_*.py)")
+            continue
+        out.append(PrTest(lineno, source, dest, topic))
+    return out, findings
+
+
+def pr_tests_of(patches_dir: Path, topic: str) -> list[PrTest]:
+    return [t for t in read_pr_tests(patches_dir)[0] if t.topic == topic]
+
+
+def lint_pr_tests(root: Path, patches_dir: Path, pristine: set[str]) -> list[str]:
+    entries, findings = read_pr_tests(patches_dir)
+    seen: set[str] = set()
+    for t in entries:
+        where = f"patches/{PR_TESTS}:{t.lineno}"
+        if not (root / t.source).is_file():
+            findings.append(f"{where}: {t.source} does not exist")
+        if t.dest in pristine:
+            findings.append(f"{where}: {t.dest} is a file upstream has (a PR test must be new; "
+                            "change upstream's tests with a patch)")
+        if t.dest in seen:
+            findings.append(f"{where}: {t.dest} is listed twice")
+        seen.add(t.dest)
+    return findings

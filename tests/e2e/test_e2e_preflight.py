@@ -148,3 +148,13 @@ def test_cpu_probe_names_the_cpu(tmp_path):
         preflight.check([install], {"upstream": env}, device="cpu")
     info = preflight.probe(install, env)
     assert info["cpu"].endswith("cores)")
+
+
+def test_cpu_runs_write_into_build_not_the_tracked_results():
+    """A --device cpu run is a smoke test: its JSON goes to the ignored build/, ROCm runs' to
+    benchmarks/results/e2e/ (to commit); --out overrides both."""
+    from e2e import cli
+
+    assert cli.default_out("cpu") == REPO / "build" / "e2e" / "results"
+    assert cli.default_out("rocm") == REPO / "benchmarks" / "results" / "e2e"
+    assert subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "build/e2e/results/x.json"]).returncode == 0

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fused MLA RoPE + KV-cache write (``triton_mla_rope_cache``) against torch.
 
 Reference, computed independently in float64: "rotary embedding, then
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from vllm.v1.attention.ops import triton_launcher
 from vllm.v1.attention.ops.triton_mla_rope_cache import (
     decode_q_out_dtype,
     decode_q_out_shape,
@@ -36,7 +39,26 @@ from vllm.v1.attention.ops.triton_mla_rope_cache import (
     mla_rope_concat_and_cache,
 )
 
-gpu = pytest.mark.gpu
+# Self-contained: these tests also ship to vLLM's tests/kernels/attention/.  They run
+# on the GPU when there is one, else on the CPU under TRITON_INTERPRET=1; tests marked
+# ``gpu`` need a GPU.
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (compiled kernels, real sizes)"
+)
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _empty_launch_caches():
+    """Launches derived from monkeypatched tuning constants die with the test."""
+    triton_launcher.clear_caches()
+    yield
+    triton_launcher.clear_caches()
+
 
 # Bytes the cache is filled with before a call; rows the call must not write
 # are compared against it.
@@ -63,18 +85,28 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 
 
 @functools.cache
-def yarn_cos_sin_cache_cpu(rotary_dim: int, base: float, factor: float, original_max_pos: int,
-                           beta_fast: float, beta_slow: float, mscale: float,
-                           mscale_all_dim: float) -> torch.Tensor:
-    """DeepSeek YaRN ``cat(cos, sin)`` cache ``[original_max_pos * factor, R]``, float64."""
+def yarn_cos_sin_cache_cpu(
+    rotary_dim: int,
+    base: float,
+    factor: float,
+    original_max_pos: int,
+    beta_fast: float,
+    beta_slow: float,
+    mscale: float,
+    mscale_all_dim: float,
+) -> torch.Tensor:
+    """DeepSeek YaRN ``cat(cos, sin)`` cache ``[orig_max_pos * factor, R]``, float64."""
     half = rotary_dim // 2
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
     inv_freq_extra = base**-exps
     inv_freq_inter = inv_freq_extra / factor
 
     def correction_dim(num_rotations: float) -> float:
-        return (rotary_dim * math.log(original_max_pos / (num_rotations * 2 * math.pi))
-                / (2 * math.log(base)))
+        return (
+            rotary_dim
+            * math.log(original_max_pos / (num_rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
     high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
@@ -129,39 +161,153 @@ def _cases() -> list:
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     cpu = [
         Case("gptj_small_f32_bs16", 6, 3, 32, 16, 16, f32),
-        Case("neox_small_f16_bs1_i32slots", 5, 2, 32, 16, 1, f16, neox=True,
-             slot_dtype=torch.int32, pos_dtype=torch.int32),
+        Case(
+            "neox_small_f16_bs1_i32slots",
+            5,
+            2,
+            32,
+            16,
+            1,
+            f16,
+            neox=True,
+            slot_dtype=torch.int32,
+            pos_dtype=torch.int32,
+        ),
         Case("gptj_deepseek_dims_f32_bs64", 3, 2, 512, 64, 64, f32),
-        Case("neox_deepseek_dims_f16_bs16_f16_cos", 3, 2, 512, 64, 16, f16, neox=True,
-             cos_sin_dtype=f16),
+        Case(
+            "neox_deepseek_dims_f16_bs16_f16_cos",
+            3,
+            2,
+            512,
+            64,
+            16,
+            f16,
+            neox=True,
+            cos_sin_dtype=f16,
+        ),
         Case("gptj_prefill_seqs_f16_bs16", 12, 2, 32, 16, 16, f16, num_seqs=2),
-        Case("gptj_graph_padding_short_slots_f32", 6, 3, 32, 16, 16, f32, short_slots=2,
-             preallocated_q_out=True),
-        Case("neox_odd_heads_no_padding_f32_bs64", 4, 5, 48, 24, 64, f32, neox=True,
-             pad_frac=0.0, slot_dtype=torch.int32),
+        Case(
+            "gptj_graph_padding_short_slots_f32",
+            6,
+            3,
+            32,
+            16,
+            16,
+            f32,
+            short_slots=2,
+            preallocated_q_out=True,
+        ),
+        Case(
+            "neox_odd_heads_no_padding_f32_bs64",
+            4,
+            5,
+            48,
+            24,
+            64,
+            f32,
+            neox=True,
+            pad_frac=0.0,
+            slot_dtype=torch.int32,
+        ),
         Case("gptj_non_pow2_dims_f32_bs16", 4, 3, 40, 12, 16, f32),
     ]
     gpu_cases = [
         Case("gpu_gptj_bf16_h16_bs64", 256, 16, 512, 64, 64, bf16),
-        Case("gpu_gptj_bf16_h128_bs16", 64, 128, 512, 64, 16, bf16, slot_dtype=torch.int32),
-        Case("gpu_neox_fp16_h16_bs1", 100, 16, 512, 64, 1, f16, neox=True,
-             pos_dtype=torch.int32),
+        Case(
+            "gpu_gptj_bf16_h128_bs16",
+            64,
+            128,
+            512,
+            64,
+            16,
+            bf16,
+            slot_dtype=torch.int32,
+        ),
+        Case(
+            "gpu_neox_fp16_h16_bs1",
+            100,
+            16,
+            512,
+            64,
+            1,
+            f16,
+            neox=True,
+            pos_dtype=torch.int32,
+        ),
         Case("gpu_gptj_fp32_h8_bs16", 40, 8, 512, 64, 16, f32),
         Case("gpu_gptj_bf16_prefill_4k_bs64", 4096, 16, 512, 64, 64, bf16, num_seqs=3),
-        Case("gpu_gptj_bf16_bf16_cos_bs64", 33, 16, 512, 64, 64, bf16, cos_sin_dtype=bf16,
-             short_slots=5, preallocated_q_out=True),
-        Case("gpu_gptj_fp8_cache_uint8_bs64", 128, 16, 512, 64, 64, bf16, kv_cache_dtype="fp8"),
-        Case("gpu_neox_fp8_e4m3_cache_fp8_tensor_bs16", 50, 16, 512, 64, 16, f16, neox=True,
-             kv_cache_dtype="fp8_e4m3", cache_storage="fp8"),
-        Case("gpu_gptj_fp8_cache_fp8_q_out_h128", 32, 128, 512, 64, 64, bf16,
-             kv_cache_dtype="fp8", q_fp8=True),
-        Case("gpu_gptj_fp8_e5m2_cache_bs64", 64, 16, 512, 64, 64, bf16, kv_cache_dtype="fp8_e5m2"),
-        Case("gpu_gptj_fp8_prefill_2k_bs64", 2048, 16, 512, 64, 64, bf16, kv_cache_dtype="fp8",
-             num_seqs=2, slot_dtype=torch.int32),
+        Case(
+            "gpu_gptj_bf16_bf16_cos_bs64",
+            33,
+            16,
+            512,
+            64,
+            64,
+            bf16,
+            cos_sin_dtype=bf16,
+            short_slots=5,
+            preallocated_q_out=True,
+        ),
+        Case(
+            "gpu_gptj_fp8_cache_uint8_bs64",
+            128,
+            16,
+            512,
+            64,
+            64,
+            bf16,
+            kv_cache_dtype="fp8",
+        ),
+        Case(
+            "gpu_neox_fp8_e4m3_cache_fp8_tensor_bs16",
+            50,
+            16,
+            512,
+            64,
+            16,
+            f16,
+            neox=True,
+            kv_cache_dtype="fp8_e4m3",
+            cache_storage="fp8",
+        ),
+        Case(
+            "gpu_gptj_fp8_cache_fp8_q_out_h128",
+            32,
+            128,
+            512,
+            64,
+            64,
+            bf16,
+            kv_cache_dtype="fp8",
+            q_fp8=True,
+        ),
+        Case(
+            "gpu_gptj_fp8_e5m2_cache_bs64",
+            64,
+            16,
+            512,
+            64,
+            64,
+            bf16,
+            kv_cache_dtype="fp8_e5m2",
+        ),
+        Case(
+            "gpu_gptj_fp8_prefill_2k_bs64",
+            2048,
+            16,
+            512,
+            64,
+            64,
+            bf16,
+            kv_cache_dtype="fp8",
+            num_seqs=2,
+            slot_dtype=torch.int32,
+        ),
     ]
-    return ([pytest.param(c, id=c.name) for c in cpu]
-            + [pytest.param(Case(**{**c.__dict__, "on_gpu": True}), id=c.name, marks=gpu)
-               for c in gpu_cases])
+    return [pytest.param(c, id=c.name) for c in cpu] + [
+        pytest.param(Case(**{**c.__dict__, "on_gpu": True}), id=c.name, marks=gpu)
+        for c in gpu_cases
+    ]
 
 
 CASES = _cases()
@@ -170,7 +316,10 @@ CASES = _cases()
 def _fp8_cache_dtype(case: Case) -> torch.dtype:
     if case.kv_cache_dtype == "fp8_e5m2":
         return torch.float8_e5m2
-    if torch.version.hip is not None and "gfx94" in torch.cuda.get_device_properties(0).gcnArchName:
+    if (
+        torch.version.hip is not None
+        and "gfx94" in torch.cuda.get_device_properties(0).gcnArchName
+    ):
         return torch.float8_e4m3fnuz
     return torch.float8_e4m3fn
 
@@ -196,7 +345,11 @@ class Inputs:
 def _num_blocks(case: Case, needed: int) -> int:
     if not case.on_gpu:
         return needed + 3
-    elem = 1 if case.kv_cache_dtype.startswith("fp8") else torch.finfo(case.dtype).bits // 8
+    elem = (
+        1
+        if case.kv_cache_dtype.startswith("fp8")
+        else torch.finfo(case.dtype).bits // 8
+    )
     row_bytes = case.block_size * (case.L + case.R) * elem
     return max(GPU_MIN_BLOCKS, needed + 1, -(-GPU_MIN_CACHE_BYTES // row_bytes))
 
@@ -215,13 +368,18 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
         pos = torch.randint(0, max_pos, (T,), generator=gen)
         pos[0] = max_pos - 1
     else:
-        cuts = sorted(torch.randperm(T - 1, generator=gen)[: case.num_seqs - 1].add(1).tolist())
+        cuts = sorted(
+            torch.randperm(T - 1, generator=gen)[: case.num_seqs - 1].add(1).tolist()
+        )
         bounds = [0, *cuts, T]
         seq_of = torch.empty(T, dtype=torch.long)
         pos = torch.empty(T, dtype=torch.long)
         for s, (a, b) in enumerate(itertools.pairwise(bounds)):
-            start = max_pos - (b - a) if s == 0 else int(torch.randint(0, max_pos - (b - a), (1,),
-                                                                       generator=gen))
+            start = (
+                max_pos - (b - a)
+                if s == 0
+                else int(torch.randint(0, max_pos - (b - a), (1,), generator=gen))
+            )
             seq_of[a:b] = s
             pos[a:b] = torch.arange(start, start + b - a)
 
@@ -236,8 +394,10 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
         if blk == num_blocks - 1:
             table[key] = table[top_key]
     table[top_key] = num_blocks - 1
-    slots = torch.tensor([table[(int(s), int(p) // bs)] * bs + int(p) % bs
-                          for s, p in zip(seq_of, pos)], dtype=torch.long)
+    slots = torch.tensor(
+        [table[(int(s), int(p) // bs)] * bs + int(p) % bs for s, p in zip(seq_of, pos)],
+        dtype=torch.long,
+    )
     n_pad = int(case.pad_frac * T)
     if n_pad:  # token 0 is never padding
         slots[torch.randperm(T - 1, generator=gen)[:n_pad] + 1] = -1
@@ -246,7 +406,9 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=case.dtype)
 
     q = randn(T, H, QK_NOPE_DIM + R)
-    ql_nope = randn(H, T, L).transpose(0, 1)  # [T, H, L] as bmm(...).transpose(0, 1) gives
+    ql_nope = randn(H, T, L).transpose(
+        0, 1
+    )  # [T, H, L] as bmm(...).transpose(0, 1) gives
     kv = randn(T, L + R)
     if case.kv_cache_dtype.startswith("fp8"):
         fp8 = _fp8_cache_dtype(case)
@@ -259,11 +421,25 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
     cache.view(torch.uint8).fill_(POISON_BYTE)
     k_scale = torch.tensor([0.37], device=device) if fp8 is not None else None
     q_scale = torch.tensor([0.21], device=device) if case.q_fp8 else None
-    slot_mapping = slots[: T - case.short_slots].to(device=device, dtype=case.slot_dtype)
-    return Inputs(q=q, q_pe=q[..., QK_NOPE_DIM:], ql_nope=ql_nope, kv=kv, kv_c=kv[:, :L],
-                  k_pe=kv[:, L:].unsqueeze(1), kv_cache=cache, slots=slots,
-                  slot_mapping=slot_mapping, positions=pos.to(device=device, dtype=case.pos_dtype),
-                  cos_sin=cos_sin, k_scale=k_scale, q_scale=q_scale, fp8_dtype=fp8)
+    slot_mapping = slots[: T - case.short_slots].to(
+        device=device, dtype=case.slot_dtype
+    )
+    return Inputs(
+        q=q,
+        q_pe=q[..., QK_NOPE_DIM:],
+        ql_nope=ql_nope,
+        kv=kv,
+        kv_c=kv[:, :L],
+        k_pe=kv[:, L:].unsqueeze(1),
+        kv_cache=cache,
+        slots=slots,
+        slot_mapping=slot_mapping,
+        positions=pos.to(device=device, dtype=case.pos_dtype),
+        cos_sin=cos_sin,
+        k_scale=k_scale,
+        q_scale=q_scale,
+        fp8_dtype=fp8,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -271,9 +447,10 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
 # ---------------------------------------------------------------------------
 
 
-def ref_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-             neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated ``x`` ``[T, ..., R]`` in float64, and ``|x1 cos| + |x2 sin|`` per element."""
+def ref_rope(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated ``x`` ``[T, ..., R]`` in float64, and ``|x1 cos| + |x2 sin|`` each."""
     x = x.double()
     cos, sin = cos_sin[positions.long()].double().chunk(2, dim=-1)
     view = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
@@ -295,9 +472,15 @@ def ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return fi.eps * torch.exp2(torch.floor(torch.log2(mag)))
 
 
-def assert_rotated_close(got: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor,
-                         model_dtype: torch.dtype, scale: torch.Tensor | None, what: str):
-    """Rotated values: one model-dtype ulp (+ fp32 evaluation error); fp8: one bucket."""
+def assert_rotated_close(
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    mag: torch.Tensor,
+    model_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    what: str,
+):
+    """Rotated values: one model-dtype ulp (+ fp32 evaluation error); fp8: 1 bucket."""
     tol = ulp(ref, model_dtype) + FP32_EVAL_TERMS * FP32_U * mag
     if scale is not None:
         fmax = torch.finfo(got.dtype).max
@@ -306,8 +489,10 @@ def assert_rotated_close(got: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor
         tol = ulp(ref, got.dtype) + tol / s + 2.0**-23 * ref.abs()
     err = (got.double() - ref).abs()
     bad = ~(err <= tol)
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} rotated values off; "
-                           f"worst err {float((err - tol).max()):.3g} over tolerance")
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} rotated values off; "
+        f"worst err {float((err - tol).max()):.3g} over tolerance"
+    )
 
 
 def quant_ref(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
@@ -316,7 +501,9 @@ def quant_ref(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.T
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.shape == want.shape, (
+        f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    )
     g = got.contiguous().view(torch.uint8)
     w = want.contiguous().view(torch.uint8)
     bad = g != w
@@ -331,26 +518,36 @@ def check_cache(case: Case, inp: Inputs, k_rot, k_mag):
     tok = valid.nonzero().flatten()
     slots = inp.slots[tok].to(inp.kv_cache.device)
     tok = tok.to(inp.kv_cache.device)
-    rows = inp.kv_cache.view(torch.uint8).view(-1, inp.kv_cache.element_size() * (L + R))
+    rows = inp.kv_cache.view(torch.uint8).view(
+        -1, inp.kv_cache.element_size() * (L + R)
+    )
     got = rows[slots].view(inp.fp8_dtype or case.dtype)
     if inp.fp8_dtype is not None:
-        assert_same_bits(got[:, :L], quant_ref(inp.kv_c[tok], inp.k_scale, inp.fp8_dtype),
-                         "cache kv_c part (fp8)")
+        assert_same_bits(
+            got[:, :L],
+            quant_ref(inp.kv_c[tok], inp.k_scale, inp.fp8_dtype),
+            "cache kv_c part (fp8)",
+        )
         scale = inp.k_scale
     else:
         assert_same_bits(got[:, :L], inp.kv_c[tok], "cache kv_c part")
         scale = None
-    assert_rotated_close(got[:, L:], k_rot[tok], k_mag[tok], case.dtype, scale,
-                         "cache k_pe part")
+    assert_rotated_close(
+        got[:, L:], k_rot[tok], k_mag[tok], case.dtype, scale, "cache k_pe part"
+    )
     # Untouched everywhere else: put the poison back into the written rows.
     rows[slots] = POISON_BYTE
-    assert bool((inp.kv_cache.view(torch.uint8) == POISON_BYTE).all()), \
+    assert bool((inp.kv_cache.view(torch.uint8) == POISON_BYTE).all()), (
         "cache bytes outside the written rows changed (padding written?)"
+    )
 
 
 def _clone_all(inp: Inputs) -> dict:
-    return {k: v.clone() for k, v in inp.__dict__.items()
-            if isinstance(v, torch.Tensor) and k not in ("kv_cache",)}
+    return {
+        k: v.clone()
+        for k, v in inp.__dict__.items()
+        if isinstance(v, torch.Tensor) and k not in ("kv_cache",)
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -365,15 +562,27 @@ def test_decode_form_matches_rope_cache_cat(case: Case, device: str):
     T, H, L, R = case.T, case.H, case.L, case.R
     q_out = None
     if case.preallocated_q_out:  # a strided slice of a bigger, NaN-poisoned buffer
-        q_out = torch.full((T, H, L + R + 8), float("nan"), dtype=case.dtype,
-                           device=device)[..., 4:4 + L + R]
+        q_out = torch.full(
+            (T, H, L + R + 8), float("nan"), dtype=case.dtype, device=device
+        )[..., 4 : 4 + L + R]
     elif case.q_fp8:
         q_out = torch.full((T, H, L + R), float("nan"), device=device).to(inp.fp8_dtype)
 
     out = mla_rope_concat_and_cache(
-        inp.ql_nope, inp.q_pe, inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping,
-        inp.positions, inp.cos_sin, case.neox, kv_cache_dtype=case.kv_cache_dtype,
-        k_scale=inp.k_scale, q_out=q_out, q_scale=inp.q_scale)
+        inp.ql_nope,
+        inp.q_pe,
+        inp.kv_c,
+        inp.k_pe,
+        inp.kv_cache,
+        inp.slot_mapping,
+        inp.positions,
+        inp.cos_sin,
+        case.neox,
+        kv_cache_dtype=case.kv_cache_dtype,
+        k_scale=inp.k_scale,
+        q_out=q_out,
+        q_scale=inp.q_scale,
+    )
 
     if q_out is not None:
         assert out is q_out
@@ -384,13 +593,20 @@ def test_decode_form_matches_rope_cache_cat(case: Case, device: str):
         assert_same_bits(getattr(inp, name), t, f"input {name} modified")
 
     q_rot, q_mag = ref_rope(before["q_pe"], before["positions"], inp.cos_sin, case.neox)
-    k_rot, k_mag = ref_rope(before["kv"][:, L:], before["positions"], inp.cos_sin, case.neox)
+    k_rot, k_mag = ref_rope(
+        before["kv"][:, L:], before["positions"], inp.cos_sin, case.neox
+    )
     if case.q_fp8:
-        assert_same_bits(out[..., :L], quant_ref(inp.ql_nope, inp.q_scale, out.dtype),
-                         "q_out nope part (fp8)")
+        assert_same_bits(
+            out[..., :L],
+            quant_ref(inp.ql_nope, inp.q_scale, out.dtype),
+            "q_out nope part (fp8)",
+        )
     else:
         assert_same_bits(out[..., :L], inp.ql_nope, "q_out nope part")
-    assert_rotated_close(out[..., L:], q_rot, q_mag, case.dtype, inp.q_scale, "q_out rope part")
+    assert_rotated_close(
+        out[..., L:], q_rot, q_mag, case.dtype, inp.q_scale, "q_out rope part"
+    )
     check_cache(case, inp, k_rot, k_mag)
 
 
@@ -399,17 +615,32 @@ def test_prefill_form_rotates_in_place_and_writes_cache(case: Case, device: str)
     inp = make_inputs(case, device, seed=1)
     before = _clone_all(inp)
     L = case.L
-    mla_rope_and_cache(inp.q_pe, inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping,
-                       inp.positions, inp.cos_sin, case.neox,
-                       kv_cache_dtype=case.kv_cache_dtype, k_scale=inp.k_scale)
+    mla_rope_and_cache(
+        inp.q_pe,
+        inp.kv_c,
+        inp.k_pe,
+        inp.kv_cache,
+        inp.slot_mapping,
+        inp.positions,
+        inp.cos_sin,
+        case.neox,
+        kv_cache_dtype=case.kv_cache_dtype,
+        k_scale=inp.k_scale,
+    )
 
     q_rot, q_mag = ref_rope(before["q_pe"], before["positions"], inp.cos_sin, case.neox)
-    k_rot, k_mag = ref_rope(before["kv"][:, L:], before["positions"], inp.cos_sin, case.neox)
-    # Every token is rotated, padded ones included (as the unfused rotary embedding does).
+    k_rot, k_mag = ref_rope(
+        before["kv"][:, L:], before["positions"], inp.cos_sin, case.neox
+    )
+    # Every token is rotated, padded ones included (as the unfused rotary embedding).
     assert_rotated_close(inp.q_pe, q_rot, q_mag, case.dtype, None, "q_pe in place")
-    assert_rotated_close(inp.k_pe[:, 0], k_rot, k_mag, case.dtype, None, "k_pe in place")
+    assert_rotated_close(
+        inp.k_pe[:, 0], k_rot, k_mag, case.dtype, None, "k_pe in place"
+    )
     # ... and nothing next to them in the strided parents.
-    assert_same_bits(inp.q[..., :QK_NOPE_DIM], before["q"][..., :QK_NOPE_DIM], "q_nope modified")
+    assert_same_bits(
+        inp.q[..., :QK_NOPE_DIM], before["q"][..., :QK_NOPE_DIM], "q_nope modified"
+    )
     assert_same_bits(inp.kv[:, :L], before["kv"][:, :L], "kv_c modified")
     for name in ("ql_nope", "slot_mapping", "positions", "cos_sin"):
         assert_same_bits(getattr(inp, name), before[name], f"input {name} modified")
@@ -420,10 +651,27 @@ def test_cache_rows_identical_between_forms(device: str):
     """Decode and prefill forms write the very same cache bytes."""
     case = Case("forms", 7, 2, 32, 16, 4, torch.float32, pad_frac=0.3)
     a, b = make_inputs(case, device, seed=3), make_inputs(case, device, seed=3)
-    mla_rope_concat_and_cache(a.ql_nope, a.q_pe, a.kv_c, a.k_pe, a.kv_cache, a.slot_mapping,
-                              a.positions, a.cos_sin, False)
-    mla_rope_and_cache(b.q_pe, b.kv_c, b.k_pe, b.kv_cache, b.slot_mapping, b.positions,
-                       b.cos_sin, False)
+    mla_rope_concat_and_cache(
+        a.ql_nope,
+        a.q_pe,
+        a.kv_c,
+        a.k_pe,
+        a.kv_cache,
+        a.slot_mapping,
+        a.positions,
+        a.cos_sin,
+        False,
+    )
+    mla_rope_and_cache(
+        b.q_pe,
+        b.kv_c,
+        b.k_pe,
+        b.kv_cache,
+        b.slot_mapping,
+        b.positions,
+        b.cos_sin,
+        False,
+    )
     assert_same_bits(a.kv_cache, b.kv_cache, "cache differs between forms")
 
 
@@ -433,28 +681,66 @@ def test_zero_tokens_is_a_no_op(device: str):
     cache = torch.zeros(4, 4, 48, device=device)
     empty = torch.empty(0, dtype=torch.long, device=device)
     q_pe = torch.empty(0, 2, 16, device=device)
-    out = mla_rope_concat_and_cache(torch.empty(0, 2, 32, device=device), q_pe,
-                                    torch.empty(0, 32, device=device),
-                                    torch.empty(0, 16, device=device), cache, empty, empty, cs,
-                                    case.neox)
+    out = mla_rope_concat_and_cache(
+        torch.empty(0, 2, 32, device=device),
+        q_pe,
+        torch.empty(0, 32, device=device),
+        torch.empty(0, 16, device=device),
+        cache,
+        empty,
+        empty,
+        cs,
+        case.neox,
+    )
     assert out.shape == (0, 2, 48)
-    mla_rope_and_cache(q_pe, torch.empty(0, 32, device=device), torch.empty(0, 16, device=device),
-                       cache, empty, empty, cs, True)
+    mla_rope_and_cache(
+        q_pe,
+        torch.empty(0, 32, device=device),
+        torch.empty(0, 16, device=device),
+        cache,
+        empty,
+        empty,
+        cs,
+        True,
+    )
     assert not cache.any()
 
 
 @gpu
 def test_decode_form_replays_in_cuda_graph_with_new_positions(device: str):
     """Positions, slots and scales are read on the device at replay time."""
-    case = Case("graph", 8, 16, 512, 64, 64, torch.bfloat16, kv_cache_dtype="fp8", pad_frac=0.0,
-                on_gpu=True)
+    case = Case(
+        "graph",
+        8,
+        16,
+        512,
+        64,
+        64,
+        torch.bfloat16,
+        kv_cache_dtype="fp8",
+        pad_frac=0.0,
+        on_gpu=True,
+    )
     inp = make_inputs(case, device, seed=5)
-    q_out = torch.empty(case.T, case.H, case.L + case.R, dtype=case.dtype, device=device)
+    q_out = torch.empty(
+        case.T, case.H, case.L + case.R, dtype=case.dtype, device=device
+    )
 
     def call():
-        mla_rope_concat_and_cache(inp.ql_nope, inp.q_pe, inp.kv_c, inp.k_pe, inp.kv_cache,
-                                  inp.slot_mapping, inp.positions, inp.cos_sin, False,
-                                  kv_cache_dtype="fp8", k_scale=inp.k_scale, q_out=q_out)
+        mla_rope_concat_and_cache(
+            inp.ql_nope,
+            inp.q_pe,
+            inp.kv_c,
+            inp.k_pe,
+            inp.kv_cache,
+            inp.slot_mapping,
+            inp.positions,
+            inp.cos_sin,
+            False,
+            kv_cache_dtype="fp8",
+            k_scale=inp.k_scale,
+            q_out=q_out,
+        )
 
     call()  # compile outside the capture
     torch.cuda.synchronize()
@@ -471,8 +757,10 @@ def test_decode_form_replays_in_cuda_graph_with_new_positions(device: str):
     torch.cuda.synchronize()
     q_rot, q_mag = ref_rope(inp.q_pe, inp.positions, inp.cos_sin, False)
     k_rot, k_mag = ref_rope(inp.k_pe[:, 0], inp.positions, inp.cos_sin, False)
-    assert_same_bits(q_out[..., :case.L], inp.ql_nope, "q_out nope part after replay")
-    assert_rotated_close(q_out[..., case.L:], q_rot, q_mag, case.dtype, None, "q rope replay")
+    assert_same_bits(q_out[..., : case.L], inp.ql_nope, "q_out nope part after replay")
+    assert_rotated_close(
+        q_out[..., case.L :], q_rot, q_mag, case.dtype, None, "q rope replay"
+    )
     check_cache(case, inp, k_rot, k_mag)
 
 
@@ -497,70 +785,170 @@ def _valid_args(device: str, dtype=torch.float32) -> dict:
 
 
 def _fp8_cache(args: dict) -> dict:
-    args["kv_cache"] = torch.zeros(args["kv_cache"].shape, dtype=torch.uint8,
-                                   device=args["kv_cache"].device)
+    args["kv_cache"] = torch.zeros(
+        args["kv_cache"].shape, dtype=torch.uint8, device=args["kv_cache"].device
+    )
     args["kv_cache_dtype"] = "fp8"
     return args
 
 
 BAD_ARGS = [
-    ("q_pe_2d", lambda a: {**a, "q_pe": a["q_pe"][:, 0]}, ValueError, "q_pe must have 3 dims"),
-    ("kv_c_dtype_mismatch", lambda a: {**a, "kv_c": a["kv_c"].half()}, TypeError, "kv_c dtype"),
-    ("q_pe_int", lambda a: {**a, "q_pe": a["q_pe"].int()}, TypeError, "q_pe must be one of"),
-    ("cache_width", lambda a: {**a, "kv_cache": a["kv_cache"][..., :-1]}, ValueError, "L + R"),
-    ("odd_rotary_dim", lambda a: {**a, "q_pe": a["q_pe"][..., :15], "k_pe": a["k_pe"][:, :15]},
-     ValueError, "rotary dim must be even"),
-    ("k_pe_shape", lambda a: {**a, "k_pe": a["k_pe"][:, None].expand(3, 2, 16)}, ValueError,
-     "k_pe must be"),
-    ("positions_length", lambda a: {**a, "positions": a["positions"][:2]}, ValueError,
-     "positions has 2 tokens"),
-    ("slot_mapping_longer_than_tokens",
-     lambda a: {**a, "slot_mapping": torch.cat([a["slot_mapping"], a["slot_mapping"]])},
-     ValueError, "more than the"),
-    ("slot_mapping_float", lambda a: {**a, "slot_mapping": a["slot_mapping"].float()}, TypeError,
-     "slot_mapping must be int32 or int64"),
-    ("q_pe_last_stride", lambda a: {**a, "q_pe": a["q_pe"].transpose(1, 2).contiguous()
-                                   .transpose(1, 2)},
-     ValueError, "unit stride"),
-    ("cos_sin_width", lambda a: {**a, "cos_sin_cache": a["cos_sin_cache"][:, :8]}, ValueError,
-     "cos_sin_cache must be"),
-    ("unknown_kv_cache_dtype", lambda a: {**a, "kv_cache_dtype": "fp8_ds_mla"}, ValueError,
-     "unsupported kv_cache_dtype"),
-    ("auto_with_uint8_cache", lambda a: {**_fp8_cache(a), "kv_cache_dtype": "auto"}, TypeError,
-     'kv_cache_dtype "auto" needs'),
+    (
+        "q_pe_2d",
+        lambda a: {**a, "q_pe": a["q_pe"][:, 0]},
+        ValueError,
+        "q_pe must have 3 dims",
+    ),
+    (
+        "kv_c_dtype_mismatch",
+        lambda a: {**a, "kv_c": a["kv_c"].half()},
+        TypeError,
+        "kv_c dtype",
+    ),
+    (
+        "q_pe_int",
+        lambda a: {**a, "q_pe": a["q_pe"].int()},
+        TypeError,
+        "q_pe must be one of",
+    ),
+    (
+        "cache_width",
+        lambda a: {**a, "kv_cache": a["kv_cache"][..., :-1]},
+        ValueError,
+        "L + R",
+    ),
+    (
+        "odd_rotary_dim",
+        lambda a: {**a, "q_pe": a["q_pe"][..., :15], "k_pe": a["k_pe"][:, :15]},
+        ValueError,
+        "rotary dim must be even",
+    ),
+    (
+        "k_pe_shape",
+        lambda a: {**a, "k_pe": a["k_pe"][:, None].expand(3, 2, 16)},
+        ValueError,
+        "k_pe must be",
+    ),
+    (
+        "positions_length",
+        lambda a: {**a, "positions": a["positions"][:2]},
+        ValueError,
+        "positions has 2 tokens",
+    ),
+    (
+        "slot_mapping_longer_than_tokens",
+        lambda a: {
+            **a,
+            "slot_mapping": torch.cat([a["slot_mapping"], a["slot_mapping"]]),
+        },
+        ValueError,
+        "more than the",
+    ),
+    (
+        "slot_mapping_float",
+        lambda a: {**a, "slot_mapping": a["slot_mapping"].float()},
+        TypeError,
+        "slot_mapping must be int32 or int64",
+    ),
+    (
+        "q_pe_last_stride",
+        lambda a: {**a, "q_pe": a["q_pe"].transpose(1, 2).contiguous().transpose(1, 2)},
+        ValueError,
+        "unit stride",
+    ),
+    (
+        "cos_sin_width",
+        lambda a: {**a, "cos_sin_cache": a["cos_sin_cache"][:, :8]},
+        ValueError,
+        "cos_sin_cache must be",
+    ),
+    (
+        "unknown_kv_cache_dtype",
+        lambda a: {**a, "kv_cache_dtype": "fp8_ds_mla"},
+        ValueError,
+        "unsupported kv_cache_dtype",
+    ),
+    (
+        "auto_with_uint8_cache",
+        lambda a: {**_fp8_cache(a), "kv_cache_dtype": "auto"},
+        TypeError,
+        'kv_cache_dtype "auto" needs',
+    ),
     ("fp8_without_k_scale", lambda a: _fp8_cache(a), ValueError, "k_scale is required"),
-    ("fp8_k_scale_float64",
-     lambda a: {**_fp8_cache(a), "k_scale": torch.ones(1, dtype=torch.float64,
-                                                       device=a["q_pe"].device)},
-     TypeError, "k_scale must be float32"),
-    ("fp8_k_scale_python_float", lambda a: {**_fp8_cache(a), "k_scale": 1.0}, TypeError,
-     "one-element float32 tensor"),
-    ("e5m2_string_with_e4m3_tensor",
-     lambda a: {**_fp8_cache(a), "kv_cache_dtype": "fp8_e5m2",
-                "kv_cache": a["kv_cache"].view(torch.float8_e4m3fn),
-                "k_scale": torch.ones(1, device=a["q_pe"].device)},
-     TypeError, "needs a uint8 cache or one of"),
+    (
+        "fp8_k_scale_float64",
+        lambda a: {
+            **_fp8_cache(a),
+            "k_scale": torch.ones(1, dtype=torch.float64, device=a["q_pe"].device),
+        },
+        TypeError,
+        "k_scale must be float32",
+    ),
+    (
+        "fp8_k_scale_python_float",
+        lambda a: {**_fp8_cache(a), "k_scale": 1.0},
+        TypeError,
+        "one-element float32 tensor",
+    ),
+    (
+        "e5m2_string_with_e4m3_tensor",
+        lambda a: {
+            **_fp8_cache(a),
+            "kv_cache_dtype": "fp8_e5m2",
+            "kv_cache": a["kv_cache"].view(torch.float8_e4m3fn),
+            "k_scale": torch.ones(1, device=a["q_pe"].device),
+        },
+        TypeError,
+        "needs a uint8 cache or one of",
+    ),
 ]
 
 BAD_DECODE_ARGS = [
-    ("ql_nope_heads", lambda a: {**a, "ql_nope": a["ql_nope"][:, :1]}, ValueError,
-     "ql_nope must be"),
-    ("ql_nope_dtype", lambda a: {**a, "ql_nope": a["ql_nope"].half()}, TypeError,
-     "ql_nope dtype"),
-    ("q_out_shape", lambda a: {**a, "q_out": torch.empty(3, 2, 47, device=a["q_pe"].device)},
-     ValueError, "q_out must be"),
-    ("q_out_fp8_without_q_scale",
-     lambda a: {**a, "q_out": torch.empty(3, 2, 48, device=a["q_pe"].device,
-                                          dtype=torch.float8_e4m3fn)},
-     TypeError, "q_out must be torch.float32"),
-    ("q_scale_with_float_q_out",
-     lambda a: {**a, "q_out": torch.empty(3, 2, 48, device=a["q_pe"].device),
-                "q_scale": torch.ones(1, device=a["q_pe"].device)},
-     TypeError, "q_out must be an fp8 tensor"),
+    (
+        "ql_nope_heads",
+        lambda a: {**a, "ql_nope": a["ql_nope"][:, :1]},
+        ValueError,
+        "ql_nope must be",
+    ),
+    (
+        "ql_nope_dtype",
+        lambda a: {**a, "ql_nope": a["ql_nope"].half()},
+        TypeError,
+        "ql_nope dtype",
+    ),
+    (
+        "q_out_shape",
+        lambda a: {**a, "q_out": torch.empty(3, 2, 47, device=a["q_pe"].device)},
+        ValueError,
+        "q_out must be",
+    ),
+    (
+        "q_out_fp8_without_q_scale",
+        lambda a: {
+            **a,
+            "q_out": torch.empty(
+                3, 2, 48, device=a["q_pe"].device, dtype=torch.float8_e4m3fn
+            ),
+        },
+        TypeError,
+        "q_out must be torch.float32",
+    ),
+    (
+        "q_scale_with_float_q_out",
+        lambda a: {
+            **a,
+            "q_out": torch.empty(3, 2, 48, device=a["q_pe"].device),
+            "q_scale": torch.ones(1, device=a["q_pe"].device),
+        },
+        TypeError,
+        "q_out must be an fp8 tensor",
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,mutate,exc,match", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
+@pytest.mark.parametrize(
+    "name,mutate,exc,match", BAD_ARGS, ids=[b[0] for b in BAD_ARGS]
+)
 def test_bad_arguments_raise_before_writing(name, mutate, exc, match, device: str):
     for form in ("decode", "prefill"):
         args = mutate(_valid_args(device))
@@ -568,14 +956,19 @@ def test_bad_arguments_raise_before_writing(name, mutate, exc, match, device: st
             del args["ql_nope"]
         written = {k: args[k].clone() for k in ("kv_cache", "q_pe", "k_pe")}
         with pytest.raises(exc, match=re.escape(match)):
-            (mla_rope_concat_and_cache if form == "decode" else mla_rope_and_cache)(**args)
+            (mla_rope_concat_and_cache if form == "decode" else mla_rope_and_cache)(
+                **args
+            )
         for k, v in written.items():
             assert_same_bits(args[k], v, f"{form} form wrote {k} before raising")
 
 
-@pytest.mark.parametrize("name,mutate,exc,match", BAD_DECODE_ARGS,
-                         ids=[b[0] for b in BAD_DECODE_ARGS])
-def test_bad_decode_arguments_raise_before_writing(name, mutate, exc, match, device: str):
+@pytest.mark.parametrize(
+    "name,mutate,exc,match", BAD_DECODE_ARGS, ids=[b[0] for b in BAD_DECODE_ARGS]
+)
+def test_bad_decode_arguments_raise_before_writing(
+    name, mutate, exc, match, device: str
+):
     args = mutate(_valid_args(device))
     cache_before = args["kv_cache"].clone()
     with pytest.raises(exc, match=re.escape(match)):

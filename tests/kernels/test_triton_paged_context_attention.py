@@ -18,11 +18,34 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
+from vllm.v1.attention.ops import triton_launcher
 from vllm.v1.attention.ops import triton_paged_context_attention as pca
 from vllm.v1.attention.ops.triton_paged_context_attention import (
     paged_context_attention,
     use_paged_context,
 )
+
+# Self-contained: these tests also ship to vLLM's tests/kernels/attention/.  They run
+# on the GPU when there is one, else on the CPU under TRITON_INTERPRET=1; tests marked
+# ``gpu`` need a GPU.
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (compiled kernels, real sizes)"
+)
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _empty_launch_caches():
+    """Launches derived from monkeypatched tuning constants die with the test."""
+    triton_launcher.clear_caches()
+    yield
+    triton_launcher.clear_caches()
+
 
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_E5M2 = torch.float8_e5m2
@@ -30,7 +53,9 @@ U32 = 2.0**-24
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
-    return {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+    return {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[
+        dtype
+    ]
 
 
 @dataclass
@@ -69,11 +94,15 @@ def build(case: Case, device: str, seed: int = 0) -> dict:
     need = sum(pages)
     num_blocks = case.num_blocks or (case.min_block_id + need + 3)
     assert num_blocks - case.min_block_id >= need and case.min_block_id >= 1
-    ids = torch.randperm(num_blocks - case.min_block_id, generator=gen)[:need] + case.min_block_id
+    ids = (
+        torch.randperm(num_blocks - case.min_block_id, generator=gen)[:need]
+        + case.min_block_id
+    )
     max_pages = max(pages + [1]) + 2  # spare columns stay 0 (unused block 0)
     block_table = torch.zeros(len(pages), max_pages, dtype=torch.int32)
-    cache = torch.full((num_blocks, hkv, bs, 2 * d), float("nan"), dtype=torch.float32,
-                       device=device).to(cache_dtype)
+    cache = torch.full(
+        (num_blocks, hkv, bs, 2 * d), float("nan"), dtype=torch.float32, device=device
+    ).to(cache_dtype)
     k_logical, v_logical = [], []
     used = 0
     for b, (ctx, _n) in enumerate(zip(case.context_lens, case.query_lens, strict=True)):
@@ -98,29 +127,42 @@ def build(case: Case, device: str, seed: int = 0) -> dict:
     total = sum(case.query_lens)
     q = torch.randn(total, hq, d, generator=gen).to(device=device, dtype=case.dtype)
     if case.query_view:  # a [T, Hq, D] slice of a fused [T, Hq + 2 Hkv, D] qkv
-        qkv = torch.randn(total, hq + 2 * hkv, d, generator=gen).to(device=device,
-                                                                   dtype=case.dtype)
+        qkv = torch.randn(total, hq + 2 * hkv, d, generator=gen).to(
+            device=device, dtype=case.dtype
+        )
         qkv[:, :hq] = q
         q = qkv[:, :hq]
     # The new tokens' own K/V (the step's key/value, query dtype): the cache
     # slots after each context stay NaN, so the kernel must read these.
-    k_new = torch.randn(total, hkv, d, generator=gen).to(device=device, dtype=case.dtype)
-    v_new = torch.randn(total, hkv, d, generator=gen).to(device=device, dtype=case.dtype)
+    k_new = torch.randn(total, hkv, d, generator=gen).to(
+        device=device, dtype=case.dtype
+    )
+    v_new = torch.randn(total, hkv, d, generator=gen).to(
+        device=device, dtype=case.dtype
+    )
     cu = torch.zeros(len(pages) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(case.query_lens).cumsum(0)
     seq_lens = torch.tensor([c + n for c, n in lens], dtype=torch.int32)
     return dict(
-        q=q, key_cache=key_cache, value_cache=value_cache,
-        block_table=block_table.to(device), cu_seqlens_q=cu.to(device),
-        seq_lens=seq_lens.to(device), k_logical=k_logical, v_logical=v_logical,
-        k_new=k_new, v_new=v_new,
-        scale=d**-0.5, k_scale=torch.tensor([k_scale], device=device) if fp8 else None,
+        q=q,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=block_table.to(device),
+        cu_seqlens_q=cu.to(device),
+        seq_lens=seq_lens.to(device),
+        k_logical=k_logical,
+        v_logical=v_logical,
+        k_new=k_new,
+        v_new=v_new,
+        scale=d**-0.5,
+        k_scale=torch.tensor([k_scale], device=device) if fp8 else None,
         v_scale=torch.tensor([v_scale], device=device) if fp8 else None,
     )
 
 
-def reference(case: Case, data: dict, with_new: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference(
+    case: Case, data: dict, with_new: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 (out, lse, sum_j p_j |v_j|) of the new tokens over their context
     (``with_new``: over [context | new tokens], causal in absolute positions)."""
     q = data["q"]
@@ -160,15 +202,29 @@ def reference(case: Case, data: dict, with_new: bool = False
 def run_kernel(case: Case, data: dict, poison: bool = True, with_new: bool = False):
     q = data["q"]
     out = torch.full_like(q, float("nan")) if poison else None
-    lse = (torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32,
-                      device=q.device) if poison else None)
+    lse = (
+        torch.full(
+            (q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32, device=q.device
+        )
+        if poison
+        else None
+    )
     return paged_context_attention(
-        q, data["key_cache"], data["value_cache"], data["block_table"],
-        data["cu_seqlens_q"], data["seq_lens"], data["scale"],
+        q,
+        data["key_cache"],
+        data["value_cache"],
+        data["block_table"],
+        data["cu_seqlens_q"],
+        data["seq_lens"],
+        data["scale"],
         key=data["k_new"] if with_new else None,
         value=data["v_new"] if with_new else None,
-        sliding_window=case.sliding_window, k_scale=data["k_scale"],
-        v_scale=data["v_scale"], out=out, lse=lse, num_splits=case.num_splits,
+        sliding_window=case.sliding_window,
+        k_scale=data["k_scale"],
+        v_scale=data["v_scale"],
+        out=out,
+        lse=lse,
+        num_splits=case.num_splits,
         max_context_len=max(case.context_lens + [0]),
     )
 
@@ -190,7 +246,9 @@ def assert_close_to_reference(case: Case, data: dict, out, lse, with_new: bool =
     assert torch.equal(torch.isfinite(lse.double()), finite), "lse -inf pattern differs"
     lse_err = (lse.double() - ref_lse)[finite].abs()
     lse_tol = (256 * U32 * (1 + ref_lse.abs()))[finite]
-    assert (lse_err <= lse_tol).all(), f"{case.name}: lse error {lse_err.max().item():.3g}"
+    assert (lse_err <= lse_tol).all(), (
+        f"{case.name}: lse error {lse_err.max().item():.3g}"
+    )
     assert (lse[~finite] == -math.inf).all()
     assert (out[(~finite).T] == 0).all(), "tokens without context must output 0"
 
@@ -198,10 +256,23 @@ def assert_close_to_reference(case: Case, data: dict, out, lse, with_new: bool =
 CPU_CASES = [
     Case("one_request_gqa1_d64", [37], [5], num_kv_heads=2, group=1),
     Case("ragged_many_gqa4_d64", [37, 0, 16, 50, 3], [5, 3, 17, 1, 2]),
-    Case("gqa8_d128_fp16", [21, 40], [3, 9], num_kv_heads=1, group=8, head_size=128,
-         dtype=torch.float16),
-    Case("gqa5_padded_group_fp16", [33, 18], [4, 6], num_kv_heads=1, group=5,
-         dtype=torch.float16),
+    Case(
+        "gqa8_d128_fp16",
+        [21, 40],
+        [3, 9],
+        num_kv_heads=1,
+        group=8,
+        head_size=128,
+        dtype=torch.float16,
+    ),
+    Case(
+        "gqa5_padded_group_fp16",
+        [33, 18],
+        [4, 6],
+        num_kv_heads=1,
+        group=5,
+        dtype=torch.float16,
+    ),
     Case("head_size_80_padded", [29, 12], [2, 5], head_size=80),
     Case("block_size_32", [70, 31], [4, 9], block_size=32),
     Case("empty_request_in_middle", [20, 40, 9], [3, 0, 4]),
@@ -210,48 +281,162 @@ CPU_CASES = [
     Case("window_below_query_len", [40], [9], sliding_window=4),
     Case("split_context_3", [70, 45, 0], [3, 6, 2], num_splits=3),
     Case("split_more_than_tiles", [20, 9], [2, 3], num_splits=8, sliding_window=12),
-    Case("fp8_e4m3_cache_fp16_query", [30, 44], [3, 5], dtype=torch.float16,
-         cache_dtype=FP8_E4M3),
-    Case("fp8_e5m2_cache_fp16_query_gqa8", [19], [6], num_kv_heads=1, group=8,
-         dtype=torch.float16, cache_dtype=FP8_E5M2),
+    Case(
+        "fp8_e4m3_cache_fp16_query",
+        [30, 44],
+        [3, 5],
+        dtype=torch.float16,
+        cache_dtype=FP8_E4M3,
+    ),
+    Case(
+        "fp8_e5m2_cache_fp16_query_gqa8",
+        [19],
+        [6],
+        num_kv_heads=1,
+        group=8,
+        dtype=torch.float16,
+        cache_dtype=FP8_E5M2,
+    ),
     Case("query_strided_view", [26, 11], [4, 3], query_view=True),
     Case("keys_ramp", [90, 47], [3, 5], key_profile="ramp"),
     Case("keys_spike_fp16", [90, 61], [4, 2], dtype=torch.float16, key_profile="spike"),
     # With key/value, the splits share the new tokens' tiles as well.
     Case("splits_share_new_tokens", [20, 5], [40, 37], num_splits=4),
     # 24 query heads: the split-combining kernel's two head blocks (16 + 8).
-    Case("splits_24_heads", [40, 9], [3, 2], num_kv_heads=3, group=8, head_size=32,
-         num_splits=2),
+    Case(
+        "splits_24_heads",
+        [40, 9],
+        [3, 2],
+        num_kv_heads=3,
+        group=8,
+        head_size=32,
+        num_splits=2,
+    ),
 ]
 
 GPU_CASES = [
-    Case("gpu_one_request_gqa8_d128", [4100], [200], num_kv_heads=4, group=8, head_size=128,
-         dtype=torch.bfloat16),
-    Case("gpu_ragged_many_gqa4_d64", [0, 1000, 3333, 17, 2049], [64, 1, 130, 300, 7],
-         num_kv_heads=2, group=4, head_size=64, dtype=torch.bfloat16),
-    Case("gpu_gqa1_d128", [2500, 900], [50, 129], num_kv_heads=8, group=1, head_size=128,
-         dtype=torch.bfloat16),
-    Case("gpu_sliding_window_gqa8", [5000, 700, 3], [100, 33, 5], num_kv_heads=4, group=8,
-         head_size=128, dtype=torch.bfloat16, sliding_window=1024),
-    Case("gpu_fp8_e4m3_cache_gqa8", [3000, 1234], [128, 40], num_kv_heads=4, group=8,
-         head_size=128, dtype=torch.bfloat16, cache_dtype=FP8_E4M3),
-    Case("gpu_long_chunk_block32", [1500, 2100], [2048, 700], num_kv_heads=4, group=8,
-         head_size=128, block_size=32, dtype=torch.bfloat16),
-    Case("gpu_keys_ramp_gqa8", [6000, 2222], [300, 45], num_kv_heads=4, group=8,
-         head_size=128, dtype=torch.bfloat16, key_profile="ramp"),
-    Case("gpu_keys_spike_fp16", [5000, 999], [128, 64], num_kv_heads=4, group=8,
-         head_size=128, dtype=torch.float16, key_profile="spike"),
-    Case("gpu_forced_splits_fp16", [3100, 77], [40, 3], num_kv_heads=2, group=4,
-         head_size=128, dtype=torch.float16, num_splits=7),
-    Case("gpu_splits_share_new_tokens", [1000, 64], [700, 300], num_kv_heads=4, group=8,
-         head_size=128, dtype=torch.bfloat16, num_splits=3),
+    Case(
+        "gpu_one_request_gqa8_d128",
+        [4100],
+        [200],
+        num_kv_heads=4,
+        group=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+    ),
+    Case(
+        "gpu_ragged_many_gqa4_d64",
+        [0, 1000, 3333, 17, 2049],
+        [64, 1, 130, 300, 7],
+        num_kv_heads=2,
+        group=4,
+        head_size=64,
+        dtype=torch.bfloat16,
+    ),
+    Case(
+        "gpu_gqa1_d128",
+        [2500, 900],
+        [50, 129],
+        num_kv_heads=8,
+        group=1,
+        head_size=128,
+        dtype=torch.bfloat16,
+    ),
+    Case(
+        "gpu_sliding_window_gqa8",
+        [5000, 700, 3],
+        [100, 33, 5],
+        num_kv_heads=4,
+        group=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        sliding_window=1024,
+    ),
+    Case(
+        "gpu_fp8_e4m3_cache_gqa8",
+        [3000, 1234],
+        [128, 40],
+        num_kv_heads=4,
+        group=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        cache_dtype=FP8_E4M3,
+    ),
+    Case(
+        "gpu_long_chunk_block32",
+        [1500, 2100],
+        [2048, 700],
+        num_kv_heads=4,
+        group=8,
+        head_size=128,
+        block_size=32,
+        dtype=torch.bfloat16,
+    ),
+    Case(
+        "gpu_keys_ramp_gqa8",
+        [6000, 2222],
+        [300, 45],
+        num_kv_heads=4,
+        group=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        key_profile="ramp",
+    ),
+    Case(
+        "gpu_keys_spike_fp16",
+        [5000, 999],
+        [128, 64],
+        num_kv_heads=4,
+        group=8,
+        head_size=128,
+        dtype=torch.float16,
+        key_profile="spike",
+    ),
+    Case(
+        "gpu_forced_splits_fp16",
+        [3100, 77],
+        [40, 3],
+        num_kv_heads=2,
+        group=4,
+        head_size=128,
+        dtype=torch.float16,
+        num_splits=7,
+    ),
+    Case(
+        "gpu_splits_share_new_tokens",
+        [1000, 64],
+        [700, 300],
+        num_kv_heads=4,
+        group=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        num_splits=3,
+    ),
     # Element offsets of the used blocks pass 2**31: Hkv 8, D 128 -> 32768
     # elements per block, context in blocks >= 65,600 of 70,000.
-    Case("gpu_cache_offsets_past_2_31_bf16", [3000, 515], [64, 17], num_kv_heads=8, group=4,
-         head_size=128, dtype=torch.bfloat16, num_blocks=70_000, min_block_id=65_600),
-    Case("gpu_cache_offsets_past_2_31_fp8", [2100], [33], num_kv_heads=8, group=4,
-         head_size=128, dtype=torch.bfloat16, cache_dtype=FP8_E4M3, num_blocks=70_000,
-         min_block_id=65_600),
+    Case(
+        "gpu_cache_offsets_past_2_31_bf16",
+        [3000, 515],
+        [64, 17],
+        num_kv_heads=8,
+        group=4,
+        head_size=128,
+        dtype=torch.bfloat16,
+        num_blocks=70_000,
+        min_block_id=65_600,
+    ),
+    Case(
+        "gpu_cache_offsets_past_2_31_fp8",
+        [2100],
+        [33],
+        num_kv_heads=8,
+        group=4,
+        head_size=128,
+        dtype=torch.bfloat16,
+        cache_dtype=FP8_E4M3,
+        num_blocks=70_000,
+        min_block_id=65_600,
+    ),
 ]
 
 
@@ -262,7 +447,7 @@ def test_matches_dense_reference(case, device):
     assert_close_to_reference(case, data, out, lse)
 
 
-@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_matches_dense_reference_gpu(case, device):
     data = build(case, device)
@@ -278,7 +463,7 @@ def test_with_new_tokens_matches_dense_reference(case, device):
     assert_close_to_reference(case, data, out, lse, with_new=True)
 
 
-@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_with_new_tokens_matches_dense_reference_gpu(case, device):
     data = build(case, device)
@@ -308,15 +493,24 @@ def test_padding_tokens_after_last_request_untouched(num_splits, device):
     q = torch.cat([data["q"], torch.randn(pad, *data["q"].shape[1:], device=device)])
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=device)
-    paged_context_attention(q, data["key_cache"], data["value_cache"], data["block_table"],
-                            data["cu_seqlens_q"], data["seq_lens"], data["scale"],
-                            out=out, lse=lse, num_splits=num_splits)
+    paged_context_attention(
+        q,
+        data["key_cache"],
+        data["value_cache"],
+        data["block_table"],
+        data["cu_seqlens_q"],
+        data["seq_lens"],
+        data["scale"],
+        out=out,
+        lse=lse,
+        num_splits=num_splits,
+    )
     assert out[-pad:].isnan().all() and lse[:, -pad:].isnan().all()
     assert_close_to_reference(case, data, out[:-pad], lse[:, :-pad])
 
 
 def dense_causal_new_tokens(q, k_new, v_new, scale, group, window, context_len):
-    """float64 attention of the new tokens to themselves (causal) -> (out, lse [Hq, n])."""
+    """float64 causal attention of the new tokens to themselves -> (out, lse[Hq, n])."""
     n = q.shape[0]
     k = k_new.double().repeat_interleave(group, dim=1)
     v = v_new.double().repeat_interleave(group, dim=1)
@@ -331,35 +525,50 @@ def dense_causal_new_tokens(q, k_new, v_new, scale, group, window, context_len):
 
 
 def merge_reference(out_a, lse_a, out_b, lse_b):
-    """Merge two partial attentions ([n, H, D], lse [H, n]) the way merge_attn_states does."""
+    """Merge two partial attentions ([n, H, D], lse [H, n]) as merge_attn_states."""
     lse_a, lse_b = lse_a.double(), lse_b.double()
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
     tot = wa + wb
-    merged = (out_a.double() * (wa / tot).T[..., None] + out_b.double() * (wb / tot).T[..., None])
+    merged = (
+        out_a.double() * (wa / tot).T[..., None]
+        + out_b.double() * (wb / tot).T[..., None]
+    )
     return merged, torch.log(tot) + m
 
 
 @pytest.mark.parametrize("window", [None, 9], ids=["full_context", "sliding_window_9"])
 def test_merge_with_new_token_attention_equals_full_attention(window, device):
-    """(paged context) merged with (causal new tokens) == dense attention over [ctx | new]."""
-    case = Case("merge", [30, 13, 0], [6, 4, 3], num_kv_heads=2, group=4, sliding_window=window)
+    """(paged context) merged with (causal new tokens) == dense over [ctx | new]."""
+    case = Case(
+        "merge", [30, 13, 0], [6, 4, 3], num_kv_heads=2, group=4, sliding_window=window
+    )
     data = build(case, device, seed=3)
     out_ctx, lse_ctx = run_kernel(case, data)
     gen = torch.Generator(device="cpu").manual_seed(7)
     start = 0
     for b, (ctx, n) in enumerate(zip(case.context_lens, case.query_lens, strict=True)):
         q = data["q"][start : start + n]
-        k_new = torch.randn(n, case.num_kv_heads, case.head_size, generator=gen).to(device)
-        v_new = torch.randn(n, case.num_kv_heads, case.head_size, generator=gen).to(device)
-        out_new, lse_new = dense_causal_new_tokens(q, k_new, v_new, data["scale"], case.group,
-                                                   window, ctx)
-        merged, merged_lse = merge_reference(out_ctx[start : start + n],
-                                             lse_ctx[:, start : start + n], out_new, lse_new)
+        k_new = torch.randn(n, case.num_kv_heads, case.head_size, generator=gen).to(
+            device
+        )
+        v_new = torch.randn(n, case.num_kv_heads, case.head_size, generator=gen).to(
+            device
+        )
+        out_new, lse_new = dense_causal_new_tokens(
+            q, k_new, v_new, data["scale"], case.group, window, ctx
+        )
+        merged, merged_lse = merge_reference(
+            out_ctx[start : start + n], lse_ctx[:, start : start + n], out_new, lse_new
+        )
         # Dense attention over [context | new], causal in absolute positions.
-        k_all = torch.cat([data["k_logical"][b], k_new.double()]).repeat_interleave(case.group, 1)
-        v_all = torch.cat([data["v_logical"][b], v_new.double()]).repeat_interleave(case.group, 1)
+        k_all = torch.cat([data["k_logical"][b], k_new.double()]).repeat_interleave(
+            case.group, 1
+        )
+        v_all = torch.cat([data["v_logical"][b], v_new.double()]).repeat_interleave(
+            case.group, 1
+        )
         s = torch.einsum("nhd,lhd->hnl", q.double(), k_all) * data["scale"]
         pos_q = ctx + torch.arange(n, device=device)
         pos_k = torch.arange(ctx + n, device=device)
@@ -389,40 +598,86 @@ def _bad_args(device):
     q, kc, vc = d["q"], d["key_cache"], d["value_cache"]
     bt, cu, sl = d["block_table"], d["cu_seqlens_q"], d["seq_lens"]
     fp8_k, fp8_v = kc.to(FP8_E4M3), vc.to(FP8_E4M3)
-    base = dict(query=q, key_cache=kc, value_cache=vc, block_table=bt, cu_seqlens_q=cu,
-                seq_lens=sl, scale=0.1)
+    base = dict(
+        query=q,
+        key_cache=kc,
+        value_cache=vc,
+        block_table=bt,
+        cu_seqlens_q=cu,
+        seq_lens=sl,
+        scale=0.1,
+    )
     return [
         ("query_2d", dict(base, query=q[:, 0]), TypeError),
         ("query_int", dict(base, query=q.to(torch.int32)), TypeError),
-        ("cache_dtype_differs_from_query", dict(base, key_cache=kc.half(),
-                                                value_cache=vc.half()), TypeError),
+        (
+            "cache_dtype_differs_from_query",
+            dict(base, key_cache=kc.half(), value_cache=vc.half()),
+            TypeError,
+        ),
         ("k_v_dtypes_differ", dict(base, value_cache=vc.double()), TypeError),
-        ("fp8_without_scales", dict(base, query=q.half(), key_cache=fp8_k,
-                                    value_cache=fp8_v), ValueError),
-        ("fp8_scale_wrong_dtype", dict(base, query=q.half(), key_cache=fp8_k, value_cache=fp8_v,
-                                       k_scale=torch.ones(1, dtype=torch.float64, device=device),
-                                       v_scale=1.0), ValueError),
-        ("fp8_with_fp32_query", dict(base, key_cache=fp8_k, value_cache=fp8_v, k_scale=1.0,
-                                     v_scale=1.0), TypeError),
+        (
+            "fp8_without_scales",
+            dict(base, query=q.half(), key_cache=fp8_k, value_cache=fp8_v),
+            ValueError,
+        ),
+        (
+            "fp8_scale_wrong_dtype",
+            dict(
+                base,
+                query=q.half(),
+                key_cache=fp8_k,
+                value_cache=fp8_v,
+                k_scale=torch.ones(1, dtype=torch.float64, device=device),
+                v_scale=1.0,
+            ),
+            ValueError,
+        ),
+        (
+            "fp8_with_fp32_query",
+            dict(base, key_cache=fp8_k, value_cache=fp8_v, k_scale=1.0, v_scale=1.0),
+            TypeError,
+        ),
         ("head_size_mismatch", dict(base, query=q[..., :32]), ValueError),
         ("heads_not_multiple", dict(base, query=q[:, :7]), ValueError),
-        ("cache_last_dim_strided", dict(base, key_cache=kc[..., ::2], value_cache=vc[..., ::2],
-                                        query=q[..., :32].contiguous()), ValueError),
+        (
+            "cache_last_dim_strided",
+            dict(
+                base,
+                key_cache=kc[..., ::2],
+                value_cache=vc[..., ::2],
+                query=q[..., :32].contiguous(),
+            ),
+            ValueError,
+        ),
         ("cu_seqlens_wrong_length", dict(base, cu_seqlens_q=cu[:1]), ValueError),
         ("block_table_float", dict(base, block_table=bt.float()), TypeError),
         ("block_table_too_few_rows", dict(base, block_table=bt[:0]), ValueError),
         ("seq_lens_2d", dict(base, seq_lens=sl[None]), TypeError),
         ("sliding_window_zero", dict(base, sliding_window=0), ValueError),
-        ("out_wrong_dtype", dict(base, out=torch.empty_like(q, dtype=torch.float16)), ValueError),
-        ("lse_wrong_layout", dict(base, lse=torch.empty(q.shape[0], q.shape[1], device=device)),
-         ValueError),
+        (
+            "out_wrong_dtype",
+            dict(base, out=torch.empty_like(q, dtype=torch.float16)),
+            ValueError,
+        ),
+        (
+            "lse_wrong_layout",
+            dict(base, lse=torch.empty(q.shape[0], q.shape[1], device=device)),
+            ValueError,
+        ),
         ("num_splits_zero", dict(base, num_splits=0), ValueError),
         ("max_context_len_negative", dict(base, max_context_len=-1), ValueError),
         ("key_without_value", dict(base, key=d["k_new"]), TypeError),
-        ("new_key_wrong_shape", dict(base, key=d["k_new"][:, :1], value=d["v_new"]),
-         ValueError),
-        ("new_value_wrong_dtype", dict(base, key=d["k_new"], value=d["v_new"].double()),
-         TypeError),
+        (
+            "new_key_wrong_shape",
+            dict(base, key=d["k_new"][:, :1], value=d["v_new"]),
+            ValueError,
+        ),
+        (
+            "new_value_wrong_dtype",
+            dict(base, key=d["k_new"], value=d["v_new"].double()),
+            TypeError,
+        ),
     ]
 
 
@@ -447,8 +702,14 @@ def test_invalid_argument_table_is_complete(device):
         ([], 256, False),  # no extends
         ([256], 256, True),  # threshold inclusive
     ],
-    ids=["short_total_within", "total_over", "long_chunk", "disabled", "no_extends",
-         "inclusive"],
+    ids=[
+        "short_total_within",
+        "total_over",
+        "long_chunk",
+        "disabled",
+        "no_extends",
+        "inclusive",
+    ],
 )
 def test_use_paged_context_route(query_lens, max_tokens, expected):
     lens = torch.tensor(query_lens, dtype=torch.int32)

@@ -66,6 +66,16 @@ def _repack(fs, extra: dict[str, str]) -> None:
     pins.write_text("\n".join(lines) + "\n")
 
 
+def export_module():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from seriestool import export
+
+    return export
+
+
 def _branches(fs) -> list[str]:
     return fs.git("branch", "--format=%(refname:short)").splitlines()
 
@@ -131,7 +141,8 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     for heading in ("## Purpose", "## Test Plan", "## Test Result"):
         assert heading in description
     assert "because the test says so, on two lines." in description
-    assert "ruff format --check vllm/envs.py vllm/ops/new_kernel.py vllm/utils.py" in description
+    assert 'FILES="vllm/envs.py vllm/ops/new_kernel.py vllm/utils.py"\n' in description
+    assert "ruff format --check $FILES && ruff check $FILES" in description
     assert "Not run on ROCm hardware: benchmarks of `fetch_kv`, `fetch_kv_plan`, `paged_context`" in description
 
     # The other topic alone: one commit, no overlay (its file is fetch-kv's).
@@ -248,6 +259,9 @@ def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
     proc = fs.run("pr", "--topic", "fetch-kv", env=env)
     assert proc.returncode == 2
     assert "ruff format --check failed" in proc.stderr and "vllm/ops/new_kernel.py" in proc.stderr
+    # The fix names the ruff that ran (`ruff` alone need not be on PATH).
+    ruff = export_module().find_ruff(fs.root, None)
+    assert f"(cd build/vllm && {' '.join(ruff)} format vllm/ops/new_kernel.py)" in proc.stderr
 
     kernel.write_text("return 42\n")  # ruff (E501 only) accepts it; Python does not
     proc = fs.run("pr", "--topic", "fetch-kv", env=env)
@@ -309,3 +323,73 @@ def test_a_shared_overlay_file_ships_with_each_of_its_topics(tmp_path):
     assert topics.overlay_files_of(patches, files, "fetch-kv") == ["vllm/ops/shared.py"]
     assert topics.overlay_files_of(patches, files, "mla-fusion") == files
     assert topics.overlay_files_of(patches, files, "order-contract") == []
+
+
+def test_a_shared_file_ships_once_and_the_prs_apply_alone_and_stacked(fake_series, tmp_path):
+    """A file two topics ship is added by the first PR in series order in a commit of its own;
+    the later PR is built on that same commit (same id) and leaves it out of its patches; each
+    PR's tests (patches/pr-tests) ship at vLLM's layout; `pr-stack` applies each PR alone and all
+    stacked, and the stack is the series plus the tests."""
+    fs = fake_series
+    env = _identity(tmp_path)
+    (fs.root / "vllm_overlay" / "vllm" / "ops" / "shared_helper.py").write_text(
+        '"""A helper both PRs use."""\n\n\ndef helper():\n    return 1\n')
+    (fs.patches / "overlay-topics").write_text("vllm/ops/new_kernel.py fetch-kv\n"
+                                               "vllm/ops/shared_helper.py fetch-kv,mla-fusion\n")
+    (fs.root / "tests" / "kernels").mkdir(parents=True)
+    (fs.root / "tests" / "kernels" / "test_new_kernel.py").write_text(
+        "from vllm.ops.new_kernel import kernel\n\n\ndef test_kernel():\n    assert kernel() == 42\n")
+    (fs.patches / "pr-tests").write_text(
+        "# series test -> vLLM path -> topic\n"
+        "tests/kernels/test_new_kernel.py tests/kernels/attention/test_new_kernel.py fetch-kv\n")
+    _ok(fs.run("apply"))
+    for topic in ("fetch-kv", "mla-fusion"):
+        _ok(fs.run("pr", "--topic", topic, env=env))
+    root = _root(fs)
+    fk = fs.git("log", "--reverse", "--format=%H %s", f"{root}..pr/fetch-kv").splitlines()
+    mla = fs.git("log", "--reverse", "--format=%H %s", f"{root}..pr/mla-fusion").splitlines()
+    assert [c.split(" ", 1)[1] for c in fk] == [
+        "Add shared_helper.py, shared by PRs fetch-kv and mla-fusion", "Add the new files of fetch-kv",
+        "Add tests of fetch-kv", "Comment sub"]
+    assert mla[0] == fk[0]                                # the same commit, not a copy
+    assert [c.split(" ", 1)[1] for c in mla[1:]] == ["Add SERIES_FLAG"]
+    assert sorted(p.name for p in (fs.root / "dist" / "mla-fusion").glob("*.patch")) == [
+        "0001-Add-SERIES_FLAG.patch"]
+    assert "tests/kernels/attention/test_new_kernel.py" in fs.git(
+        "show", "--name-only", "--format=", "pr/fetch-kv~1")
+    fk_body = (fs.root / "dist" / "fetch-kv" / "PR_DESCRIPTION.md").read_text()
+    mla_body = (fs.root / "dist" / "mla-fusion" / "PR_DESCRIPTION.md").read_text()
+    assert "shared with PR `mla-fusion`, which builds on that commit" in fk_body
+    assert ("Depends on PR `fetch-kv`: its first commit adds `vllm/ops/shared_helper.py`, which this PR "
+            "uses too") in mla_body
+    assert "pytest -q tests/kernels/attention/test_new_kernel.py   # GPU" in fk_body
+    assert "VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 pytest -q tests/kernels/attention/test_new_kernel.py" \
+        in fk_body
+    assert "after PR `fetch-kv`'s first commit" in mla_body
+
+    proc = _ok(fs.run("pr-stack", env=env))
+    assert "pr-stack: fetch-kv: 4 patch(es) apply on pristine vLLM 9.9.9" in proc.stdout
+    assert ("pr-stack: mla-fusion: 1 patch(es) apply on pristine vLLM 9.9.9 after "
+            "fetch-kv/0001-Add-shared_helper.py-shared-by-PRs-fetch-kv-and-mla-.patch") in proc.stdout
+    assert "pr-stack: fetch-kv, mla-fusion stacked = the series + 1 PR test file(s)" in proc.stdout
+    assert _worktrees(fs) == 1 and fs.git("status", "--porcelain") == ""
+
+    # An export that is not the series any more (main moved on) is caught.
+    (fs.build / "vllm/utils.py").write_text((fs.build / "vllm/utils.py").read_text() + "X = 1\n")
+    fs.git("commit", "-qam", "local")
+    proc = fs.run("pr-stack", env=env)
+    assert proc.returncode == 2 and "the stacked PRs are not the series" in proc.stderr
+    assert "M\tvllm/utils.py" in proc.stderr
+
+
+def test_make_check_lints_pr_tests(fake_series):
+    fs = fake_series
+    (fs.patches / "pr-tests").write_text("tests/missing.py tests/kernels/test_x.py fetch-kv\n"
+                                         "tests/missing.py README.md fetch-kv\n"
+                                         "tests/missing.py tests/test_y.py nope\n")
+    proc = fs.run("check")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "patches/pr-tests:1: tests/missing.py does not exist" in out
+    assert "patches/pr-tests:2: README.md is not a test file of vLLM's tests/" in out
+    assert "patches/pr-tests:3: unknown topic 'nope'" in out

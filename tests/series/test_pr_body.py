@@ -76,7 +76,9 @@ def test_pr_body_uses_the_template_and_only_clean_committed_results(fake_series,
         "## Overview", "## Claims", "## Validation", "## Details"]
     assert "Related: vllm#25763 (merged), vllm#27367 (open)." in text
     claims = _claims(text)
-    assert 3 <= len(claims) <= 6
+    assert 2 <= len(claims) <= 6
+    assert not any(c.startswith("New files") for c in claims)   # said once, in Details
+    assert "New files (none replaces an upstream file):\n- `vllm/ops/new_kernel.py`: new module." in text
     assert claims[0] == ("`fetch_kv` gathers cached K/V at 2.0–3.0× the speed of upstream's "
                          "`cp_mha_gather_cache` and 90% of a same-bytes copy (32K tokens, bf16, NHD, D 128, "
                          "H_kv 1/4/8; NVIDIA H200, cold L2).")
@@ -122,10 +124,32 @@ def _real_bodies() -> dict[str, str]:
     for topic in patchfile.TOPICS:
         mine = [p for p in buildtree.series_patches(layout) if p.topic == topic]
         overlay = topics.overlay_files_of(layout.patches, buildtree.overlay_files(layout), topic)
-        changed = sorted({f for p in mine for f in p.files()} | set(overlay))
+        plan = export.export_plan(layout, topic, buildtree.overlay_files(layout))
+        changed = sorted({f for p in mine for f in p.files()} | set(overlay) | {t.dest for t in plan.tests})
         out[topic] = export.describe(layout, topic, pins, mine, overlay, changed, template.read_text(),
-                                     "HEAD")
+                                     "HEAD", plan)
     return out
+
+
+def test_real_pr_bodies_say_each_thing_once_and_where_commands_run():
+    layout = buildtree.Layout(root=REPO, build=REPO / "build" / "vllm")
+    bodies = _real_bodies()
+    for topic, text in bodies.items():
+        assert "n/a×" not in text and "n/a%" not in text, topic
+        for patch in (p for p in buildtree.series_patches(layout) if p.topic == topic):
+            how = patch.fields()["How"]
+            assert text.count(how) == 1, (topic, patch.name)
+        validation = text.split("## Validation", 1)[1].split("Results:", 1)[0]
+        for line in validation.splitlines():
+            if "pytest" in line and not line.startswith("make "):
+                assert "# GPU" in line or "# CPU" in line, (topic, line)
+                if "# CPU" in line:
+                    assert "VLLM_TARGET_DEVICE=cpu" in line, (topic, line)
+    assert "tests/kernels/attention/test_triton_fetch_kv.py" in bodies["fetch-kv"]
+    assert "tests/kernels/attention/test_triton_mla_rope_cache.py" in bodies["mla-fusion"]
+    assert "Depends on PR `fetch-kv`: its first commit adds `vllm/v1/attention/ops/triton_launcher.py`" \
+        in bodies["mla-fusion"]
+    assert "shared with PR `mla-fusion`, which builds on that commit" in bodies["fetch-kv"]
 
 
 def test_real_pr_bodies_are_short_and_quote_only_generated_figures():
@@ -146,3 +170,13 @@ def test_real_pr_bodies_are_short_and_quote_only_generated_figures():
         for table in re.findall(r"^\|.*\|$", text, flags=re.M):
             assert text.rfind("<details>", 0, text.find(table)) > text.rfind("</details>", 0, text.find(table)), \
                 f"{topic}: a table outside <details>"
+
+
+def test_ratio_cells_and_goal_counts_follow_the_printed_rounding():
+    """A case shown as 1.25× counts as at the 1.25× goal; a missing ratio is `n/a`, not `n/a×`."""
+    from seriestool import benchmeta
+
+    assert benchmeta._x(1.246) == "1.25×" and benchmeta._x(None) == "n/a"
+    assert benchmeta.shown_ratio(1.246) >= headlines.PAGED_CONTEXT_GOAL > benchmeta.shown_ratio(1.244)
+    table = benchmeta.case_table([{"case": "c", "mode": "warm", "results": {"ours": {"us": 1.0}}}])
+    assert "n/a×" not in table and "n/a%" not in table and "| n/a |" in table

@@ -228,6 +228,24 @@ def test_refresh_refuses_a_commit_without_header_fields(fake_series):
     assert "patches/0003-add-mul-constant.patch" in _ok(fs.run("refresh")).stdout
 
 
+def test_refresh_refuses_an_overlay_only_commit_without_header_fields(fake_series):
+    """A commit that only adds a new file is held to the same header as a patch commit."""
+    fs = fake_series
+    _commit_repo(fs)
+    _ok(fs.run("apply"))
+    (fs.build / "vllm/ops/another.py").write_text("X = 1\n")
+    fs.git("add", "-A")
+    fs.git("commit", "-qm", "wip")
+    proc = fs.run("refresh")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "'wip': lacks the header field(s) Topic, Why, How, Upstream, Drop when, Tested on" in proc.stderr
+    assert "Nothing was written." in proc.stderr and "Traceback" not in proc.stderr
+    assert fs.git("status", "--porcelain", cwd=fs.root) == ""
+    assert not (fs.root / "vllm_overlay/vllm/ops/another.py").exists()
+    fs.git("commit", "-q", "--amend", "-m", commit_message("Add another op", path="vllm/ops/another.py"))
+    assert "vllm_overlay/vllm/ops/another.py" in _ok(fs.run("refresh")).stdout
+
+
 def test_refresh_is_deterministic(fake_series):
     fs = fake_series
     _commit_repo(fs)

@@ -1,0 +1,137 @@
+"""make compile-report end to end (scripts/compile_tier.py report), on a clone of this checkout.
+
+The verb runs in a ``git clone --shared`` of the repository with the working tree's
+uncommitted changes applied, so this checkout is never written.  It must finish, write
+roofline-amd.md's region from the committed results, touch nothing but its generated files,
+give byte-identical files when run again (no times, no HEAD in them), leave no scratch folder
+in the temp directory, and, interrupted, stop its workers, write nothing and remove its scratch
+folder (a SIGKILLed run's goes with the next run).
+
+``--no-candidates``: the candidate tiles are the verb's slow half (they are not part of the
+tier's budgets); the kernels' facts come from the same cache as test_compile_tier.py, so
+after it this costs seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.compile
+
+GENERATED = {"benchmarks/results/compile/gfx942.json", "benchmarks/results/compile/gfx950.json",
+             "benchmarks/results/compile/sm_90.json", "docs/compile-tier.md", "docs/roofline-amd.md"}
+
+
+def _git(repo: Path, *args: str, **kw) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True, **kw).stdout
+
+
+def _no_backends() -> str:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return "no triton"
+    missing = {"amd", "nvidia"} - set(backends)
+    return f"triton has no {sorted(missing)} backend" if missing else ""
+
+
+@pytest.fixture
+def clone(tmp_path: Path) -> Path:
+    """This checkout as it is now (HEAD + uncommitted and untracked files), in tmp_path."""
+    dest = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(dest)], check=True)
+    diff = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--binary"], check=True,
+                          capture_output=True).stdout
+    if diff:
+        subprocess.run(["git", "-C", str(dest), "apply", "--binary", "-"], input=diff, check=True)
+    for rel in _git(REPO, "ls-files", "--others", "--exclude-standard").splitlines():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, dest / rel, follow_symlinks=False)
+    return dest
+
+
+def _changed(repo: Path) -> set[str]:
+    return {line[3:] for line in _git(repo, "status", "--porcelain", "--untracked-files=all").splitlines()}
+
+
+def _report(repo: Path, tmpdir: Path, **env) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmpdir), **env}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.Popen([sys.executable, str(repo / "scripts" / "compile_tier.py"), "report",
+                             "--no-candidates"], cwd=repo, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_compile_report_runs_end_to_end_and_leaves_only_its_files(clone, tmp_path):
+    if reason := _no_backends():
+        pytest.skip(reason)
+    ours = _changed(REPO)
+    before = _changed(clone)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = _report(clone, tmpdir)
+    out, err = proc.communicate(timeout=3600)
+    assert proc.returncode == 0, out + err
+    assert "[compile-tier] kernels for gfx942, gfx950, sm_90: facts cached in" in err
+    assert "[compile-report] " in out and "docs/roofline-amd.md" in out, out
+    assert _changed(clone) - before <= GENERATED, _changed(clone) - before
+    roofline = (clone / "docs" / "roofline-amd.md").read_text()
+    region = roofline.split("<!-- roofline:begin")[1].split("<!-- roofline:end -->")[0]
+    assert "### fetch_kv" in region and "### paged_context" in region and "MI300X bound µs" in region
+    assert list(tmpdir.iterdir()) == [], "scratch folder left behind"
+    first = {rel: (clone / rel).read_text() for rel in GENERATED}
+
+    again = _report(clone, tmpdir)
+    out, err = again.communicate(timeout=3600)
+    assert again.returncode == 0, out + err
+    assert {rel: (clone / rel).read_text() for rel in GENERATED} == first, "a rerun changed its files"
+    assert out.count("[compile-report] unchanged ") == len(GENERATED), out
+    assert _changed(REPO) == ours, "the test wrote into the checkout"
+
+
+def test_interrupted_compile_report_writes_nothing_and_removes_its_scratch(clone, tmp_path):
+    if reason := _no_backends():
+        pytest.skip(reason)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    # What a SIGKILLed run leaves: a scratch folder named after a process that is gone.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmpdir / f"compile-tier-{gone.pid}-abcd"
+    (stale / "triton").mkdir(parents=True)
+    before = {rel: (clone / rel).read_text() for rel in GENERATED}
+    # A cold facts cache: the run cannot finish before the signal.
+    proc = _report(clone, tmpdir, SERIES_CACHE=str(tmp_path / "cold-cache"))
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "facts cached in" in line:
+                break
+        else:
+            pytest.fail("compile-report ended before compiling: " + "".join(seen))
+        assert any("left by a killed run" in ln and stale.name in ln for ln in seen), seen
+        time.sleep(3)   # the workers are importing triton / compiling
+        assert [p.name for p in tmpdir.iterdir() if p.name.startswith("compile-tier-")], "no scratch"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        status = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert status == 130, rest
+    assert "interrupted; nothing written, scratch folder removed" in rest
+    assert "Traceback" not in rest
+    assert list(tmpdir.iterdir()) == [], list(tmpdir.iterdir())
+    assert {rel: (clone / rel).read_text() for rel in GENERATED} == before

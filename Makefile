@@ -46,7 +46,7 @@ fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
 apply: ## Build build/vllm: pristine vLLM, overlay, one commit per patch (FORCE=1 discards local work)
 	@$(SERIES) apply $(if $(FORCE),--force)
 
-check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing
+check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing, upstream's pre-commit hooks
 	@$(SERIES) check
 
 refresh: ## Regenerate patches/ and vllm_overlay/ from commits in build/vllm

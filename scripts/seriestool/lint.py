@@ -14,7 +14,10 @@ Findings, each one line naming the file:
   * a topic whose patches do not apply on pristine upstream without the
     other topics (each topic is exported as one upstream PR);
   * the whole series not applying to pristine upstream with zero fuzz and no
-    whitespace errors (built in a scratch directory from the cached sdist).
+    whitespace errors (built in a scratch directory from the cached sdist);
+  * upstream's pre-commit hooks, at the pinned tree's versions, failing on a
+    Python file the series adds or changes (precommit.run_hooks, on that
+    scratch tree).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, export, figures, gitrepo, patchfile, progress, sdist, topics
+from . import SeriesError, export, figures, gitrepo, patchfile, precommit, progress, sdist, topics
 from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
@@ -141,4 +144,8 @@ def lint(layout: Layout) -> list[str]:
                 problem = export.topic_alone_problem(scratch.build, root, patches, topic)
             if problem:
                 findings.append(problem)
+        hook_findings, notes = precommit.run_hooks(scratch.build, root)
+        findings += hook_findings
+        for note in notes:
+            progress.say("check", note)
     return findings

@@ -90,9 +90,9 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import triton
-import triton.language as tl
 
+from vllm.triton_utils import tl, triton
+from vllm.utils.platform_utils import num_compute_units
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     LaunchCache,
@@ -661,11 +661,6 @@ def _gpu_target():
     return triton.runtime.driver.active.get_current_target()
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _check(cond: bool, msg, exc: type[Exception] = ValueError) -> None:
     # msg: a string, or a callable building it (formatted only on failure, so
     # the checks cost little host time per call).
@@ -979,7 +974,7 @@ def _split_count(
     if device.type != "cuda":
         return 1
     base = (num_tokens // tile.block_q + num_reqs) * num_kv_heads
-    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device.index or 0), base)
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_compute_units(device.index or 0), base)
     cap = _MAX_SPLITS
     if max_context_len is not None:
         cap = min(cap, max(1, max_context_len // _MIN_TOKENS_PER_SPLIT))

@@ -26,10 +26,12 @@ readable here):
 So this fake reads every input **from its data pointer with the kernel's
 index arithmetic**: a ``[max_pos, R/2]`` view with row stride R is read as if
 it were dense, exactly as the HIP kernel would.  It rejects what the launcher
-rejects (the AITER_CHECK messages), and what the kernel would silently misread:
+rejects (the AITER_CHECK messages), an fp8 tensor that is not the target's
+native e4m3 (gfx942: e4m3fnuz; gfx950: e4m3fn), which AITER's dtype
+conversion refuses with ``AssertionError("Unsupported dtype: ...")``
+(aiter/utility/dtypes.py l.51-57), and what the kernel would silently misread:
 int32 positions / slots (read as int64), non-fp32 scales (read as float),
-cos / sin not in the kv_c dtype, a non-unit last stride, an fp8 dtype that is
-not the target's native e4m3 (gfx942: e4m3fnuz; gfx950: e4m3fn).
+cos / sin not in the kv_c dtype, a non-unit last stride.
 fp8 stores saturate to the finite range (assumed for opus's hardware cvt).
 """
 
@@ -123,13 +125,12 @@ class FakeMlaRopeOp:
         if dtype in (torch.float32, torch.float16, torch.bfloat16):
             return "auto"
         if dtype in _FP8:
-            # aiter_tensor_t maps both torch fp8 types to AITER_DTYPE_fp8; the
-            # kernel stores the target's native format (aiter_enum.h), so any
-            # other fp8 tensor would be silently misread.
-            native = NATIVE_FP8[self.arch]
-            if dtype is not native:
-                raise AiterCheckError(
-                    f"{what} is {dtype} but {self.arch} kernels store {native}")
+            # aiter/utility/dtypes.py: the torch -> AITER dtype map holds one fp8,
+            # the target's (``fp8 = get_dtype_fp8()``, l.11-27 and l.48), and
+            # ``_aiter_dtype_id`` (l.51-57, called by the tensor conversion,
+            # l.85 / l.115) raises for any other fp8 tensor.
+            if dtype is not NATIVE_FP8[self.arch]:
+                raise AssertionError(f"Unsupported dtype: {dtype}")
             return "fp8"
         raise AiterCheckError("kv cache data type is not supported")
 

@@ -402,7 +402,7 @@ def _paged_context_attention_kernel(
     stride_vnh,
     stride_bt,
     stride_os,
-    stride_ot,
+    stride_otok,
     stride_oh,
     stride_ls,
     stride_lh,
@@ -531,7 +531,7 @@ def _paged_context_attention_kernel(
     o_ptrs = (
         out_ptr
         + split64 * stride_os
-        + token[:, None] * stride_ot
+        + token[:, None] * stride_otok
         + head[:, None] * stride_oh
         + offs_d[None, :]
     )
@@ -561,7 +561,7 @@ def _combine_splits_kernel(
     stride_pls,
     stride_plh,
     stride_plt,
-    stride_ot,
+    stride_otok,
     stride_oh,
     stride_lh,
     stride_lt,
@@ -603,7 +603,7 @@ def _combine_splits_kernel(
     merged = acc / tl.where(seen, total, 1.0)[:, None]
     tl.store(
         out_ptr
-        + token * stride_ot
+        + token * stride_otok
         + offs_h.to(tl.int64)[:, None] * stride_oh
         + offs_d[None, :],
         merged.to(out_ptr.dtype.element_ty),

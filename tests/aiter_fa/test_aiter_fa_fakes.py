@@ -284,7 +284,6 @@ def test_varlen_min_seqlen_q_skips_short_sequences(fakes, device, min_q):
         close(out[:1], ref_attention(q[:1], k[:5], v[:5], 0.2))
 
 
-
 def test_v3_route_ignores_min_seqlen_q(fakes, device):
     """fmha_fwd_v3 never reads min_seqlen_q (AITER csrc/cpp_itfs/mha_fwd.cu l.208-286;
     only CK's fmha_fwd_ck skips, l.288): the one-query sequence is computed."""

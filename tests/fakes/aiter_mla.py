@@ -42,7 +42,7 @@ from torch import Tensor
 
 from aiter_export import AiterExport
 
-__all__ = ["MLA_OP", "AiterCheckError", "FakeMlaRopeOp", "install_mla_fakes"]
+__all__ = ["MLA_OP", "AiterCheckError", "FakeMlaRopeOp", "KernelMisread", "install_mla_fakes"]
 
 MLA_OP = "fused_qk_rope_concat_and_cache_mla"
 
@@ -51,6 +51,10 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 # cache_kernels.cu, "Kernel Dispatch Logic".
 _OPT_L, _OPT_R, _MAX_TOKENS_PER_HEAD, _MIN_SIZE_FOR_OPT = 512, 64, 256, 2048
+
+
+class KernelMisread(RuntimeError):
+    """The real kernel would not raise here but read the wrong memory."""
 
 
 class AiterCheckError(RuntimeError):
@@ -138,28 +142,28 @@ class FakeMlaRopeOp:
                 q_scale, positions, cos_cache, sin_cache, is_neox, is_nope_first,
                 compute_all_q_rope):
         # Read as int64* / float* / scalar_t* by the kernels: a wrong dtype is
-        # garbage on the GPU, an error here.
+        # garbage on the GPU; AITER checks none of it (KernelMisread, not an AITER_CHECK).
         for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
             if t.dtype is not torch.int64:
-                raise AiterCheckError(f"{name} is {t.dtype}; the kernel reads int64_t*")
+                raise KernelMisread(f"{name} is {t.dtype}; the kernel reads int64_t*")
         for name, t in (("k_scale", k_scale), ("q_scale", q_scale)):
             if t.dtype is not torch.float32 or t.numel() < 1:
-                raise AiterCheckError(f"{name} must be a float32 tensor (read as float*)")
+                raise KernelMisread(f"{name} must be a float32 tensor (read as float*)")
         for name, t in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
             if t.dtype is not kv_c.dtype:
-                raise AiterCheckError(
+                raise KernelMisread(
                     f"{name} is {t.dtype}; the kernel reads it as the kv_c type {kv_c.dtype}")
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("q_out", q_out),
                         ("kv_cache", kv_cache), ("cos_cache", cos_cache),
                         ("sin_cache", sin_cache)):
             if t.stride(-1) != 1:
-                raise AiterCheckError(f"{name} has last-dim stride {t.stride(-1)}; the kernel "
-                                      "passes no last-dim stride")
+                raise KernelMisread(f"{name} has last-dim stride {t.stride(-1)}; the kernel "
+                                    "passes no last-dim stride")
         # One KV_T dispatches on kv_c.dtype and every input pointer is cast to it.
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("k_pe", k_pe)):
             if t.dtype is not kv_c.dtype:
-                raise AiterCheckError(f"{name} is {t.dtype}; the kernel reads it as the kv_c "
-                                      f"type {kv_c.dtype}")
+                raise KernelMisread(f"{name} is {t.dtype}; the kernel reads it as the kv_c "
+                                    f"type {kv_c.dtype}")
 
         num_tokens = slot_mapping.size(0)
         kv_lora_rank = kv_c.size(-1)

@@ -69,7 +69,7 @@ test-upstream: apply venv ## Upstream's own tests, pristine vs patched tree, aga
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest
-	PYTHONPATH=vllm_overlay:tests/gpu_tier:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
+	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
 gpu-payload: apply venv ## Pack what test-gpu-backend imports (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
 	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
@@ -88,7 +88,7 @@ test-gpu-backend: ## GPU tier: AITER FA's extend path vs dense attention, vLLM f
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
 	$(NEED) bench torch triton pytest pytest_benchmark
-	PYTHONPATH=vllm_overlay:tests/gpu_tier:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
+	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
 
 bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step) into build/results/ (BENCH_OUT= to keep)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host $(PYTEST_ARGS)

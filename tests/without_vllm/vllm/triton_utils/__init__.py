@@ -1,4 +1,4 @@
-"""GPU tier stand-in for vllm.triton_utils: the real Triton (tests/gpu_tier/README.md)."""
+"""GPU tier stand-in for vllm.triton_utils: the real Triton (tests/without_vllm/README.md)."""
 
 import triton
 import triton.language as tl

@@ -1,4 +1,4 @@
-"""GPU tier stand-in for vllm.platforms.current_platform (tests/gpu_tier/README.md).
+"""GPU tier stand-in for vllm.platforms.current_platform (tests/without_vllm/README.md).
 
 The few methods the series' kernel files call, as the pinned tree defines them:
 ROCm (vllm/platforms/rocm.py) prefers e4m3fnuz when the GPU is gfx94x

@@ -1,4 +1,4 @@
-"""GPU tier stand-in for vllm.utils.platform_utils (tests/gpu_tier/README.md)."""
+"""GPU tier stand-in for vllm.utils.platform_utils (tests/without_vllm/README.md)."""
 
 from functools import cache
 

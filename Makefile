@@ -51,7 +51,7 @@ fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
 apply: ## Build build/vllm: pristine vLLM, overlay, one commit per patch (FORCE=1 discards local work)
 	@$(SERIES) apply $(if $(FORCE),--force)
 
-check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing, docs links
+check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing, docs links, upstream's pre-commit hooks
 	@$(SERIES) check
 
 refresh: ## Regenerate patches/ and vllm_overlay/ from commits in build/vllm
@@ -77,7 +77,7 @@ test-triton-next: apply venv ## Second leg: compile tier + launcher tests on pin
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest
-	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
+	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
 gpu-payload: apply venv ## Pack what test-gpu-backend imports (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
 	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
@@ -99,7 +99,7 @@ test-gpu-backend: ## GPU tier: AITER FA's extend path vs dense attention, vLLM f
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
 	$(NEED) bench torch triton pytest pytest_benchmark
-	PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
+	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
 
 bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step) into build/results/ (BENCH_OUT= to keep)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host $(PYTEST_ARGS)

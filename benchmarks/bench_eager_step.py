@@ -25,7 +25,7 @@ whole in one CUDA graph and replayed (GPU time without host gaps).  A side is
 host-bound when its wall clock exceeds its GPU time by more than 20%.
 ``speedup`` = upstream wall / ours wall; ``gpu_speedup`` likewise for GPU time.
 
-Run: ``PYTHONPATH=vllm_overlay:. python3 -m pytest -q -s benchmarks/bench_eager_step.py``
+Run: ``PYTHONPATH=vllm_overlay:tests/without_vllm:. python3 -m pytest -q -s benchmarks/bench_eager_step.py``
 (``make bench`` runs it with the other suites).  Upstream's Triton kernels are
 exec'd from the pinned tree, its CUDA ops built from the pinned csrc
 (``VLLM_PINNED_TREE``, default ``build/vllm``).

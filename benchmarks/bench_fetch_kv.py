@@ -33,7 +33,7 @@ buffer; it has no upstream counterpart (no baseline), and ``nbytes`` counts the
 metadata it reads and the plan it writes; it is timed without a copy
 (``copy_ceiling=False``: a copy of those few bytes bounds nothing).
 
-Run: PYTHONPATH=vllm_overlay:. VLLM_PINNED_TREE=<vllm 0.33.0 tree> \
+Run: PYTHONPATH=vllm_overlay:tests/without_vllm:. VLLM_PINNED_TREE=<vllm 0.33.0 tree> \
      python -m pytest -q benchmarks/bench_fetch_kv.py --benchmark-json=out.json
 """
 

@@ -33,7 +33,7 @@ whose compiled launch does nothing, so ``ours`` / ``ours_plain`` are the
 wrapper's pure-Python cost (key and lookup / checks) without the launch, beside
 a torch op on the same device.
 
-Run: ``PYTHONPATH=vllm_overlay:. python3 -m pytest -q -s benchmarks/bench_host_cost.py``
+Run: ``PYTHONPATH=vllm_overlay:tests/without_vllm:. python3 -m pytest -q -s benchmarks/bench_host_cost.py``
 (``make bench`` runs it with the other suites).
 """
 

@@ -37,7 +37,7 @@ the one cache, queries, new K/V, workspace and outputs) holding 4x the L2
 (benchmarks/timing.py), so neither route finds the context in L2;
 ``results_warm`` is set 0 alone.
 
-Run: ``PYTHONPATH=vllm_overlay:. python3 -m pytest -q benchmarks/bench_paged_context.py``.
+Run: ``PYTHONPATH=vllm_overlay:tests/without_vllm:. python3 -m pytest -q benchmarks/bench_paged_context.py``.
 ``python3 benchmarks/bench_paged_context.py --sweep OUT.json`` times ``ours``
 (the fused call) in every tile / programs-per-SM / rescale-slack variant next to
 ``gather_fa2`` on the routed step sizes (tuning aid; not part of the suite;

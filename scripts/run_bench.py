@@ -8,8 +8,8 @@ format; per-case numbers in ``extra_info``, device/versions/commit/dirty in
 ``<out>/logs/<same name>.bench.log``; the JSON is sealed (a sha256 of its
 content, scripts/seriestool/results.py) so ``make report`` can tell it from an
 edited one.  ``--out`` defaults to benchmarks/results/.  Needs only torch,
-triton, pytest and pytest-benchmark; run it with the overlay on PYTHONPATH
-(the Makefile does).  ``--suite NAME`` (repeatable) runs only
+triton, pytest and pytest-benchmark; run it with the overlay and
+tests/without_vllm on PYTHONPATH (the Makefile does).  ``--suite NAME`` (repeatable) runs only
 benchmarks/bench_NAME.py; other arguments go to pytest (e.g. ``-k fetch_kv``).
 
 The commit and the tree's state are read once, here, and passed to the suites

@@ -33,6 +33,12 @@ except ImportError:  # the series-mechanics tests need no torch
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under the interpreter the kernels need the real Triton in vllm.triton_utils
+# and the platform vLLM from source cannot detect (tests/fakes/vllm_from_source.py).
+import vllm_from_source  # noqa: E402
+
+vllm_from_source.bind()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm GPU (compiled kernels, real sizes)")

@@ -145,7 +145,7 @@ def _paged_spec(target, mod, p, tile, waves_per_eu: int = 0) -> Spec:
         stride_knt=qkv_row if new else 0, stride_knh=d if new else 0,
         stride_vnt=qkv_row if new else 0, stride_vnh=d if new else 0,
         stride_bt=MAX_BLOCKS_PER_REQ,
-        stride_os=o_strides[0], stride_ot=o_strides[1], stride_oh=o_strides[2],
+        stride_os=o_strides[0], stride_otok=o_strides[1], stride_oh=o_strides[2],
         stride_ls=l_strides[0], stride_lh=l_strides[1], stride_lt=l_strides[2],
     )
     constexprs = dict(
@@ -187,7 +187,7 @@ def paged_context_specs(target) -> list[Spec]:
             num_reqs=NUM_REQS, num_splits=SPLITS, num_heads=hq,
             stride_ps=t * hq * d, stride_pt=hq * d, stride_ph=d,
             stride_pls=hq * t, stride_plh=t, stride_plt=1,
-            stride_ot=hq * d, stride_oh=d, stride_lh=t, stride_lt=1,
+            stride_otok=hq * d, stride_oh=d, stride_lh=t, stride_lt=1,
         )
         constexprs = dict(HEAD_DIM=d, HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_H=block_h)
         specs.append(Spec("paged_context_attention (combine)", "_combine_splits_kernel",

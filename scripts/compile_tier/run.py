@@ -87,7 +87,9 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
     cache.mkdir(parents=True, exist_ok=True)
     kernels_root = kernels_root or ROOT / "vllm_overlay"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(kernels_root), str(SCRIPTS)])
+    # tests/without_vllm: the vLLM names the kernel files import (no vLLM here).
+    env["PYTHONPATH"] = os.pathsep.join([str(kernels_root), str(ROOT / "tests" / "without_vllm"),
+                                         str(SCRIPTS)])
     start = time.perf_counter()
     for stale in remove_stale_scratch():
         say(f"removed {stale}, left by a killed run")

@@ -21,6 +21,9 @@ Findings, each one line naming the file:
     whitespace errors (built in a scratch directory from the cached sdist);
   * relative links in the tracked Markdown (README.md, docs/, ...) to files or
     anchors that do not exist (doclinks.py).
+  * upstream's pre-commit hooks, at the pinned tree's versions, failing on a
+    Python file the series adds or changes (precommit.run_hooks, on that
+    scratch tree).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from collections import Counter
 from pathlib import Path
 
 from . import (
-    SeriesError, doclinks, export, figures, gitrepo, patchfile, progress, sdist, stack, topics,
+    SeriesError, doclinks, export, figures, gitrepo, patchfile, precommit, progress, sdist, stack,
+    topics,
 )
 from .buildtree import Layout, build_tree, overlay_files, series_patches
 from .pins import load_pins
@@ -151,4 +155,8 @@ def lint(layout: Layout) -> list[str]:
                 problem = export.topic_alone_problem(scratch.build, root, patches, topic)
             if problem:
                 findings.append(problem)
+        hook_findings, notes = precommit.run_hooks(scratch.build, root)
+        findings += hook_findings
+        for note in notes:
+            progress.say("check", note)
     return findings

@@ -107,7 +107,8 @@ def run_kernel(cell: dict, spec: dict) -> dict:
     if isinstance(extra, str):
         extra = shlex.split(extra)
     env = {**os.environ, **cell["env"],
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo / "vllm_overlay"), str(repo),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo / "vllm_overlay"),
+                                                       str(repo / "tests" / "without_vllm"), str(repo),
                                                        os.environ.get("PYTHONPATH")])),
            "SERIES_COMMIT": spec["series"].get("commit", "unknown")}
     with tempfile.TemporaryDirectory(prefix="sweep-kernel-") as tmp:

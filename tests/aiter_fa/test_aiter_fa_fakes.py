@@ -284,6 +284,25 @@ def test_varlen_min_seqlen_q_skips_short_sequences(fakes, device, min_q):
         close(out[:1], ref_attention(q[:1], k[:5], v[:5], 0.2))
 
 
+def test_v3_route_ignores_min_seqlen_q(fakes, device):
+    """fmha_fwd_v3 never reads min_seqlen_q (AITER csrc/cpp_itfs/mha_fwd.cu l.208-286;
+    only CK's fmha_fwd_ck skips, l.288): the one-query sequence is computed."""
+    q, k, v, cq, ck = varlen_inputs(device, q_lens=(1, 4), k_lens=(5, 4), d=128, dtype=BF16)
+    out = torch.full_like(q, float("nan"))
+    varlen(q, k, v, cq, ck, min_seqlen_q=1, causal=True, softmax_scale=0.2, out=out)
+    assert fakes.varlen_calls[-1]["route"] == "fmha_v3_varlen_fwd"
+    close(out[:1], ref_attention(q[:1], k[:5], v[:5], 0.2), BF16)
+    close(out[1:], ref_attention(q[1:], k[5:], v[5:], 0.2), BF16)
+
+
+def test_v3_op_has_no_ck_fallback(fakes, device):
+    """The v3 module is built ENABLE_CK=0: fp16 (no v3 kernel) raises AITER's
+    TORCH_CHECK (csrc/py_itfs_cu/asm_mha_varlen_fwd.cu l.493-494)."""
+    q, k, v, cq, ck = varlen_inputs(device, d=128, dtype=F16)
+    with pytest.raises(RuntimeError, match="invalid argument for fmha_v3_varlen_fwd"):
+        torch.ops.aiter.fmha_v3_varlen_fwd(q, k, v, cq, ck, 5, 6, 0, 0.0, 0.1, 0.0, False,
+                                           True, -1, -1, False, False, 1)
+
 def test_varlen_grid_ends_at_max_seqlen_q(fakes, device):
     """The launch covers max_seqlen_q query rows per sequence; rows past it stay unwritten."""
     q, k, v, cq, ck = varlen_inputs(device, q_lens=(5,), k_lens=(5,))

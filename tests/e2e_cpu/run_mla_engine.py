@@ -154,6 +154,11 @@ def run(model_dir: str, out_json: str, dtype: str, fake_aiter: bool) -> None:
         for name, module in list(sys.modules.items()):
             if (name == "aiter" or name.startswith("aiter.")) and module.__spec__ is None:
                 module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    # The fused kernels run under TRITON_INTERPRET=1 (tests/fakes/vllm_from_source.py).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakes"))
+    import vllm_from_source
+
+    vllm_from_source.bind()
     t0 = time.time()
     recorder = StepRecorder()
     recorder.install()

@@ -237,7 +237,9 @@ class FakeAiterFA:
         are made contiguous (``maybe_contiguous``, l.1707), others keep their
         row and head strides; ``can_impl_fmha_v3_fwd`` (bf16, head size 128,
         no SWA/ALiBi/bias/dropout/soft-cap, nhead_q % nhead_k == 0) picks
-        ``fmha_v3_varlen_fwd``, everything else ``mha_varlen_fwd`` (CK).
+        ``fmha_v3_varlen_fwd`` (ASM, which ignores min_seqlen_q), everything else
+        ``mha_varlen_fwd`` (CK, which skips sequences of at most min_seqlen_q
+        queries): fp16, sliding window, head size != 128, ALiBi, soft-cap.
         Returns ``out[..., :Dv]`` and, with return_lse, the LSE [Hq, total_q]."""
         if block_table is not None and (cu_seqlens_q_padded is not None
                                         or cu_seqlens_k_padded is not None):
@@ -352,10 +354,23 @@ class FakeAiterFA:
         k_descale=None, v_descale=None, gen=None, cu_seqlens_q_padded=None,
         cu_seqlens_k_padded=None,
     ):
-        """``torch.ops.aiter.fmha_v3_varlen_fwd``: the ASM v3 forward (falls back
-        to CK inside ``aiter::mha_fwd``), csrc/py_itfs_cu/asm_mha_varlen_fwd.cu
-        ``fmha_v3_varlen_fwd`` l.242-502 (e4048607): the same checks and
-        semantics as ``mha_varlen_fwd`` without sinks; cu_seqlens_k is required."""
+        """``torch.ops.aiter.fmha_v3_varlen_fwd``: the ASM v3 forward,
+        csrc/py_itfs_cu/asm_mha_varlen_fwd.cu ``fmha_v3_varlen_fwd`` l.242-502
+        (e4048607): the same checks as ``mha_varlen_fwd`` without sinks;
+        cu_seqlens_k is required.  No CK fallback: the module is built
+        ``-DFAV3_ON=1 -DENABLE_CK=0`` (aiter/jit/optCompilerConfig.json
+        ``module_fmha_v3_varlen_fwd``), so ``aiter::mha_fwd`` runs only
+        ``fmha_fwd_v3`` (csrc/cpp_itfs/mha_fwd.cu l.367-382) and a case it has no
+        kernel for (head sizes other than 128/128, 192/128, 256/256; not bf16;
+        bias, dropout; a mask other than none or causal without a left window,
+        ``get_cfg_mask_type`` l.12-24) returns -1, which raises
+        ``RuntimeError("invalid argument for fmha_v3_varlen_fwd")``
+        (asm_mha_varlen_fwd.cu l.493-494).  ``min_seqlen_q`` is passed on
+        (l.232) but ``fmha_fwd_v3`` (mha_fwd.cu l.208-286) never reads it: only
+        CK's ``fmha_fwd_ck`` skips short sequences (l.288, l.356), so on this
+        route every sequence is computed.  The ASM kernel table (which head
+        size / mask / ``how_v3_bf16_cvt`` has a kernel on which arch,
+        asm_fmha_v3_fwd_configs.hpp) is assumed to cover every case above."""
         return self._varlen_kernel(
             "fmha_v3_varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, min_seqlen_q, dropout_p, softmax_scale, logits_soft_cap,
@@ -471,6 +486,14 @@ class FakeAiterFA:
             return out, lse, p, rng_state
         if cu_seqlens_k is None:
             raise RuntimeError("cu_seqlens_k must be provided if paged_KV is false")
+        if op == "fmha_v3_varlen_fwd":
+            # fmha_fwd_v3 (csrc/cpp_itfs/mha_fwd.cu l.208-239) or nothing: ENABLE_CK=0.
+            causal_mask = is_causal and left == -1
+            no_mask = not is_causal and left == -1 and right == -1
+            if ((head_size_q, head_size_v) not in ((128, 128), (192, 128), (256, 256))
+                    or q_dtype != torch.bfloat16 or not (causal_mask or no_mask)):
+                raise RuntimeError("invalid argument for fmha_v3_varlen_fwd")
+            min_seqlen_q = 0  # passed on, never read by fmha_fwd_v3 (l.208-286)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
             if any(b < a for a, b in itertools.pairwise(cu)) or cu[0] < 0 or cu[-1] > total:

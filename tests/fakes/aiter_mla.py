@@ -26,10 +26,12 @@ readable here):
 So this fake reads every input **from its data pointer with the kernel's
 index arithmetic**: a ``[max_pos, R/2]`` view with row stride R is read as if
 it were dense, exactly as the HIP kernel would.  It rejects what the launcher
-rejects (the AITER_CHECK messages), and what the kernel would silently misread:
+rejects (the AITER_CHECK messages), an fp8 tensor that is not the target's
+native e4m3 (gfx942: e4m3fnuz; gfx950: e4m3fn), which AITER's dtype
+conversion refuses with ``AssertionError("Unsupported dtype: ...")``
+(aiter/utility/dtypes.py l.51-57), and what the kernel would silently misread:
 int32 positions / slots (read as int64), non-fp32 scales (read as float),
-cos / sin not in the kv_c dtype, a non-unit last stride, an fp8 dtype that is
-not the target's native e4m3 (gfx942: e4m3fnuz; gfx950: e4m3fn).
+cos / sin not in the kv_c dtype, a non-unit last stride.
 fp8 stores saturate to the finite range (assumed for opus's hardware cvt).
 """
 
@@ -40,7 +42,7 @@ from torch import Tensor
 
 from aiter_export import AiterExport
 
-__all__ = ["MLA_OP", "AiterCheckError", "FakeMlaRopeOp", "install_mla_fakes"]
+__all__ = ["MLA_OP", "AiterCheckError", "FakeMlaRopeOp", "KernelMisread", "install_mla_fakes"]
 
 MLA_OP = "fused_qk_rope_concat_and_cache_mla"
 
@@ -49,6 +51,10 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 # cache_kernels.cu, "Kernel Dispatch Logic".
 _OPT_L, _OPT_R, _MAX_TOKENS_PER_HEAD, _MIN_SIZE_FOR_OPT = 512, 64, 256, 2048
+
+
+class KernelMisread(RuntimeError):
+    """The real kernel would not raise here but read the wrong memory."""
 
 
 class AiterCheckError(RuntimeError):
@@ -123,13 +129,12 @@ class FakeMlaRopeOp:
         if dtype in (torch.float32, torch.float16, torch.bfloat16):
             return "auto"
         if dtype in _FP8:
-            # aiter_tensor_t maps both torch fp8 types to AITER_DTYPE_fp8; the
-            # kernel stores the target's native format (aiter_enum.h), so any
-            # other fp8 tensor would be silently misread.
-            native = NATIVE_FP8[self.arch]
-            if dtype is not native:
-                raise AiterCheckError(
-                    f"{what} is {dtype} but {self.arch} kernels store {native}")
+            # aiter/utility/dtypes.py: the torch -> AITER dtype map holds one fp8,
+            # the target's (``fp8 = get_dtype_fp8()``, l.11-27 and l.48), and
+            # ``_aiter_dtype_id`` (l.51-57, called by the tensor conversion,
+            # l.85 / l.115) raises for any other fp8 tensor.
+            if dtype is not NATIVE_FP8[self.arch]:
+                raise AssertionError(f"Unsupported dtype: {dtype}")
             return "fp8"
         raise AiterCheckError("kv cache data type is not supported")
 
@@ -137,28 +142,28 @@ class FakeMlaRopeOp:
                 q_scale, positions, cos_cache, sin_cache, is_neox, is_nope_first,
                 compute_all_q_rope):
         # Read as int64* / float* / scalar_t* by the kernels: a wrong dtype is
-        # garbage on the GPU, an error here.
+        # garbage on the GPU; AITER checks none of it (KernelMisread, not an AITER_CHECK).
         for name, t in (("slot_mapping", slot_mapping), ("positions", positions)):
             if t.dtype is not torch.int64:
-                raise AiterCheckError(f"{name} is {t.dtype}; the kernel reads int64_t*")
+                raise KernelMisread(f"{name} is {t.dtype}; the kernel reads int64_t*")
         for name, t in (("k_scale", k_scale), ("q_scale", q_scale)):
             if t.dtype is not torch.float32 or t.numel() < 1:
-                raise AiterCheckError(f"{name} must be a float32 tensor (read as float*)")
+                raise KernelMisread(f"{name} must be a float32 tensor (read as float*)")
         for name, t in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
             if t.dtype is not kv_c.dtype:
-                raise AiterCheckError(
+                raise KernelMisread(
                     f"{name} is {t.dtype}; the kernel reads it as the kv_c type {kv_c.dtype}")
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("q_out", q_out),
                         ("kv_cache", kv_cache), ("cos_cache", cos_cache),
                         ("sin_cache", sin_cache)):
             if t.stride(-1) != 1:
-                raise AiterCheckError(f"{name} has last-dim stride {t.stride(-1)}; the kernel "
-                                      "passes no last-dim stride")
+                raise KernelMisread(f"{name} has last-dim stride {t.stride(-1)}; the kernel "
+                                    "passes no last-dim stride")
         # One KV_T dispatches on kv_c.dtype and every input pointer is cast to it.
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("k_pe", k_pe)):
             if t.dtype is not kv_c.dtype:
-                raise AiterCheckError(f"{name} is {t.dtype}; the kernel reads it as the kv_c "
-                                      f"type {kv_c.dtype}")
+                raise KernelMisread(f"{name} is {t.dtype}; the kernel reads it as the kv_c "
+                                    f"type {kv_c.dtype}")
 
         num_tokens = slot_mapping.size(0)
         kv_lora_rank = kv_c.size(-1)

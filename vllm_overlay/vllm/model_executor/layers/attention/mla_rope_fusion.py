@@ -206,7 +206,7 @@ def _layer_problem(f: RopeKVFacts) -> str | None:
 
 
 # AITER's launcher honours compute_all_q_rope only in its per-head and "opt"
-# decode kernels, and AITER_CHECKs every other case (csrc/kernels/
+# decode kernels, and refuses every other case with an AITER_CHECK (csrc/kernels/
 # cache_kernels.cu, fused_qk_rope_concat_and_cache_mla, at v0.1.20-46).  The
 # per-head kernel also needs block size 1 and < 256 tokens per call, which a
 # step does not guarantee, so DCP takes the AITER path only where "opt" runs.
@@ -261,8 +261,8 @@ def decide_rope_kv_path(f: RopeKVFacts) -> RopeKVDecision:
             "DCP needs RoPE on the query of every token and the installed AITER "
             "op has no compute_all_q_rope"
         )
-    elif f.dcp_world_size > 1 and aiter_all_q_rope_problem(f) is not None:
-        why = aiter_all_q_rope_problem(f)
+    elif f.dcp_world_size > 1 and (problem := aiter_all_q_rope_problem(f)) is not None:
+        why = problem
     else:
         return RopeKVDecision(
             RopeKVPath.AITER,

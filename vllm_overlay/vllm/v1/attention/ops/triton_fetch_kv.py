@@ -80,9 +80,8 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import triton
-import triton.language as tl
 
+from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     LaunchCache,

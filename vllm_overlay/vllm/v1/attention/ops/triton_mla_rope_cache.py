@@ -46,7 +46,7 @@ cache write.  NeoX style (``is_neox=True``) rotates the halves
 ``"float16"`` (the cache has the model dtype; values are copied, bit-exact),
 ``"fp8"`` / ``"fp8_e4m3"`` (e4m3) and ``"fp8_e5m2"``.  An fp8 cache may be an
 fp8 tensor or uint8 as vLLM allocates it; uint8 is read as the platform's e4m3
-type (e4m3fnuz on ROCm gfx94x, e4m3fn elsewhere) or e5m2.  fp8 values are
+type (``current_platform.fp8_dtype()``) or e5m2.  fp8 values are
 ``value / k_scale`` (IEEE fp32 division) saturated to the type's finite range
 and rounded to nearest-even, as vLLM's ``concat_and_cache_mla`` does; the
 decode form quantises ``q_out`` the same way with ``q_scale`` when ``q_scale``
@@ -75,13 +75,12 @@ rows' slots, positions and cos/sin cache are the same tensors in every layer:
 ``mla_rope_rows`` reads their geometry once per step (``rows=``).
 """
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
-import triton
-import triton.language as tl
 
+from vllm.platforms import current_platform
+from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     LaunchCache,
@@ -98,7 +97,6 @@ __all__ = [
     "mla_rope_concat_and_cache",
     "mla_rope_rows",
     "mla_rope_step_rows",
-    "platform_fp8_e4m3_dtype",
 ]
 
 # Elements of q (``BLOCK_T * BLOCK_H * row width``) one program moves.  8K
@@ -503,26 +501,6 @@ def _mla_rope_cache_kernel(
 # --------------------------------------------------------------------------
 
 
-@functools.cache
-def _rocm_arch_uses_fnuz(device_index: int) -> bool:
-    arch = torch.cuda.get_device_properties(device_index).gcnArchName
-    return "gfx94" in arch
-
-
-def platform_fp8_e4m3_dtype() -> torch.dtype:
-    """The e4m3 type an fp8 cache allocated as uint8 holds on this platform.
-
-    e4m3fnuz on ROCm gfx94x (MI300), e4m3fn on CUDA, other ROCm parts and CPU.
-    """
-    if (
-        torch.version.hip is not None
-        and torch.cuda.is_available()
-        and _rocm_arch_uses_fnuz(torch.cuda.current_device())
-    ):
-        return torch.float8_e4m3fnuz
-    return torch.float8_e4m3fn
-
-
 def decode_q_out_shape(
     ql_nope: torch.Tensor, q_pe: torch.Tensor
 ) -> tuple[int, int, int]:
@@ -537,7 +515,7 @@ def decode_q_out_dtype(
 
     fp8 when ``q_scale`` is given, else the query dtype.
     """
-    return platform_fp8_e4m3_dtype() if q_scale is not None else ql_nope.dtype
+    return current_platform.fp8_dtype() if q_scale is not None else ql_nope.dtype
 
 
 def _require(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
@@ -597,7 +575,7 @@ def _cache_store_view(
         )
         return kv_cache, 0.0
     if kv_cache_dtype in _E4M3_CACHE_DTYPES:
-        family, default = _E4M3_DTYPES, platform_fp8_e4m3_dtype()
+        family, default = _E4M3_DTYPES, current_platform.fp8_dtype()
     elif kv_cache_dtype in _E5M2_CACHE_DTYPES:
         family, default = _E5M2_DTYPES, torch.float8_e5m2
     else:

@@ -90,9 +90,9 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import triton
-import triton.language as tl
 
+from vllm.triton_utils import tl, triton
+from vllm.utils.platform_utils import num_compute_units
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     LaunchCache,
@@ -402,7 +402,7 @@ def _paged_context_attention_kernel(
     stride_vnh,
     stride_bt,
     stride_os,
-    stride_ot,
+    stride_otok,
     stride_oh,
     stride_ls,
     stride_lh,
@@ -531,7 +531,7 @@ def _paged_context_attention_kernel(
     o_ptrs = (
         out_ptr
         + split64 * stride_os
-        + token[:, None] * stride_ot
+        + token[:, None] * stride_otok
         + head[:, None] * stride_oh
         + offs_d[None, :]
     )
@@ -561,7 +561,7 @@ def _combine_splits_kernel(
     stride_pls,
     stride_plh,
     stride_plt,
-    stride_ot,
+    stride_otok,
     stride_oh,
     stride_lh,
     stride_lt,
@@ -603,7 +603,7 @@ def _combine_splits_kernel(
     merged = acc / tl.where(seen, total, 1.0)[:, None]
     tl.store(
         out_ptr
-        + token * stride_ot
+        + token * stride_otok
         + offs_h.to(tl.int64)[:, None] * stride_oh
         + offs_d[None, :],
         merged.to(out_ptr.dtype.element_ty),
@@ -659,11 +659,6 @@ def _combine_config(num_heads: int) -> tuple[int, int]:
 def _gpu_target():
     """The Triton target of this process's GPU, read once."""
     return triton.runtime.driver.active.get_current_target()
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _check(cond: bool, msg, exc: type[Exception] = ValueError) -> None:
@@ -979,7 +974,7 @@ def _split_count(
     if device.type != "cuda":
         return 1
     base = (num_tokens // tile.block_q + num_reqs) * num_kv_heads
-    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device.index or 0), base)
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_compute_units(device.index or 0), base)
     cap = _MAX_SPLITS
     if max_context_len is not None:
         cap = min(cap, max(1, max_context_len // _MIN_TOKENS_PER_SPLIT))

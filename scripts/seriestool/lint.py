@@ -20,7 +20,7 @@ Findings, each one line naming the file:
   * the whole series not applying to pristine upstream with zero fuzz and no
     whitespace errors (built in a scratch directory from the cached sdist);
   * relative links in the tracked Markdown (README.md, docs/, ...) to files or
-    anchors that do not exist (doclinks.py).
+    anchors that do not exist (doclinks.py);
   * upstream's pre-commit hooks, at the pinned tree's versions, failing on a
     Python file the series adds or changes (precommit.run_hooks, on that
     scratch tree).

@@ -72,8 +72,9 @@ class _FakeJIT:
         return launch
 
 
-def _path(pointer_key=tl_launch.ALIGNMENT, spec=None, device=0, direct=True):
-    return tl_launch.LaunchPath(direct, "test", pointer_key, spec, lambda: device,
+def _path(pointer_key=tl_launch.ALIGNMENT, spec=None, device=(0,), direct=True):
+    """A launch path; ``device[0]`` is the current device (a list to change it)."""
+    return tl_launch.LaunchPath(direct, "test", pointer_key, spec, lambda: device[0],
                                 lambda dev: 1234 + dev, _Compiled)
 
 
@@ -116,10 +117,12 @@ def test_another_alignment_is_another_compiled_kernel(fake_jit):
 
 
 def test_other_device_goes_through_kernel_grid(fake_jit, monkeypatch):
+    device = [0]
+    monkeypatch.setattr(tl_launch, "_PATH", _path(device=device))
     launch = _launch(fake_jit)
     x = torch.zeros(64)
     launch(x, x)
-    monkeypatch.setattr(tl_launch, "_PATH", _path(device=1))
+    device[0] = 1
     launch(x, x)
     assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
     launch(x, x)

@@ -152,6 +152,7 @@ class LaunchPath:
 
 
 _PATH: LaunchPath | None = None
+_UNKNOWN = LaunchPath(False, "no compiled launch yet")
 
 
 def launch_path() -> LaunchPath:
@@ -268,6 +269,7 @@ class KernelLaunch:
         "constexprs",
         "options",
         "_tail",
+        "_path",
         "_compiled",
     )
 
@@ -277,13 +279,14 @@ class KernelLaunch:
         self.scalars = tuple(scalars)
         self.constexprs = dict(constexprs or {})
         self.options = options
-        self._tail = None  # scalars + constexpr values in parameter order
+        self._tail: tuple = ()  # scalars + constexpr values in parameter order
+        self._path = _UNKNOWN  # the process's launch path, once a launch found it
         # (device, pointer key) -> (CompiledKernel, its launcher for the grid)
         self._compiled: dict = {}
 
     def __call__(self, *tensors) -> None:
         if self._compiled:
-            path = _PATH
+            path = self._path
             device = path.current_device()
             ptrs = [t.data_ptr() for t in tensors]
             entry = self._compiled.get((device, _pointer_key(path, tensors, ptrs)))
@@ -300,7 +303,7 @@ class KernelLaunch:
         path = launch_path()
         if not path.direct or not isinstance(compiled, path.compiled_type):
             return
-        if self._tail is None:
+        if not self._tail:
             names = self.kernel.arg_names[len(tensors) + len(self.scalars) :]
             if sorted(names) != sorted(self.constexprs):
                 raise TypeError(
@@ -312,4 +315,5 @@ class KernelLaunch:
         grid = (*self.grid, 1, 1)[:3]
         ptrs = [t.data_ptr() for t in tensors]
         key = (path.current_device(), _pointer_key(path, tensors, ptrs))
+        self._path = path
         self._compiled[key] = (compiled, compiled[grid])

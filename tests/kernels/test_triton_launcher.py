@@ -42,11 +42,15 @@ import test_triton_paged_context_attention as pca_tests  # noqa: E402
 
 
 class _Compiled:
-    """Stands in for a triton CompiledKernel: ``compiled[grid]`` is its launcher."""
+    """Stands in for a triton CompiledKernel: ``compiled[grid]`` is its launcher,
+    ``run`` its backend launcher; both record."""
 
     def __init__(self):
         self.function = object()
+        self.packed_metadata = ("warps", "ctas", "shared")
         self.calls = []
+        self.runs = []
+        self.run = lambda *args: self.runs.append(args)
 
     def __getitem__(self, grid):
         def runner(*args, stream=None):
@@ -72,10 +76,10 @@ class _FakeJIT:
         return launch
 
 
-def _path(pointer_key=tl_launch.ALIGNMENT, spec=None, device=(0,), direct=True):
+def _path(pointer_key=tl_launch.ALIGNMENT, spec=None, device=(0,), direct=True, quiet=None):
     """A launch path; ``device[0]`` is the current device (a list to change it)."""
     return tl_launch.LaunchPath(direct, "test", pointer_key, spec, lambda: device[0],
-                                lambda dev: 1234 + dev, _Compiled)
+                                lambda dev: 1234 + dev, _Compiled, quiet)
 
 
 @pytest.fixture
@@ -104,6 +108,40 @@ def test_first_call_goes_through_kernel_grid_then_direct(fake_jit):
     ((grid, stream, args),) = fake_jit.compiled.calls
     assert grid == (7, 3, 1) and stream == 1234
     assert args[:2] == (a, b) and args[2:] == (5, 16, 64, True)
+
+
+def test_no_hook_set_calls_run_with_what_the_launcher_would_pass(fake_jit, monkeypatch):
+    hooks = [False]
+    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: not hooks[0]))
+    launch = _launch(fake_jit)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch(x, y)
+    launch(x, y)
+    compiled = fake_jit.compiled
+    assert compiled.runs == [(7, 3, 1, 1234, compiled.function, compiled.packed_metadata,
+                              None, None, None, x, y, 5, 16, 64, True)]
+    hooks[0] = True  # a profiler: Triton's own launcher passes the hooks
+    launch(x, y)
+    assert len(compiled.runs) == 1 and len(compiled.calls) == 1
+
+
+def test_quiet_reads_the_hooks_of_this_triton(monkeypatch):
+    """_hooks_quiet finds _RUN_CALL in the installed CompiledKernel and its
+    check follows triton.knobs.runtime's hooks."""
+    from triton.compiler.compiler import CompiledKernel
+
+    quiet = tl_launch._hooks_quiet(CompiledKernel)
+    assert quiet is not None and quiet()
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    assert not quiet()
+
+
+def test_a_launcher_that_calls_run_otherwise_is_never_bypassed():
+    class Other:
+        def __getitem__(self, grid):
+            return lambda *args, stream=None: self.run(grid, stream, *args)
+
+    assert tl_launch._hooks_quiet(Other) is None
 
 
 def test_another_alignment_is_another_compiled_kernel(fake_jit):

@@ -69,12 +69,18 @@ def test_direct_launch_matches_triton_on_each_release(release, target, tmp_path)
     # within 2 GiB (AMD buffer ops), the big storage (6).
     new = {0, 2} | ({6} if result["pointer_key"] == "alignment+2GiB" else set())
     assert {i for i, c in enumerate(calls) if c["jit"]} == new
-    # A direct launch hands the launcher what Triton's own launch handed it.
-    assert calls[1]["args"] == calls[0]["args"] and calls[4]["args"] == calls[0]["args"]
-    assert calls[3]["args"] == calls[2]["args"]
-    # A launch hook set later reaches the launcher of a direct launch (Triton's
-    # CompiledKernel launcher reads the hooks itself).
-    assert calls[5]["args"][7] == result["hook"]
+    # A direct launch with no hook set hands the launcher what Triton's own
+    # launch handed it, less the launch metadata and the (empty) hooks.
+    quiet = ["None"] * 3
+    for direct, jit in ((1, 0), (3, 2), (4, 0)):
+        assert calls[direct]["args"][:6] == calls[jit]["args"][:6]
+        assert calls[direct]["args"][6:9] == quiet
+        assert calls[direct]["args"][9:] == calls[jit]["args"][9:]
+    assert "run() when no launch hook is set" in result["reason"]
+    # A launch hook set later: the launch goes through CompiledKernel[grid],
+    # which hands the launcher the hook and the launch metadata itself.
+    assert calls[5]["args"][7] == result["hook"] and calls[5]["args"][6] != "None"
+    assert calls[5]["args"][:6] == calls[0]["args"][:6] and calls[5]["args"][9:] == calls[0]["args"][9:]
     # The path and its reason are logged once, at info.
     assert result["log"].count("launches (") == 1
     if target.startswith("cuda"):

@@ -19,7 +19,10 @@ specialises every argument and builds the compile-cache key on every call.
     ``compiled[grid]`` (``CompiledKernel.__getitem__``: it builds the launch
     metadata and passes the launch hooks exactly as ``JITFunction.run`` does).
     Later calls whose pointers Triton would specialise the same way call that
-    launcher directly.
+    launcher directly, or, while no launch hook is set, the compiled kernel's
+    ``run`` with the arguments that launcher would pass (no launch metadata,
+    no hooks), where the installed Triton's launcher is seen to call ``run``
+    that way (``_RUN_CALL``).
 
 Which path runs is decided once per process, on the first compiled launch, by
 what the installed Triton provides (``launch_path()``), not by its version:
@@ -129,7 +132,11 @@ class LaunchPath:
     ``direct``: whether hits call the compiled kernel's launcher; ``reason``:
     why (logged once); ``pointer_key``: how pointers select a compiled kernel
     (``ALIGNMENT``, ``ALIGNMENT_AND_2GB`` or ``BACKEND_CALL``); ``spec``: the
-    backend's per-tensor specialisation (for ``BACKEND_CALL``).
+    backend's per-tensor specialisation (for ``BACKEND_CALL``); ``quiet``:
+    None, or a function telling whether no launch hook is set, when the
+    compiled kernel's ``run`` may be called with the grid, stream, handle and
+    metadata ``CompiledKernel.__getitem__`` passes it (no hooks, no launch
+    metadata) instead of through that launcher.
     """
 
     def __init__(
@@ -141,6 +148,7 @@ class LaunchPath:
         current_device=None,
         current_stream=None,
         compiled_type=None,
+        quiet=None,
     ):
         self.direct = direct
         self.reason = reason
@@ -149,6 +157,7 @@ class LaunchPath:
         self.current_device = current_device
         self.current_stream = current_stream
         self.compiled_type = compiled_type
+        self.quiet = quiet
 
 
 _PATH: LaunchPath | None = None
@@ -185,15 +194,52 @@ def _find_launch_path() -> LaunchPath:
     pointer_key, spec = probe_pointer_specialization(backend)
     if pointer_key is None:
         return LaunchPath(False, f"{backend.__name__}: {spec}")
+    quiet = _hooks_quiet(CompiledKernel)
     return LaunchPath(
         True,
-        f"{backend.__name__}, pointer key: {pointer_key}",
+        f"{backend.__name__}, pointer key: {pointer_key}, "
+        + ("run() when no launch hook is set" if quiet else "CompiledKernel[grid]"),
         pointer_key,
         spec,
         current_device,
         current_stream,
         CompiledKernel,
+        quiet,
     )
+
+
+# How CompiledKernel.__getitem__'s launcher calls the compiled kernel's run
+# (Triton 3.4 - 3.9), whitespace removed.
+_RUN_CALL = (
+    "self.run(grid[0],grid[1],grid[2],stream,self.function,self.packed_metadata,"
+    "launch_metadata,knobs.runtime.launch_enter_hook,knobs.runtime.launch_exit_hook,"
+    "*args)"
+)
+
+
+def _hooks_quiet(compiled_type):
+    """A ``quiet()`` check when the installed Triton's own launcher calls
+    ``run`` as _RUN_CALL and reads its hooks from ``triton.knobs.runtime``
+    (else None: launches go through ``compiled[grid]``)."""
+    import inspect
+
+    try:
+        source = "".join(inspect.getsource(compiled_type.__getitem__).split())
+        runtime = triton.knobs.runtime
+        runtime.launch_enter_hook, runtime.launch_exit_hook  # noqa: B018
+    except (OSError, TypeError, AttributeError):
+        return None
+    if _RUN_CALL not in source:
+        return None
+    chain = getattr(triton.knobs, "HookChain", None)
+
+    def unset(hook) -> bool:
+        return hook is None or (type(hook) is chain and not hook.calls)
+
+    def quiet() -> bool:
+        return unset(runtime.launch_enter_hook) and unset(runtime.launch_exit_hook)
+
+    return quiet
 
 
 def probe_pointer_specialization(backend):
@@ -268,6 +314,7 @@ class KernelLaunch:
         "scalars",
         "constexprs",
         "options",
+        "_dims",
         "_tail",
         "_path",
         "_compiled",
@@ -279,9 +326,12 @@ class KernelLaunch:
         self.scalars = tuple(scalars)
         self.constexprs = dict(constexprs or {})
         self.options = options
+        self._dims = (*self.grid, 1, 1)[:3]
         self._tail: tuple = ()  # scalars + constexpr values in parameter order
         self._path = _UNKNOWN  # the process's launch path, once a launch found it
-        # (device, pointer key) -> (CompiledKernel, its launcher for the grid)
+        # (device, pointer key) -> (run, its arguments after grid and stream,
+        # launcher)
+        # of the CompiledKernel Triton compiled for that key
         self._compiled: dict = {}
 
     def __call__(self, *tensors) -> None:
@@ -291,7 +341,12 @@ class KernelLaunch:
             ptrs = [t.data_ptr() for t in tensors]
             entry = self._compiled.get((device, _pointer_key(path, tensors, ptrs)))
             if entry is not None:
-                entry[1](*tensors, *self._tail, stream=path.current_stream(device))
+                run, after, launcher = entry
+                stream = path.current_stream(device)
+                if path.quiet is not None and path.quiet():
+                    run(*self._dims, stream, *after, *tensors, *self._tail)
+                else:
+                    launcher(*tensors, *self._tail, stream=stream)
                 return
         compiled = self.kernel[self.grid](
             *tensors, *self.scalars, **self.constexprs, **self.options
@@ -312,8 +367,12 @@ class KernelLaunch:
                     f"constexprs {sorted(self.constexprs)}"
                 )
             self._tail = (*self.scalars, *(self.constexprs[n] for n in names))
-        grid = (*self.grid, 1, 1)[:3]
+        grid = self._dims
         ptrs = [t.data_ptr() for t in tensors]
         key = (path.current_device(), _pointer_key(path, tensors, ptrs))
         self._path = path
-        self._compiled[key] = (compiled, compiled[grid])
+        launcher = compiled[grid]  # loads the kernel's handles if needed
+        # run's arguments after the grid and stream: the handle, the metadata,
+        # no launch metadata and no hooks (what quiet() allows).
+        after = (compiled.function, compiled.packed_metadata, None, None, None)
+        self._compiled[key] = (compiled.run, after, launcher)

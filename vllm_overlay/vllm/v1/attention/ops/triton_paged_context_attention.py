@@ -370,7 +370,16 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_reqs", "num_splits", "stride_os", "stride_ls", "stride_lh"],
+    do_not_specialize_on_alignment=[
+        "block_table_ptr",
+        "cu_seqlens_q_ptr",
+        "seq_lens_ptr",
+        "k_scale_ptr",
+        "v_scale_ptr",
+    ],
+)
 def _paged_context_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, bs, Hkv, D] (strided view)
@@ -545,7 +554,17 @@ def _paged_context_attention_kernel(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "num_reqs",
+        "num_splits",
+        "stride_ps",
+        "stride_pls",
+        "stride_plh",
+        "stride_lh",
+    ],
+    do_not_specialize_on_alignment=["cu_seqlens_q_ptr"],
+)
 def _combine_splits_kernel(
     part_out_ptr,  # [S, T, Hq, D] fp32
     part_lse_ptr,  # [S, Hq, T] fp32

@@ -35,10 +35,12 @@ MAX_TOKENS = 2048
 
 
 class Engine:
-    def __init__(self, device, cache_dtype: torch.dtype, model_dtype=torch.float16):
+    def __init__(self, device, cache_dtype=None, model_dtype=torch.bfloat16):
+        # (No kernel runs on the CPU tier: the recorder stands in for them, so
+        # bf16 is fine there too.)
         self.device = device
         self.model_dtype = model_dtype
-        self.cache_dtype = cache_dtype
+        self.cache_dtype = cache_dtype = cache_dtype or model_dtype
         fp8 = cache_dtype.itemsize == 1
         d = HEAD_SIZE
         # vLLM 0.33.0's packed (blocks, Hkv, bs, 2D) cache viewed as K / V.
@@ -58,7 +60,7 @@ class Engine:
             block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, num_heads=NUM_HEADS,
             head_size=d, model_dtype=model_dtype, cache_dtype=cache_dtype,
             out_dtype=out_dtype, cache_strides=tuple(self.key_cache.stride()),
-            block_table_width=MAX_BLOCKS, max_num_reqs=MAX_REQS, paged_context=True,
+            max_num_reqs=MAX_REQS, paged_context=True,
         )  # fmt: skip
         # MLA: a [blocks, bs, L + R] cache, q [T, H, P + R], kv_c | k_pe rows of
         # a [T, L + R] projection output, cos/sin [max_pos, R].

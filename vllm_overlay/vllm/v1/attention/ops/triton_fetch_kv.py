@@ -232,7 +232,7 @@ def _locate_item(
 
 
 @triton.jit(
-    do_not_specialize=["num_reqs"],
+    do_not_specialize=["num_reqs", "stride_bt_req"],
     do_not_specialize_on_alignment=[
         "block_table_ptr",
         "cu_seqlens_ptr",
@@ -295,7 +295,7 @@ def _fetch_kv_plan_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["num_reqs", "num_kv_heads"],
+    do_not_specialize=["num_reqs", "num_kv_heads", "stride_bt_req"],
     do_not_specialize_on_alignment=[
         "block_table_ptr",
         "cu_seqlens_ptr",

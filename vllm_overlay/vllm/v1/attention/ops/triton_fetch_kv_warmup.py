@@ -40,9 +40,11 @@ class FetchKVGeometry:
 
     ``cache_strides``: strides of the ``[blocks, block_size, Hkv, D]`` K view
     the backend passes (V has the same); ``cache_bytes``: the byte size of the
-    storage behind it (the KV cache pool).  ``out_dtype``: the extend
-    workspace's dtype.  ``block_table_width``: the block table's row stride.
-    ``paged_context``: whether short extends take the paged route.
+    storage behind it (the KV cache pool), None when not known yet (both
+    pointer variants of the AMD backend are then compiled).  ``out_dtype``:
+    the extend workspace's dtype.  ``paged_context``: whether short extends
+    take the paged route.  (The block table's row stride is a runtime integer
+    of every kernel: it selects nothing.)
     """
 
     block_size: int
@@ -53,41 +55,33 @@ class FetchKVGeometry:
     cache_dtype: torch.dtype
     out_dtype: torch.dtype
     cache_strides: tuple[int, int, int, int]
-    block_table_width: int
     max_num_reqs: int
     kv_cache_layout: str = "NHD"
     paged_context: bool = False
-    cache_bytes: int = _BIG
+    cache_bytes: int | None = None
     index_dtype: torch.dtype = torch.int32
 
 
-def _reqs_for(step: int) -> int:
-    """A request count whose _req_step is ``step``."""
-    return 1 if step == 16 else step // 4
-
-
 def warmup_cases(g: FetchKVGeometry) -> list[tuple]:
-    """The cases to compile: ``("fetch_kv", plan, req_step)``,
-    ``("fetch_kv_plan", req_step)`` and ``("paged", split, with_new)``."""
+    """``("fetch_kv", plan, num_reqs)`` and ``("fetch_kv_plan", num_reqs)`` for
+    one request count of each ``REQ_STEP`` up to ``g.max_num_reqs``, and
+    ``("paged", split)`` when short extends take the paged route."""
     cases: list[tuple] = []
-    steps = sorted({fk._req_step(n) for n in _sample_counts(g.max_num_reqs)})
-    for step in steps:
-        cases += [("fetch_kv", False, step), ("fetch_kv", True, step)]
-        cases.append(("fetch_kv_plan", step))
+    steps: set[int] = set()
+    num_reqs = 1
+    while num_reqs <= max(1, g.max_num_reqs):
+        step = fk._req_step(num_reqs)
+        if step not in steps:
+            steps.add(step)
+            cases += [
+                ("fetch_kv", False, num_reqs),
+                ("fetch_kv", True, num_reqs),
+                ("fetch_kv_plan", num_reqs),
+            ]
+        num_reqs = step  # the first count of the next step
     if g.paged_context:
-        cases += [("paged", False, True), ("paged", True, True)]
+        cases += [("paged", False), ("paged", True)]
     return cases
-
-
-def _sample_counts(max_num_reqs: int) -> list[int]:
-    # Request counts 1 .. max_num_reqs meet every _req_step value at one of
-    # the bucket edges (or at max_num_reqs).
-    counts = {1, max(1, max_num_reqs)}
-    step = 16
-    while step <= fk._MAX_REQ_STEP:
-        counts.update((step - 1, step))
-        step *= 4
-    return sorted(n for n in counts if 1 <= n <= max(1, max_num_reqs))
 
 
 class _Ptr:
@@ -105,81 +99,78 @@ class _Ptr:
         return self._bytes
 
 
-def _compile(launch, tensors, sizes=None) -> None:
-    """Compile ``launch`` for ``tensors`` without launching it; ``sizes``:
-    storage bytes by argument index where the tensor stands in for a larger
-    one (a KV cache)."""
-    sizes = sizes or {}
-    ptrs = [_Ptr(t, sizes.get(i)) for i, t in enumerate(tensors)]
-    launch.kernel.warmup(
-        *ptrs, *launch.scalars, **launch.constexprs, **launch.options, grid=launch.grid
-    )
-
-
-def _cache(g: FetchKVGeometry, device):
-    shape = (1, g.block_size, g.num_kv_heads, g.head_size)
-    k = torch.empty_strided(shape, g.cache_strides, dtype=g.cache_dtype, device=device)
-    v = torch.empty_strided(shape, g.cache_strides, dtype=g.cache_dtype, device=device)
-    return k, v
+def _compile(launch, tensors, caches=(), cache_bytes=None) -> None:
+    """Compile ``launch`` for ``tensors`` without launching it; the tensors at
+    indices ``caches`` stand in for the KV cache, whose storage is
+    ``cache_bytes`` (None: unknown, compile for a large and a small one)."""
+    for nbytes in (_BIG, 1) if cache_bytes is None else (cache_bytes,):
+        ptrs = [_Ptr(t, nbytes if i in caches else None) for i, t in enumerate(tensors)]
+        launch.kernel.warmup(
+            *ptrs, *launch.scalars, **launch.constexprs, **launch.options,
+            grid=launch.grid,
+        )  # fmt: skip
 
 
 def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
-    """Compile one case of ``warmup_cases(g)`` for ``device`` (no launch)."""
+    """Compile one case of ``warmup_cases(g)`` for ``device``.
+
+    ``fetch_kv_plan`` has no cache pointer: it runs once on tiny tensors
+    (compiling exactly its runtime variant); the cache readers are compiled
+    without a launch."""
     kind = case[0]
-    key_cache, value_cache = _cache(g, device)
-    step = case[-1] if kind != "paged" else None
-    num_reqs = _reqs_for(step) if step is not None else 1
+    num_reqs = case[-1] if kind != "paged" else 1
+    num_tokens = 16
+    shape = (1, g.block_size, g.num_kv_heads, g.head_size)
+    key_cache, value_cache = (
+        torch.empty_strided(shape, g.cache_strides, dtype=g.cache_dtype, device=device)
+        for _ in range(2)
+    )
     idx = dict(dtype=g.index_dtype, device=device)
-    block_table = torch.zeros((num_reqs, g.block_table_width), **idx)
+    block_table = torch.zeros((num_reqs, 4), **idx)
     cu = torch.zeros(num_reqs + 1, **idx)
     starts = torch.zeros(num_reqs, **idx)
     scale = torch.ones(1, dtype=torch.float32, device=device)
-    big = {0: g.cache_bytes, 1: g.cache_bytes}  # the caches
-    num_tokens = 16
-    if kind in ("fetch_kv", "fetch_kv_plan"):
-        # Runs the plan kernel on the tiny tensors (compiling its variant).
+    if kind != "paged":
         plan = fk.fetch_kv_plan(
             block_table, cu, starts, num_tokens=num_tokens, block_size=g.block_size,
             head_size=g.head_size, cache_dtype=g.cache_dtype, out_dtype=g.out_dtype,
             kv_cache_layout=g.kv_cache_layout,
         )  # fmt: skip
-        if kind == "fetch_kv_plan":  # no cache pointer: the tiny launch is exact
+        if kind == "fetch_kv_plan":
             return
-        out = torch.empty((num_tokens, g.num_kv_heads, g.head_size), dtype=g.out_dtype,
-                          device=device)  # fmt: skip
-        use_plan = case[1]
+        out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
+        plan = plan if case[1] else None
         launch, dequant = fk._bind_fetch_kv(
             key_cache, value_cache, out, out, block_table, cu, starts, scale, scale,
-            g.kv_cache_layout, num_tokens, plan if use_plan else None,
+            g.kv_cache_layout, num_tokens, plan,
         )  # fmt: skip
-        unread = plan.table if use_plan else cu
+        # The tensors fetch_kv hands the launch (its stand-ins included).
+        unread = cu if plan is None else plan.table
+        meta = (block_table, cu, starts) if plan is None else (unread,) * 3
         scales = (scale, scale) if dequant else (unread, unread)
-        meta = (unread,) * 3 if use_plan else (block_table, cu, starts)
-        _compile(
-            launch, (key_cache, value_cache, out, out, *meta, unread, *scales), big
-        )
+        tensors = (key_cache, value_cache, out, out, *meta, unread, *scales)
+        _compile(launch, tensors, (0, 1), g.cache_bytes)
         return
-    _, split, with_new = case
+    # The backend's call: the new tokens' K/V given, the output given, the
+    # step's workspace (split or not).
     query = torch.empty((num_tokens, g.num_heads, g.head_size), dtype=g.model_dtype,
                         device=device)  # fmt: skip
-    new = torch.empty((num_tokens, g.num_kv_heads, g.head_size), dtype=g.model_dtype,
-                      device=device)  # fmt: skip
+    new = torch.empty((num_tokens, *shape[2:]), dtype=g.model_dtype, device=device)
     seq_lens = torch.zeros(num_reqs, **idx)
     ws = pc.paged_context_workspace(
         num_tokens, num_reqs, g.num_heads, g.num_kv_heads, g.head_size, g.model_dtype,
-        device, num_splits=2 if split else 1,
+        device, num_splits=2 if case[1] else 1,
     )  # fmt: skip
     bound = pc._bind(
-        query, key_cache, value_cache, block_table, cu, seq_lens, 1.0,
-        new if with_new else None, new if with_new else None, None, scale, scale,
-        query, ws.lse, None, None, ws,
+        query, key_cache, value_cache, block_table, cu, seq_lens, 1.0, new, new, None,
+        scale, scale, query, ws.lse, None, None, ws,
     )  # fmt: skip
+    # The tensors paged_context_attention hands the launches.
     scales = (scale, scale) if bound.fp8 else (seq_lens, seq_lens)
-    kv_new = (new, new) if with_new else (key_cache, value_cache)
-    head = (query, key_cache, value_cache, *kv_new, block_table, cu, seq_lens, *scales)
-    big = {1: g.cache_bytes, 2: g.cache_bytes}  # the caches, after the query
+    head = (query, key_cache, value_cache, new, new, block_table, cu, seq_lens, *scales)
     if bound.combine is None:
-        _compile(bound.attend, (*head, query, ws.lse), big)
+        _compile(bound.attend, (*head, query, ws.lse), (1, 2), g.cache_bytes)
         return
-    _compile(bound.attend, (*head, ws.partial_out, ws.partial_lse), big)
-    _compile(bound.combine, (ws.partial_out, ws.partial_lse, query, ws.lse, cu))
+    parts = (ws.partial_out, ws.partial_lse)
+    _compile(bound.attend, (*head, *parts), (1, 2), g.cache_bytes)
+    _compile(bound.combine, (*parts, query, ws.lse, cu))

@@ -39,15 +39,16 @@ class _Ptr:
         return self._bytes
 
 
-def _compile(launch, tensors, sizes=None) -> None:
-    """Compile ``launch`` for ``tensors`` without launching it; ``sizes``:
-    storage bytes by argument index where the tensor stands in for a larger
-    one (a KV cache)."""
-    sizes = sizes or {}
-    ptrs = [_Ptr(t, sizes.get(i)) for i, t in enumerate(tensors)]
-    launch.kernel.warmup(
-        *ptrs, *launch.scalars, **launch.constexprs, **launch.options, grid=launch.grid
-    )
+def _compile(launch, tensors, caches=(), cache_bytes=None) -> None:
+    """Compile ``launch`` for ``tensors`` without launching it; the tensors at
+    indices ``caches`` stand in for the KV cache, whose storage is
+    ``cache_bytes`` (None: unknown, compile for a large and a small one)."""
+    for nbytes in (_BIG, 1) if cache_bytes is None else (cache_bytes,):
+        ptrs = [_Ptr(t, nbytes if i in caches else None) for i, t in enumerate(tensors)]
+        launch.kernel.warmup(
+            *ptrs, *launch.scalars, **launch.constexprs, **launch.options,
+            grid=launch.grid,
+        )  # fmt: skip
 
 
 __all__ = ["MLAGeometry", "compile_case", "warmup_cases"]
@@ -59,7 +60,9 @@ class MLAGeometry:
     rope widths, dtypes, the strides of the tensors the layer passes (q_pe's
     token / head strides, the kv_c | k_pe rows' token stride, ql_nope's, the
     cache's block / slot strides, the cos/sin cache's), whether decode
-    quantises q to fp8 (``q_fp8``) and the step's token bound."""
+    quantises q to fp8 (``q_fp8``), the step's token bound and the KV cache
+    pool's byte size (None: not known yet; both pointer variants of the AMD
+    backend are compiled)."""
 
     num_heads: int
     lora_rank: int
@@ -77,7 +80,7 @@ class MLAGeometry:
     is_neox: bool
     max_num_tokens: int
     q_fp8: bool = False
-    cache_bytes: int = _BIG
+    cache_bytes: int | None = None
 
 
 def _block_t(g: MLAGeometry, num_tokens: int) -> int:
@@ -134,4 +137,4 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
         tensors = (q_pe, q_pe, q_pe, kv_c, k_pe, cache.view(cache_dtype), slots,
                    positions, cos_sin, k_scale,
                    positions)  # fmt: skip
-    _compile(launch, tensors, {5: g.cache_bytes})
+    _compile(launch, tensors, (5,), g.cache_bytes)

@@ -371,7 +371,14 @@ def _attend_range(
 
 
 @triton.jit(
-    do_not_specialize=["num_reqs", "num_splits", "stride_os", "stride_ls", "stride_lh"],
+    do_not_specialize=[
+        "num_reqs",
+        "num_splits",
+        "stride_bt",
+        "stride_os",
+        "stride_ls",
+        "stride_lh",
+    ],
     do_not_specialize_on_alignment=[
         "block_table_ptr",
         "cu_seqlens_q_ptr",

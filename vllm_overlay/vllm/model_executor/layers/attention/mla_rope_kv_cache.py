@@ -26,7 +26,6 @@ per layer), the step calls their implementations directly: the dispatcher
 round trip would cost about as much host time as the kernel launch.
 """
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,13 +57,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["CPU_TEST_SWITCH", "MLARopeKVFusion", "rope_kv_facts"]
+__all__ = ["MLARopeKVFusion", "rope_kv_facts"]
 
-# Test-only, never for serving: "1" on the CPU platform lets tests run a whole
-# CPU engine through the fused paths (the Triton kernel under TRITON_INTERPRET=1,
-# the AITER path through a fake aiter package).  Read once per layer at init;
-# on any other platform, or unset, it changes nothing.
-CPU_TEST_SWITCH = "VLLM_TEST_MLA_ROPE_KV_FUSION_ON_CPU"
 
 # One-element fp32 ones per device: AITER's op takes a q_scale tensor also
 # when q_out is not fp8.
@@ -239,30 +233,18 @@ direct_register_custom_op(
 def rope_kv_facts(layer, rotary_emb) -> RopeKVFacts:
     """What decide_rope_kv_path() needs to know about an MLAAttention layer."""
     impl = layer.impl
-    cpu_test = current_platform.is_cpu() and os.environ.get(CPU_TEST_SWITCH) == "1"
-    if cpu_test:
-        # The AITER flags without @if_aiter_supported's platform check.
-        aiter_flags = rocm_aiter_ops.is_mla_rope_kv_fusion_enabled.__func__.__wrapped__
-        aiter_requested = bool(aiter_flags(rocm_aiter_ops))
-    else:
-        aiter_requested = bool(rocm_aiter_ops.is_mla_rope_kv_fusion_enabled())
+    aiter_requested = bool(rocm_aiter_ops.is_mla_rope_kv_fusion_enabled())
     op_problem, op_all_q_rope = (
         rocm_aiter_ops.mla_rope_kv_op_support() if aiter_requested else (None, False)
     )
     writer = getattr(type(impl), "do_kv_cache_update", None)
     standard_writer = writer is MLAAttentionImpl.do_kv_cache_update
-    if cpu_test and not standard_writer:
-        # CPU_MLA's writer stores the rows concat_and_cache_mla stores (its
-        # only cache dtype is "auto").
-        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
-        standard_writer = writer is CPUMLAImpl.do_kv_cache_update
     return RopeKVFacts(
         triton_requested=rocm_aiter_ops.is_mla_triton_rope_kv_fusion_enabled(),
         aiter_requested=aiter_requested,
         aiter_op_problem=op_problem,
         aiter_op_all_q_rope=op_all_q_rope,
-        gpu=current_platform.is_cuda_alike() or cpu_test,
+        gpu=current_platform.is_cuda_alike(),
         rope_problem=rope_fusion_problem(rotary_emb, layer.qk_rope_head_dim),
         model_dtype=str(torch.get_default_dtype()).removeprefix("torch."),
         kv_cache_dtype=layer.kv_cache_dtype,

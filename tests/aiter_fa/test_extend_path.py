@@ -851,3 +851,76 @@ def test_gpu_decode_extend_prefill_batch(make_backend, spies, fake_aiter, device
     assert fake_aiter.decode_calls[0]["kv_cache_dtype"] == ("auto" if kv_scales is None
                                                             else "fp8")
     assert_within_roundoff(output, step, roundings)
+
+
+# --------------------------------------------------------------------------
+# Serving: the JIT warmup covers the forward's launches; the profiling run
+# reserves the paged-context workspace.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_scales", [None, (0.25, 0.5)], ids=["fp16", "fp8kv"])
+def test_jit_warmup_covers_the_forward_launches(make_backend, fake_aiter, device, monkeypatch,
+                                                kv_scales):
+    """The builder registers its geometry with vLLM's JIT warmup; what the
+    warmup compiles covers every launch of the paged route, the gather route
+    (with and without plans) and the KV-sharing fetch (compile keys as Triton's
+    JIT computes them, tests/kernels/compile_keys.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+    import compile_keys
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+    from vllm.v1.attention.ops import triton_fetch_kv as fk
+    from vllm.v1.attention.ops import triton_paged_context_attention as pc
+
+    recorded = compile_keys.record(monkeypatch, (
+        (fk, "_fetch_kv_kernel"), (fk, "_fetch_kv_plan_kernel"),
+        (pc, "_paged_context_attention_kernel"), (pc, "_combine_splits_kernel")))
+    registry = JitWarmupRegistry(None)
+    kw = {"kv_scales": kv_scales}
+    with registry.activate():
+        routes = {
+            "paged": make_backend(**kw),
+            "gather": make_backend(paged_max_tokens=0, chunk_tokens=16, **kw),
+            "kv-sharing": make_backend(kv_bypass=True, **kw),
+        }
+    assert len(registry) == 2  # the paged and the gather geometry (kv-sharing: = paged)
+    registry.warmup()
+    warm = set(recorded.keys)
+    assert warm
+    for route, (layer, builder) in routes.items():
+        step = make_step(MIXED, device, seed=6, **kw)
+        recorded.caches.add(step.kv_cache.untyped_storage().data_ptr())
+        run_forward(layer, builder, step, with_kv=route != "kv-sharing")
+    new = recorded.keys - warm
+    assert not new, compile_keys.explain(new, warm)
+
+
+def test_profiling_run_reserves_the_paged_workspace(make_backend, fake_aiter, device):
+    """The Impl's profiling branch (no metadata) takes the paged route's
+    buffers at their bound from the workspace manager, so memory profiling
+    counts them; after the lock a step's workspace is views of them."""
+    from vllm.v1.attention.ops import triton_paged_context_attention as pc
+    from vllm.v1.worker import workspace
+
+    layer, builder = make_backend()
+    workspace.init_workspace_manager(torch.device(device))
+    try:
+        manager = workspace.current_workspace_manager()
+        q = torch.zeros(4, SMALL.num_heads, SMALL.head_size, dtype=torch.float16,
+                        device=device)
+        kv = torch.zeros(4, SMALL.num_kv_heads, SMALL.head_size, dtype=torch.float16,
+                         device=device)
+        layer.impl.forward(layer, q, kv, kv, torch.empty(0, device=device), None,
+                           torch.empty_like(q))
+        sizes = pc.paged_context_workspace_size(512, SMALL.num_heads, SMALL.num_kv_heads,
+                                                SMALL.head_size, torch.float16, device)
+        (reserved,) = manager._persistent_resources[0].values()
+        assert [b.numel() for b in reserved] == list(sizes)
+        workspace.lock_workspace()
+        step = make_step(EXTENDS, device, seed=1)
+        meta, output = run_forward(layer, builder, step)
+        ws = meta.extend_metadata.paged_workspace
+        assert ws.lse.untyped_storage().data_ptr() == reserved[0].untyped_storage().data_ptr()
+        assert_matches_reference(output, step)
+    finally:
+        workspace.reset_workspace_manager()

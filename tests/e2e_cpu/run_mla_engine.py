@@ -137,6 +137,37 @@ def layer_state(model) -> list[dict]:
     return layers
 
 
+# Set by test_cpu_mla_engine.py for the fused runs: the fused paths are refused
+# off CUDA/ROCm, so this helper makes the layers' facts say "GPU" (below).
+FUSE_ON_CPU = "VLLM_TEST_MLA_ROPE_KV_FUSION_ON_CPU"
+
+
+def fuse_on_cpu() -> None:
+    """Let the fused paths run on the CPU engine (in-process, so this reaches
+    every layer): the layers' RopeKVFacts say "GPU", CPU_MLA's cache writer
+    counts as the standard one (it stores the rows concat_and_cache_mla
+    stores; its only cache dtype is "auto"), and the AITER flags are read
+    without @if_aiter_supported's ROCm check.  The decision itself
+    (mla_rope_fusion.py) is unchanged."""
+    import dataclasses
+
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.model_executor.layers.attention import mla_rope_kv_cache
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    flags = rocm_aiter_ops.is_mla_rope_kv_fusion_enabled.__func__.__wrapped__
+    rocm_aiter_ops.is_mla_rope_kv_fusion_enabled = classmethod(lambda cls: flags(cls))
+    facts_of = mla_rope_kv_cache.rope_kv_facts
+
+    def rope_kv_facts(layer, rotary_emb):
+        facts = facts_of(layer, rotary_emb)
+        cpu_writer = type(layer.impl).do_kv_cache_update is CPUMLAImpl.do_kv_cache_update
+        return dataclasses.replace(
+            facts, gpu=True, backend_cache_writer=facts.backend_cache_writer and not cpu_writer)
+
+    mla_rope_kv_cache.rope_kv_facts = rope_kv_facts
+
+
 def run(model_dir: str, out_json: str, dtype: str, fake_aiter: bool) -> None:
     # BRIEF §2: torchvision/torchaudio/torchcodec builds that do not match the
     # CPU torch break vLLM's imports; none is needed for a text-only model.
@@ -168,6 +199,8 @@ def run(model_dir: str, out_json: str, dtype: str, fake_aiter: bool) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if os.environ.get(FUSE_ON_CPU) == "1":
+        fuse_on_cpu()
     calls: dict[str, int] = {}
     try:
         from vllm.v1.attention.ops import triton_mla_rope_cache

@@ -28,8 +28,8 @@ chunks, each after the first an extend over its cached context).  Cases:
     called for the decode rows, the Triton prefill form for the prefill rows.
 
 The fused paths are refused off CUDA/ROCm; ``VLLM_TEST_MLA_ROPE_KV_FUSION_ON_CPU=1``
-(``mla_rope_kv_cache.CPU_TEST_SWITCH``, test-only) lets them run on the CPU
-platform.  A few minutes on 2 cores (7 engine processes, two at a time); docs/e2e-cpu.md.
+tells the helper to patch the layers' facts in-process (``run_mla_engine.fuse_on_cpu``)
+so that they run on the CPU platform.  A few minutes on 2 cores (7 engine processes, two at a time); docs/e2e-cpu.md.
 """
 
 from __future__ import annotations

@@ -26,11 +26,13 @@ per layer), the step calls their implementations directly: the dispatcher
 round trip would cost about as much host time as the kernel launch.
 """
 
-import os
+from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from vllm._aiter_ops import rocm_aiter_ops
+from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_rope_fusion import (
     RopeKVDecision,
@@ -40,28 +42,49 @@ from vllm.model_executor.layers.attention.mla_rope_fusion import (
     log_rope_kv_decision,
     rope_fusion_problem,
 )
+from vllm.model_executor.warmup.jit_warmup import VllmJitKernel
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
-from vllm.v1.attention.backend import MLAAttentionImpl
+from vllm.v1.attention.backend import MLAAttentionImpl, max_decode_query_len
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+from vllm.v1.worker.workspace import (
+    current_workspace_manager,
+    is_workspace_manager_initialized,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.ops.triton_mla_rope_cache_warmup import MLAGeometry
 
 logger = init_logger(__name__)
 
-__all__ = ["CPU_TEST_SWITCH", "MLARopeKVFusion", "rope_kv_facts"]
+__all__ = ["MLARopeKVFusion", "rope_kv_facts"]
 
-# Test-only, never for serving: "1" on the CPU platform lets tests run a whole
-# CPU engine through the fused paths (the Triton kernel under TRITON_INTERPRET=1,
-# the AITER path through a fake aiter package).  Read once per layer at init;
-# on any other platform, or unset, it changes nothing.
-CPU_TEST_SWITCH = "VLLM_TEST_MLA_ROPE_KV_FUSION_ON_CPU"
 
 # One-element fp32 ones per device: AITER's op takes a q_scale tensor also
 # when q_out is not fp8.
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
+# The rotary caches' copies on another device, by source cache (an entry lives
+# exactly as long as the rotary embedding's cos_sin_cache it copies; every
+# layer sharing that rotary embedding shares it).
+_MOVED_COS_SIN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _not_capturing(what: str) -> None:
+    """Derived caches are built before any CUDA graph capture: one built
+    during a capture would be recorded into the graph, in its memory pool."""
+    if current_platform.is_cuda_alike() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what} was first needed during a CUDA graph capture; it must be "
+            "built by an eager forward before capturing (vLLM's warmup runs do)"
+        )
+
+
 def _unit_scale(device: torch.device) -> torch.Tensor:
     scale = _UNIT_SCALES.get(device)
     if scale is None:
+        _not_capturing("the MLA unit q_scale")
         scale = _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
     return scale
 
@@ -210,30 +233,18 @@ direct_register_custom_op(
 def rope_kv_facts(layer, rotary_emb) -> RopeKVFacts:
     """What decide_rope_kv_path() needs to know about an MLAAttention layer."""
     impl = layer.impl
-    cpu_test = current_platform.is_cpu() and os.environ.get(CPU_TEST_SWITCH) == "1"
-    if cpu_test:
-        # The AITER flags without @if_aiter_supported's platform check.
-        aiter_flags = rocm_aiter_ops.is_mla_rope_kv_fusion_enabled.__func__.__wrapped__
-        aiter_requested = bool(aiter_flags(rocm_aiter_ops))
-    else:
-        aiter_requested = bool(rocm_aiter_ops.is_mla_rope_kv_fusion_enabled())
+    aiter_requested = bool(rocm_aiter_ops.is_mla_rope_kv_fusion_enabled())
     op_problem, op_all_q_rope = (
         rocm_aiter_ops.mla_rope_kv_op_support() if aiter_requested else (None, False)
     )
     writer = getattr(type(impl), "do_kv_cache_update", None)
     standard_writer = writer is MLAAttentionImpl.do_kv_cache_update
-    if cpu_test and not standard_writer:
-        # CPU_MLA's writer stores the rows concat_and_cache_mla stores (its
-        # only cache dtype is "auto").
-        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
-        standard_writer = writer is CPUMLAImpl.do_kv_cache_update
     return RopeKVFacts(
         triton_requested=rocm_aiter_ops.is_mla_triton_rope_kv_fusion_enabled(),
         aiter_requested=aiter_requested,
         aiter_op_problem=op_problem,
         aiter_op_all_q_rope=op_all_q_rope,
-        gpu=current_platform.is_cuda_alike() or cpu_test,
+        gpu=current_platform.is_cuda_alike(),
         rope_problem=rope_fusion_problem(rotary_emb, layer.qk_rope_head_dim),
         model_dtype=str(torch.get_default_dtype()).removeprefix("torch."),
         kv_cache_dtype=layer.kv_cache_dtype,
@@ -248,6 +259,33 @@ def rope_kv_facts(layer, rotary_emb) -> RopeKVFacts:
         qk_rope_head_dim=layer.qk_rope_head_dim,
         num_heads=layer.num_heads,
     )
+
+
+# q_out buffers when vLLM's workspace manager is not set up (tests, tools).
+_Q_OUT_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+class MLARopeCacheWarmup(VllmJitKernel[tuple]):
+    """The fused layers' Triton kernel in vLLM's JIT warmup: the prefill form
+    at every BLOCK_T and, on the Triton path, the decode form."""
+
+    def get_warmup_keys(self, geometry, decode: bool) -> list[tuple]:
+        from vllm.v1.attention.ops.triton_mla_rope_cache_warmup import warmup_cases
+
+        return [
+            (geometry, case)
+            for case in warmup_cases(geometry)
+            if decode or case[0] != "decode"
+        ]
+
+    def compile(self, compile_key: tuple) -> None:
+        from vllm.v1.attention.ops.triton_mla_rope_cache_warmup import compile_case
+
+        geometry, case = compile_key
+        compile_case(geometry, case, torch.device(current_platform.device_type))
+
+
+MLA_ROPE_CACHE_WARMUP = MLARopeCacheWarmup()
 
 
 class MLARopeKVFusion:
@@ -266,7 +304,25 @@ class MLARopeKVFusion:
         self.rope_dim = layer.qk_rope_head_dim
         # current_platform.fp8_dtype() is a host query on ROCm: ask once.
         self.fp8_dtype = current_platform.fp8_dtype()
-        self._converted_caches: dict[tuple, torch.Tensor] = {}
+        self.num_heads = layer.num_heads
+        # Decode queries quantised to fp8 (forward_impl's condition).
+        self._quant_q = bool(
+            is_quantized_kv_cache(layer.kv_cache_dtype)
+            and layer.impl.supports_quant_query_input
+        )
+        # In an engine (a vLLM config is set while the model is built): the
+        # decode rows' bound, which sizes the q_out buffer, and the JIT warmup.
+        vllm_config = get_current_vllm_config_or_none()
+        self.max_decode_tokens = None
+        if vllm_config is not None:
+            self.max_decode_tokens = (
+                vllm_config.scheduler_config.max_num_seqs
+                * max_decode_query_len(vllm_config)
+            )
+        if vllm_config is not None and vllm_config.kernel_config.enable_jit_warmup:
+            MLA_ROPE_CACHE_WARMUP.register_warmup(
+                self._warmup_geometry(layer, vllm_config), decode=not self.use_aiter
+            )
         # Both paths run the Triton kernel for prefill rows: a fused layer has
         # Triton (the module itself imports without it).
         from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_step_rows
@@ -284,16 +340,75 @@ class MLARopeKVFusion:
     def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         """The rotary embedding's cos/sin cache on ``device`` (both kernels
         read any float type; AITER's wrapper converts and splits it once per
-        cache).  A moved copy is made once, as RotaryEmbedding does."""
+        cache).  A copy to another device is made once per source cache and
+        lives as long as it (_MOVED_COS_SIN), never during a graph capture."""
         cache = self.rotary_emb.cos_sin_cache
         if cache.device == device:
             return cache
-        key = (cache.data_ptr(), device)
-        converted = self._converted_caches.get(key)
+        moved = _MOVED_COS_SIN.get(cache)
+        if moved is None:
+            moved = _MOVED_COS_SIN[cache] = {}
+        converted = moved.get(device)
         if converted is None:
-            converted = cache.to(device=device)
-            self._converted_caches = {key: converted}  # keep only the latest
+            _not_capturing("the rotary cos/sin cache's copy")
+            converted = moved[device] = cache.to(device=device)
         return converted
+
+    def q_out(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The decode rows' MQA query, ``[num_tokens, H, L + R]``: a view of a
+        persistent buffer that every fused layer writes in turn (each layer's
+        forward_mqa reads it before the next layer writes).  In an engine the
+        buffer is sized at the step's decode bound and reserved by the
+        profiling run (reserve_workspace), so memory profiling counts it and
+        no CUDA graph pool ever holds it; elsewhere it grows as needed, never
+        during a capture."""
+        width = (self.num_heads, self.kv_lora_rank + self.rope_dim)
+        bound = self.max_decode_tokens
+        if bound is not None and is_workspace_manager_initialized():
+            assert num_tokens <= bound, (num_tokens, bound)
+            buffer = current_workspace_manager().get_persistent(
+                ("mla_rope_kv_q_out", width, dtype), (bound, *width), dtype
+            )
+            return buffer[:num_tokens]
+        key = (width, dtype, device)
+        buffer = _Q_OUT_BUFFERS.get(key)
+        if buffer is None or buffer.shape[0] < num_tokens:
+            _not_capturing("the MLA decode q_out buffer")
+            rows = max(num_tokens, bound or 0)
+            buffer = _Q_OUT_BUFFERS[key] = torch.empty(
+                (rows, *width), dtype=dtype, device=device
+            )
+        return buffer[:num_tokens]
+
+    def reserve_workspace(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Called in the profiling run: claim the q_out buffer at its bound."""
+        if self.max_decode_tokens is not None:
+            self.q_out(0, self.fp8_dtype if self._quant_q else dtype, device)
+
+    def _warmup_geometry(self, layer, vllm_config) -> "MLAGeometry":
+        """The layer's launches for the JIT warmup.  The strides are those of
+        the wrapper's tensors (q from the q projection, kv_c | k_pe rows of
+        the latent projection, the bmm's ql_nope), given by the layer's dims:
+        they select a variant only by their divisibility by 16."""
+        from vllm.v1.attention.ops.triton_mla_rope_cache_warmup import MLAGeometry
+
+        h, p, L, R = self.num_heads, self.nope_dim, self.kv_lora_rank, self.rope_dim
+        fp8 = is_quantized_kv_cache(self.kv_cache_dtype)
+        model_dtype = vllm_config.model_config.dtype
+        block_size = vllm_config.cache_config.block_size
+        return MLAGeometry(
+            num_heads=h, lora_rank=L, rope_dim=R, model_dtype=model_dtype,
+            cache_dtype=torch.uint8 if fp8 else model_dtype,
+            kv_cache_dtype=self.kv_cache_dtype, block_size=block_size,
+            cache_strides=(block_size * (L + R), L + R), q_strides=(h * (p + R), p + R),
+            kv_stride=L + R, ql_nope_strides=(h * L, L),
+            cos_sin_stride=self.rotary_emb.cos_sin_cache.stride(0),
+            cos_sin_dtype=self.rotary_emb.cos_sin_cache.dtype, is_neox=self.is_neox,
+            max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            q_fp8=self._quant_q,
+        )  # fmt: skip
 
     def begin(
         self,
@@ -362,10 +477,11 @@ class _RopeKVStep:
         """The first ``len(ql_nope)`` rows: the MQA query [ql_nope | rope(q_pe)]
         (fp8, / q_scale, when q_scale is given) and their cache rows."""
         f = self.fusion
-        num_tokens, num_heads, _ = ql_nope.shape
-        q_out = ql_nope.new_empty(
-            (num_tokens, num_heads, f.kv_lora_rank + f.rope_dim),
-            dtype=ql_nope.dtype if q_scale is None else f.fp8_dtype,
+        num_tokens = ql_nope.shape[0]
+        q_out = f.q_out(
+            num_tokens,
+            ql_nope.dtype if q_scale is None else f.fp8_dtype,
+            ql_nope.device,
         )
         slots, positions, rows = self.shared.rows(0, num_tokens)
         args = (

@@ -230,7 +230,14 @@ def _locate_item(
     return busy, req, out_start, pos_start, pos_end, first_page, end_page
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_reqs", "stride_bt_req"],
+    do_not_specialize_on_alignment=[
+        "block_table_ptr",
+        "cu_seqlens_ptr",
+        "seq_starts_ptr",
+    ],
+)
 def _fetch_kv_plan_kernel(
     plan_ptr,  # [num_items, PLAN_WIDTH] int32
     block_table_ptr,  # [num_reqs, max_blocks]
@@ -286,7 +293,17 @@ def _fetch_kv_plan_kernel(
     tl.store(plan_ptr + item.to(tl.int64) * PLAN_WIDTH + cols, row.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_reqs", "num_kv_heads", "stride_bt_req"],
+    do_not_specialize_on_alignment=[
+        "block_table_ptr",
+        "cu_seqlens_ptr",
+        "seq_starts_ptr",
+        "plan_ptr",
+        "k_scale_ptr",
+        "v_scale_ptr",
+    ],
+)
 def _fetch_kv_kernel(
     key_cache_ptr,  # [num_blocks, PAGE, H, D] (NHD) / shuffled blocks
     value_cache_ptr,
@@ -550,7 +567,12 @@ def _plan_width(pages_per_program: int) -> int:
 
 
 def _req_step(num_reqs: int) -> int:
-    return max(16, min(triton.next_power_of_2(num_reqs + 1), _MAX_REQ_STEP))
+    """REQ_STEP for a batch of ``num_reqs``: a power of four from 16 (16, 64,
+    256, 1024), so a serving run meets at most four variants (all warmed up)."""
+    step = 16
+    while step <= num_reqs and step < _MAX_REQ_STEP:
+        step *= 4
+    return min(step, _MAX_REQ_STEP)
 
 
 def _check_scale(name: str, scale, device: torch.device) -> None:

@@ -392,7 +392,15 @@ def _cache_rows(
     )
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_slots", "num_heads"],
+    do_not_specialize_on_alignment=[
+        "slot_mapping_ptr",
+        "positions_ptr",
+        "k_scale_ptr",
+        "q_scale_ptr",
+    ],
+)
 def _mla_rope_cache_kernel(
     ql_nope_ptr,  # [T, H, L]        (decode form only)
     q_pe_ptr,  # [T, H, R]

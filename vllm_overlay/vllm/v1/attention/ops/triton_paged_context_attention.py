@@ -87,6 +87,7 @@ tensors, whose geometry the calls then take from it.
 """
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +105,7 @@ __all__ = [
     "PagedContextWorkspace",
     "paged_context_attention",
     "paged_context_workspace",
+    "paged_context_workspace_size",
     "use_paged_context",
 ]
 
@@ -370,7 +372,23 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "num_reqs",
+        "num_splits",
+        "stride_bt",
+        "stride_os",
+        "stride_ls",
+        "stride_lh",
+    ],
+    do_not_specialize_on_alignment=[
+        "block_table_ptr",
+        "cu_seqlens_q_ptr",
+        "seq_lens_ptr",
+        "k_scale_ptr",
+        "v_scale_ptr",
+    ],
+)
 def _paged_context_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, bs, Hkv, D] (strided view)
@@ -545,7 +563,17 @@ def _paged_context_attention_kernel(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "num_reqs",
+        "num_splits",
+        "stride_ps",
+        "stride_pls",
+        "stride_plh",
+        "stride_lh",
+    ],
+    do_not_specialize_on_alignment=["cu_seqlens_q_ptr"],
+)
 def _combine_splits_kernel(
     part_out_ptr,  # [S, T, Hq, D] fp32
     part_lse_ptr,  # [S, Hq, T] fp32
@@ -911,12 +939,18 @@ def paged_context_workspace(
     block_table: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> PagedContextWorkspace:
     """Buffers for one step's calls of ``T = num_tokens`` queries of ``num_reqs``
     requests (``Hq = num_heads``, ``Hkv = num_kv_heads``, ``D = head_size``,
     query dtype ``dtype``): the split count the calls would choose
     (``max_context_len`` / ``num_splits`` as for ``paged_context_attention``),
-    the LSE and the split partials.  Call once per step (it allocates).
+    the LSE and the split partials.  Call once per step.
+
+    ``buffers``: three 1-D float32 tensors of at least
+    ``paged_context_workspace_size(...)`` elements each (persistent, reserved
+    where memory profiling sees them); the workspace is then views of them and
+    nothing is allocated.  Without them the buffers are allocated here.
 
     ``block_table``, ``cu_seqlens_q``, ``seq_lens``: optionally the step's
     metadata tensors, bound to the workspace: every layer's call that passes
@@ -941,20 +975,62 @@ def paged_context_workspace(
     splits = _split_count(
         num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
     )
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
-    part_out = part_lse = None
+    shapes = [(num_heads, num_tokens)]
     if splits > 1:
-        part_out = torch.empty(
+        shapes += [
             (splits, num_tokens, num_heads, head_size),
-            dtype=torch.float32,
-            device=device,
-        )
-        part_lse = torch.empty(
-            (splits, num_heads, num_tokens), dtype=torch.float32, device=device
-        )
+            (splits, num_heads, num_tokens),
+        ]
+    if buffers is None:
+        parts = [torch.empty(x, dtype=torch.float32, device=device) for x in shapes]
+    else:
+        parts = []
+        for name, buf, shape in zip(
+            ("lse", "partial_out", "partial_lse"), buffers, shapes
+        ):
+            n = math.prod(shape)
+            _check(
+                buf.dim() == 1 and buf.dtype == torch.float32 and buf.numel() >= n
+                and buf.device == device,
+                lambda name=name, buf=buf, n=n: (
+                    f"buffers: {name} must be a 1-D float32 tensor of >= {n} elements "
+                    f"on {device}, got {tuple(buf.shape)} {buf.dtype} on {buf.device}"
+                ),
+            )  # fmt: skip
+            parts.append(buf[:n].view(shape))
+    lse, part_out, part_lse = (*parts, None, None)[:3]
     return PagedContextWorkspace(
         lse, part_out, part_lse, splits, block_table, cu_seqlens_q, seq_lens
     )
+
+
+def paged_context_workspace_size(
+    max_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[int, int, int]:
+    """Float32 elements of the (lse, partial_out, partial_lse) buffers that hold
+    ``paged_context_workspace`` of every step of at most ``max_tokens`` new
+    tokens (any request count, context length; default split counts).
+
+    The bound: ``Hq * T_max`` for the LSE; for the partials the largest
+    ``S * T`` over ``T <= T_max`` at one request (the split count ``S`` only
+    falls as the request count grows), times ``Hq * D`` and ``Hq``.  ``S <= 16``,
+    so at most ``16 * T_max * Hq * D`` and ``16 * T_max * Hq``; with the device
+    filled by fewer splits it is ``S * T <= T + 2 * SMs * BLOCK_Q / Hkv``.
+    """
+    device = torch.device(device)
+    target = None if device.type != "cuda" else _gpu_target()
+    tile = _tile_config(target, head_size, num_heads // num_kv_heads, dtype)
+    rows = 0  # the largest S * T with S > 1
+    for t in range(1, max_tokens + 1):
+        splits = _split_count(t, 1, num_kv_heads, tile, device, None, None)
+        if splits > 1:
+            rows = max(rows, splits * t)
+    return num_heads * max_tokens, rows * num_heads * head_size, rows * num_heads
 
 
 def _split_count(

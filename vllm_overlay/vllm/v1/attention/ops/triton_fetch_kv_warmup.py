@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Every compile variant the AITER FA backend's fetch-kv kernels can launch.
+
+A serving step launches ``fetch_kv`` / ``fetch_kv_plan`` (context gathers) and
+``paged_context_attention`` (short extends) with per-step integers (request
+and token counts, split counts, the LSE strides of the step's token count):
+the kernels take them with ``do_not_specialize``, and request metadata
+(slices at a per-step offset) with ``do_not_specialize_on_alignment``, so
+they select no variant.  What remains is fixed by the engine's geometry
+(``FetchKVGeometry``) except three choices that follow the batch:
+``REQ_STEP`` (four values, ``_req_step``), whether a plan is read, and for
+the paged route whether the context is split (a second kernel).
+
+``warmup_cases(geometry)`` lists them; ``compile_case(geometry, case)``
+compiles one without launching it: the wrapper's own checks build the launch
+on tiny tensors of the engine's strides, and the kernel is compiled
+(``JITFunction.warmup``) with pointer stand-ins that carry each tensor's dtype
+and, for the KV cache, its storage size (the AMD backend specialises pointers
+into storage of at most 2 GiB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.v1.attention.ops import triton_fetch_kv as fk
+from vllm.v1.attention.ops import triton_paged_context_attention as pc
+
+__all__ = ["FetchKVGeometry", "compile_case", "warmup_cases"]
+
+_BIG = 1 << 40  # "more than 2 GiB": a KV cache pool
+
+
+@dataclass(frozen=True)
+class FetchKVGeometry:
+    """What one attention group's launches are fixed by.
+
+    ``cache_strides``: strides of the ``[blocks, block_size, Hkv, D]`` K view
+    the backend passes (V has the same); ``cache_bytes``: the byte size of the
+    storage behind it (the KV cache pool), None when not known yet (both
+    pointer variants of the AMD backend are then compiled).  ``out_dtype``:
+    the extend workspace's dtype.  ``paged_context``: whether short extends
+    take the paged route.  (The block table's row stride is a runtime integer
+    of every kernel: it selects nothing.)
+    """
+
+    block_size: int
+    num_kv_heads: int
+    num_heads: int
+    head_size: int
+    model_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    out_dtype: torch.dtype
+    cache_strides: tuple[int, int, int, int]
+    max_num_reqs: int
+    kv_cache_layout: str = "NHD"
+    paged_context: bool = False
+    cache_bytes: int | None = None
+    index_dtype: torch.dtype = torch.int32
+
+
+def warmup_cases(g: FetchKVGeometry) -> list[tuple]:
+    """``("fetch_kv", plan, num_reqs)`` and ``("fetch_kv_plan", num_reqs)`` for
+    one request count of each ``REQ_STEP`` up to ``g.max_num_reqs``, and
+    ``("paged", split)`` when short extends take the paged route."""
+    cases: list[tuple] = []
+    steps: set[int] = set()
+    num_reqs = 1
+    while num_reqs <= max(1, g.max_num_reqs):
+        step = fk._req_step(num_reqs)
+        if step not in steps:
+            steps.add(step)
+            cases += [
+                ("fetch_kv", False, num_reqs),
+                ("fetch_kv", True, num_reqs),
+                ("fetch_kv_plan", num_reqs),
+            ]
+        num_reqs = step  # the first count of the next step
+    if g.paged_context:
+        cases += [("paged", False), ("paged", True)]
+    return cases
+
+
+class _Ptr:
+    """A pointer argument for a compile-only launch: dtype, 16-byte aligned,
+    and the byte size of its storage (``ptr_range``, read by the AMD backend)."""
+
+    def __init__(self, t: torch.Tensor, nbytes: int | None = None):
+        self.dtype = t.dtype
+        self._bytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def ptr_range(self) -> int:
+        return self._bytes
+
+
+def _compile(launch, tensors, caches=(), cache_bytes=None) -> None:
+    """Compile ``launch`` for ``tensors`` without launching it; the tensors at
+    indices ``caches`` stand in for the KV cache, whose storage is
+    ``cache_bytes`` (None: unknown, compile for a large and a small one)."""
+    for nbytes in (_BIG, 1) if cache_bytes is None else (cache_bytes,):
+        ptrs = [_Ptr(t, nbytes if i in caches else None) for i, t in enumerate(tensors)]
+        launch.kernel.warmup(
+            *ptrs, *launch.scalars, **launch.constexprs, **launch.options,
+            grid=launch.grid,
+        )  # fmt: skip
+
+
+def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
+    """Compile one case of ``warmup_cases(g)`` for ``device``.
+
+    ``fetch_kv_plan`` has no cache pointer: it runs once on tiny tensors
+    (compiling exactly its runtime variant); the cache readers are compiled
+    without a launch."""
+    kind = case[0]
+    num_reqs = case[-1] if kind != "paged" else 1
+    num_tokens = 16
+    shape = (1, g.block_size, g.num_kv_heads, g.head_size)
+    key_cache, value_cache = (
+        torch.empty_strided(shape, g.cache_strides, dtype=g.cache_dtype, device=device)
+        for _ in range(2)
+    )
+    idx = dict(dtype=g.index_dtype, device=device)
+    block_table = torch.zeros((num_reqs, 4), **idx)
+    cu = torch.zeros(num_reqs + 1, **idx)
+    starts = torch.zeros(num_reqs, **idx)
+    scale = torch.ones(1, dtype=torch.float32, device=device)
+    if kind != "paged":
+        plan = fk.fetch_kv_plan(
+            block_table, cu, starts, num_tokens=num_tokens, block_size=g.block_size,
+            head_size=g.head_size, cache_dtype=g.cache_dtype, out_dtype=g.out_dtype,
+            kv_cache_layout=g.kv_cache_layout,
+        )  # fmt: skip
+        if kind == "fetch_kv_plan":
+            return
+        out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
+        plan = plan if case[1] else None
+        launch, dequant = fk._bind_fetch_kv(
+            key_cache, value_cache, out, out, block_table, cu, starts, scale, scale,
+            g.kv_cache_layout, num_tokens, plan,
+        )  # fmt: skip
+        # The tensors fetch_kv hands the launch (its stand-ins included).
+        unread = cu if plan is None else plan.table
+        meta = (block_table, cu, starts) if plan is None else (unread,) * 3
+        scales = (scale, scale) if dequant else (unread, unread)
+        tensors = (key_cache, value_cache, out, out, *meta, unread, *scales)
+        _compile(launch, tensors, (0, 1), g.cache_bytes)
+        return
+    # The backend's call: the new tokens' K/V given, the output given, the
+    # step's workspace (split or not).
+    query = torch.empty((num_tokens, g.num_heads, g.head_size), dtype=g.model_dtype,
+                        device=device)  # fmt: skip
+    new = torch.empty((num_tokens, *shape[2:]), dtype=g.model_dtype, device=device)
+    seq_lens = torch.zeros(num_reqs, **idx)
+    ws = pc.paged_context_workspace(
+        num_tokens, num_reqs, g.num_heads, g.num_kv_heads, g.head_size, g.model_dtype,
+        device, num_splits=2 if case[1] else 1,
+    )  # fmt: skip
+    bound = pc._bind(
+        query, key_cache, value_cache, block_table, cu, seq_lens, 1.0, new, new, None,
+        scale, scale, query, ws.lse, None, None, ws,
+    )  # fmt: skip
+    # The tensors paged_context_attention hands the launches.
+    scales = (scale, scale) if bound.fp8 else (seq_lens, seq_lens)
+    head = (query, key_cache, value_cache, new, new, block_table, cu, seq_lens, *scales)
+    if bound.combine is None:
+        _compile(bound.attend, (*head, query, ws.lse), (1, 2), g.cache_bytes)
+        return
+    parts = (ws.partial_out, ws.partial_lse)
+    _compile(bound.attend, (*head, *parts), (1, 2), g.cache_bytes)
+    _compile(bound.combine, (*parts, query, ws.lse, cu))

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Every compile variant the MLA RoPE + KV-cache kernel can launch in serving.
+
+The kernel takes its per-step integers (token and slot counts) with
+``do_not_specialize`` and the step's slot mapping / positions (slices at the
+decode count) with ``do_not_specialize_on_alignment``; the rest is fixed by
+the layer's geometry (``MLAGeometry``) except the form (decode / prefill) and
+the prefill ``BLOCK_T``, a power of two that follows the step's token count
+(``_tile_config``: a few values up to its cap).  ``warmup_cases`` lists them;
+``compile_case`` compiles one without launching it (as
+``triton_fetch_kv_warmup`` does: the wrapper's checks build the launch on tiny
+tensors of the layer's strides; the KV cache pointer carries its storage size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.v1.attention.ops import triton_mla_rope_cache as mla
+
+_BIG = 1 << 40  # "more than 2 GiB": a KV cache pool
+
+
+class _Ptr:
+    """A pointer argument for a compile-only launch: dtype, 16-byte aligned,
+    and the byte size of its storage (``ptr_range``, read by the AMD backend)."""
+
+    def __init__(self, t: torch.Tensor, nbytes: int | None = None):
+        self.dtype = t.dtype
+        self._bytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def ptr_range(self) -> int:
+        return self._bytes
+
+
+def _compile(launch, tensors, caches=(), cache_bytes=None) -> None:
+    """Compile ``launch`` for ``tensors`` without launching it; the tensors at
+    indices ``caches`` stand in for the KV cache, whose storage is
+    ``cache_bytes`` (None: unknown, compile for a large and a small one)."""
+    for nbytes in (_BIG, 1) if cache_bytes is None else (cache_bytes,):
+        ptrs = [_Ptr(t, nbytes if i in caches else None) for i, t in enumerate(tensors)]
+        launch.kernel.warmup(
+            *ptrs, *launch.scalars, **launch.constexprs, **launch.options,
+            grid=launch.grid,
+        )  # fmt: skip
+
+
+__all__ = ["MLAGeometry", "compile_case", "warmup_cases"]
+
+
+@dataclass(frozen=True)
+class MLAGeometry:
+    """What one MLA layer's launches are fixed by: head count, latent and
+    rope widths, dtypes, the strides of the tensors the layer passes (q_pe's
+    token / head strides, the kv_c | k_pe rows' token stride, ql_nope's, the
+    cache's block / slot strides, the cos/sin cache's), whether decode
+    quantises q to fp8 (``q_fp8``), the step's token bound and the KV cache
+    pool's byte size (None: not known yet; both pointer variants of the AMD
+    backend are compiled)."""
+
+    num_heads: int
+    lora_rank: int
+    rope_dim: int
+    model_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    kv_cache_dtype: str
+    block_size: int
+    cache_strides: tuple[int, int]
+    q_strides: tuple[int, int]
+    kv_stride: int
+    ql_nope_strides: tuple[int, int]
+    cos_sin_stride: int
+    cos_sin_dtype: torch.dtype
+    is_neox: bool
+    max_num_tokens: int
+    q_fp8: bool = False
+    cache_bytes: int | None = None
+
+
+def _block_t(g: MLAGeometry, num_tokens: int) -> int:
+    return mla._tile_config(num_tokens, g.num_heads, g.lora_rank, g.rope_dim, False)[2]
+
+
+def warmup_cases(g: MLAGeometry) -> list[tuple]:
+    """``("decode",)`` and ``("prefill", num_tokens)`` for one token count of
+    each prefill ``BLOCK_T`` up to ``g.max_num_tokens``."""
+    cases: list[tuple] = [("decode",)]
+    seen = set()
+    t = 1
+    while t <= g.max_num_tokens:
+        block_t = _block_t(g, t)
+        if block_t not in seen:
+            seen.add(block_t)
+            cases.append(("prefill", t))
+        t *= 2
+    return cases
+
+
+def compile_case(g: MLAGeometry, case: tuple, device) -> None:
+    """Compile one case of ``warmup_cases(g)`` for ``device`` (no launch)."""
+    t = case[1] if case[0] == "prefill" else 1
+    h, L, R = g.num_heads, g.lora_rank, g.rope_dim
+
+    def strided(shape, strides, dtype):
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+    q_pe = strided((t, h, R), (*g.q_strides, 1), g.model_dtype)
+    kv_c = strided((t, L), (g.kv_stride, 1), g.model_dtype)
+    k_pe = strided((t, R), (g.kv_stride, 1), g.model_dtype)
+    cache = strided((1, g.block_size, L + R), (*g.cache_strides, 1), g.cache_dtype)
+    index = dict(dtype=torch.int64, device=device)
+    slots, positions = torch.zeros(t, **index), torch.zeros(t, **index)
+    cos_sin = strided((1, R), (g.cos_sin_stride, 1), g.cos_sin_dtype)
+    # MLA layers always pass their k_scale (read only for an fp8 cache).
+    k_scale = scale = torch.ones(1, dtype=torch.float32, device=device)
+    common = (kv_c, k_pe, cache, slots, positions, cos_sin, g.is_neox,
+              g.kv_cache_dtype, k_scale)  # fmt: skip
+    if case[0] == "decode":
+        ql_nope = strided((t, h, L), (*g.ql_nope_strides, 1), g.model_dtype)
+        q_scale = scale if g.q_fp8 else None
+        launch, cache_dtype, q_out_dtype = mla._bind_decode(
+            ql_nope, q_pe, *common, None, q_scale
+        )
+        q_out = torch.empty(mla.decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype,
+                            device=device)  # fmt: skip
+        tensors = (ql_nope, q_pe, q_out, kv_c, k_pe, cache.view(cache_dtype), slots,
+                   positions, cos_sin, k_scale,
+                   positions if q_scale is None else q_scale)  # fmt: skip
+    else:
+        launch, cache_dtype = mla._bind_prefill(q_pe, *common)
+        tensors = (q_pe, q_pe, q_pe, kv_c, k_pe, cache.view(cache_dtype), slots,
+                   positions, cos_sin, k_scale,
+                   positions)  # fmt: skip
+    _compile(launch, tensors, (5,), g.cache_bytes)

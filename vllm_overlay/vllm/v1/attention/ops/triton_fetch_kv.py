@@ -819,7 +819,8 @@ def fetch_kv_plan(
             first rows.
 
     """
-    bound = key = None
+    bound = None
+    key: tuple | None = None
     if fast_path():
         try:
             key = (
@@ -986,7 +987,8 @@ def fetch_kv(
     graph.
 
     """
-    bound = key = None
+    bound = None
+    key: tuple | None = None
     if fast_path():
         try:
             key = (

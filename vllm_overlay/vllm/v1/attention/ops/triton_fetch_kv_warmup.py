@@ -139,14 +139,14 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
         if kind == "fetch_kv_plan":
             return
         out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
-        plan = plan if case[1] else None
+        used = plan if case[1] else None
         launch, dequant = fk._bind_fetch_kv(
             key_cache, value_cache, out, out, block_table, cu, starts, scale, scale,
-            g.kv_cache_layout, num_tokens, plan,
+            g.kv_cache_layout, num_tokens, used,
         )  # fmt: skip
         # The tensors fetch_kv hands the launch (its stand-ins included).
-        unread = cu if plan is None else plan.table
-        meta = (block_table, cu, starts) if plan is None else (unread,) * 3
+        unread = cu if used is None else used.table
+        meta = (block_table, cu, starts) if used is None else (unread,) * 3
         scales = (scale, scale) if dequant else (unread, unread)
         tensors = (key_cache, value_cache, out, out, *meta, unread, *scales)
         _compile(launch, tensors, (0, 1), g.cache_bytes)

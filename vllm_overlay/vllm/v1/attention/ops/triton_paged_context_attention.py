@@ -781,7 +781,8 @@ def paged_context_attention(
         the host scalars; module ``triton_launcher``).
 
     """
-    bound = launch_key = None
+    bound = None
+    launch_key: tuple | None = None
     if fast_path():
         try:
             ws_key = lse_key = meta_key = None
@@ -814,20 +815,14 @@ def paged_context_attention(
                 value_cache.dtype, value_cache.device, meta_key, scale, type(scale),
                 sliding_window, type(sliding_window), max_context_len,
                 type(max_context_len), num_splits, type(num_splits),
-                None if key is None
-                else (key.shape, key.stride(), key.dtype, key.device),
-                None if value is None
-                else (value.shape, value.stride(), value.dtype, value.device),
-                None if out is None
-                else (out.shape, out.stride(), out.dtype, out.device),
+                None if key is None else tensor_geometry(key),
+                None if value is None else tensor_geometry(value),
+                None if out is None else tensor_geometry(out),
                 lse is None, lse_key, ws_key,
             )  # fmt: skip
             if key_cache.dtype in _FP8_DTYPES:  # only fp8 caches read the scales
                 # (Python float scales become tensors per call: not cached.)
-                launch_key += (
-                    (k_scale.shape, k_scale.dtype, k_scale.device),
-                    (v_scale.shape, v_scale.dtype, v_scale.device),
-                )  # fmt: skip
+                launch_key += (tensor_geometry(k_scale), tensor_geometry(v_scale))
             bound = _LAUNCHES.get(launch_key)
         except (AttributeError, TypeError):  # not tensors, unhashable: checked below
             launch_key = None
@@ -975,7 +970,7 @@ def paged_context_workspace(
     splits = _split_count(
         num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
     )
-    shapes = [(num_heads, num_tokens)]
+    shapes: list[tuple[int, ...]] = [(num_heads, num_tokens)]
     if splits > 1:
         shapes += [
             (splits, num_tokens, num_heads, head_size),

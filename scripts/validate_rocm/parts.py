@@ -108,8 +108,8 @@ def _tree_env(ctx: Context, *extra) -> dict:
 
 
 def _gpu_env(ctx: Context) -> dict:  # make test-gpu / make bench
-    return {"PYTHONPATH": _path(ctx.root / "vllm_overlay", ctx.root,
-                                ctx.base_env.get("PYTHONPATH"))}
+    return {"PYTHONPATH": _path(ctx.root / "vllm_overlay", ctx.root / "tests" / "without_vllm",
+                                ctx.root, ctx.base_env.get("PYTHONPATH"))}
 
 
 def _collect_pytest(name: str):
@@ -152,8 +152,9 @@ def _facts_command(ctx: Context) -> list[str]:
 
 def _facts_env(ctx: Context) -> dict:
     # As compile_tier.run: a scratch Triton cache and every kernel compiled (ptxas -v runs).
-    return {"PYTHONPATH": _path(ctx.root / "vllm_overlay", ctx.root / "scripts",
-                                ctx.base_env.get("PYTHONPATH")), "TRITON_INTERPRET": None,
+    return {"PYTHONPATH": _path(ctx.root / "vllm_overlay", ctx.root / "tests" / "without_vllm",
+                                ctx.root / "scripts", ctx.base_env.get("PYTHONPATH")),
+            "TRITON_INTERPRET": None,
             "TRITON_CACHE_DIR": str(ctx.out / "triton-cache"), "TRITON_ALWAYS_COMPILE": "1"}
 
 

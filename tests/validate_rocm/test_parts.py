@@ -54,14 +54,16 @@ def test_conformance_runs_every_test_file_that_goes_through_the_fakes(ctx):
 def test_kernels_and_bench_run_as_make_test_gpu_and_make_bench(ctx):
     assert PARTS["kernels"].command(ctx) == [*PYTEST, "tests/kernels",
                                              f"--junitxml={ctx.out / 'kernels.xml'}"]
-    gpu_path = os.pathsep.join([str(ROOT / "vllm_overlay"), str(ROOT), "/site"])
+    gpu_path = os.pathsep.join([str(ROOT / "vllm_overlay"), str(ROOT / "tests/without_vllm"),
+                                str(ROOT), "/site"])
     assert PARTS["kernels"].env(ctx)["PYTHONPATH"] == gpu_path
     assert PARTS["bench"].command(ctx) == ["/usr/bin/python3", str(ROOT / "scripts/run_bench.py"),
                                            "--out", str(ctx.out / "bench")]
     assert PARTS["bench"].env(ctx)["PYTHONPATH"] == gpu_path
     makefile = (ROOT / "Makefile").read_text()
-    assert "PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels" in makefile
-    assert "PYTHONPATH=vllm_overlay:. $(GPU_PYTHON) scripts/run_bench.py" in makefile
+    assert ("PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) -m pytest -q -p "
+            "no:cacheprovider tests/kernels") in makefile
+    assert "PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) scripts/run_bench.py" in makefile
 
 
 def test_facts_compile_the_devices_own_target_without_the_interpreter(ctx):
@@ -72,7 +74,8 @@ def test_facts_compile_the_devices_own_target_without_the_interpreter(ctx):
     assert env["TRITON_INTERPRET"] is None  # removed
     assert env["TRITON_ALWAYS_COMPILE"] == "1"
     assert env["TRITON_CACHE_DIR"] == str(ctx.out / "triton-cache")
-    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(ROOT / "vllm_overlay"),
+    assert env["PYTHONPATH"].split(os.pathsep)[:3] == [str(ROOT / "vllm_overlay"),
+                                                        str(ROOT / "tests/without_vllm"),
                                                         str(ROOT / "scripts")]
     assert [facts_target(a) for a in ("gfx942", "gfx950", "sm_90", "gfx90a", None)] == [
         "gfx942", "gfx950", "sm_90", None, None]
@@ -172,7 +175,8 @@ def test_device_facts_compiles_a_case_as_the_compile_tier_does(tmp_path):
         json.dump(rec, sys.stdout)
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "vllm_overlay"), str(ROOT / "scripts")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "vllm_overlay"), str(ROOT / "tests/without_vllm"),
+                                         str(ROOT / "scripts")])
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)

@@ -46,7 +46,13 @@ from seriestool import results  # noqa: E402  (stdlib only)
 
 # What the baselines read from the pinned tree (benchmarks/upstream_kernels.py,
 # bench_mla_rope_cache.build_cuda_fused).
-PINNED_FILES = ("vllm/v1/attention/backends/rocm_aiter_fa.py",)
+PINNED_FILES = (
+    "vllm/v1/attention/backends/rocm_aiter_fa.py",
+    # The eager-step baseline's merge when its CUDA build fails.
+    "vllm/v1/attention/ops/triton_merge_attn_states.py",
+)
+# csrc files the baselines compile, each with its include closure.
+PINNED_CSRC = ("attention/merge_attn_states.cu",)
 
 
 def _device() -> str:
@@ -61,7 +67,8 @@ def _device() -> str:
 
 
 def stage_pinned(tree: Path, dest: Path) -> list[str]:
-    """Copy PINNED_FILES and the CUDA MLA kernel's csrc closure from ``tree`` to ``dest``."""
+    """Copy PINNED_FILES, the CUDA MLA kernel's and PINNED_CSRC's csrc closures
+    from ``tree`` to ``dest``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_mla_rope_cache import csrc_closure, stage_csrc
 
@@ -71,7 +78,11 @@ def stage_pinned(tree: Path, dest: Path) -> list[str]:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(tree / rel, dest / rel)
     stage_csrc(tree / "csrc", dest / "csrc")
-    return [*PINNED_FILES, *(f"csrc/{rel}" for rel in csrc_closure(dest / "csrc"))]
+    staged = [*PINNED_FILES, *(f"csrc/{rel}" for rel in csrc_closure(dest / "csrc"))]
+    for start in PINNED_CSRC:
+        stage_csrc(tree / "csrc", dest / "csrc", start)
+        staged += [f"csrc/{rel}" for rel in csrc_closure(dest / "csrc", start)]
+    return staged
 
 
 def state_env(env: dict) -> tuple[dict, dict]:

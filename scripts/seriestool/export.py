@@ -346,7 +346,7 @@ def export_plan(layout: buildtree.Layout, topic: str, files: list[str]) -> Expor
 # --- results and the PR description ------------------------------------------------------
 
 # The PR body keeps at most this many lines outside <details> folds.
-MAX_BODY_LINES = 60
+MAX_BODY_LINES = 64
 MAX_CLAIMS = 6
 _REF_RE = re.compile(r"vllm#(\d+)(?:\s*\(([^)]*)\))?")
 _STATUS_RE = re.compile(r"\b(merged|open|closed|not merged|draft)\b", re.I)

@@ -38,27 +38,32 @@ def tree_reader(tree: Path) -> Callable[[str], str | None]:
 
 def lint_target_stack(pins: dict[str, str], read: Callable[[str], str | None]) -> list[str]:
     """Findings (one line each); ``read(path)`` returns a file of the pinned tree
-    (None when it has none: a tree with neither file names no stack)."""
-    requirements, dockerfile = read(CUDA_REQUIREMENTS), read(ROCM_DOCKERFILE)
-    if requirements is None and dockerfile is None:
+    (None when it has none).  Only what the tree names is compared: a tree
+    without a CUDA torch pin or ROCm stack ARGs names no target for them."""
+    named = {}
+    cuda = _CUDA_TORCH.findall(read(CUDA_REQUIREMENTS) or "")
+    if cuda:
+        named["TARGET_TORCH_CUDA"] = (", ".join(cuda), f"{CUDA_REQUIREMENTS} pins torch")
+    rocm = dict(_ROCM_ARG.findall(read(ROCM_DOCKERFILE) or ""))
+    for key, arg in (("TARGET_TORCH_ROCM", "TORCH_VERSION"), ("TARGET_TRITON_ROCM", "TRITON_VERSION")):
+        if arg in rocm:
+            named[key] = (rocm[arg], f"{ROCM_DOCKERFILE} has ARG {arg}=")
+    if not named:
         return []
-    findings = []
-    keys = ("TARGET_TORCH_CUDA", "TARGET_TORCH_CUDA_TRITON", "TARGET_TORCH_ROCM",
-            "TARGET_TRITON_ROCM", "TRITON_VERSION")
-    missing = [k for k in keys if not pins.get(k)]
+    needed = [*named, "TRITON_VERSION"]
+    if "TARGET_TORCH_CUDA" in named:
+        needed.append("TARGET_TORCH_CUDA_TRITON")
+    missing = [k for k in needed if not pins.get(k)]
     if missing:
         return [f"pins.env: missing {', '.join(missing)} (the target stack; see its comments)"]
-    cuda = _CUDA_TORCH.findall(requirements or "")
-    if cuda != [pins["TARGET_TORCH_CUDA"]]:
-        findings.append(f"pins.env: TARGET_TORCH_CUDA={pins['TARGET_TORCH_CUDA']} but "
-                        f"{CUDA_REQUIREMENTS} pins torch {', '.join(cuda) or '(none)'}")
-    rocm = dict(_ROCM_ARG.findall(dockerfile or ""))
-    for key, arg in (("TARGET_TORCH_ROCM", "TORCH_VERSION"), ("TARGET_TRITON_ROCM", "TRITON_VERSION")):
-        if rocm.get(arg) != pins[key]:
-            findings.append(f"pins.env: {key}={pins[key]} but {ROCM_DOCKERFILE} has "
-                            f"ARG {arg}={rocm.get(arg, '(none)')}")
+    findings = []
+    for key, (value, where) in named.items():
+        if pins[key] != value:
+            sep = "" if where.endswith("=") else " "
+            findings.append(f"pins.env: {key}={pins[key]} but {where}{sep}{value}")
     tested = minor(pins["TRITON_VERSION"])
-    for key in ("TARGET_TORCH_CUDA_TRITON", "TARGET_TRITON_ROCM"):
+    tritons = [k for k in ("TARGET_TORCH_CUDA_TRITON", "TARGET_TRITON_ROCM") if k in needed]
+    for key in tritons:
         if minor(pins[key]) != tested:
             findings.append(f"pins.env: TRITON_VERSION={pins['TRITON_VERSION']} (the CPU and compile "
                             f"tiers) is not the target's Triton {minor(pins[key])} ({key})")

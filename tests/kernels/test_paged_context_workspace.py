@@ -27,7 +27,7 @@ TARGETS = {
 def test_every_step_fits_the_bound(monkeypatch, target, num_heads, num_kv_heads, head_size):
     gpu_target, sms = TARGETS[target]
     monkeypatch.setattr(pc, "_gpu_target", lambda: gpu_target)
-    monkeypatch.setattr(pc, "_num_sms", lambda index: sms)
+    monkeypatch.setattr(pc, "num_compute_units", lambda index: sms)
     cuda = torch.device("cuda", 0)
     max_tokens = 512
     lse, part_out, part_lse = pc.paged_context_workspace_size(

@@ -2,7 +2,7 @@
 
 ``identical()``: the fakes themselves (the conformance harness must find no
 disagreement); ``disagreeing()``: the same, except that its MLA op accepts
-int32 positions (the fake refuses them) and its ``flash_attn_varlen_func``
+a float64 cache (the fake refuses it, as AITER's dtype check does) and its ``flash_attn_varlen_func``
 returns outputs off by 1 % -- two fakes the harness must report by name.
 Factories for ``AITER_CONFORMANCE_REFERENCE=standins:<name>``.
 """
@@ -22,11 +22,12 @@ ARCH = "gfx942"
 
 
 class LaxMlaOp(FakeMlaRopeOp):
-    """Reads int32 positions as if they were int64: disagrees with the fake."""
+    """Takes a float64 cache for an 'auto' one: disagrees with the fake."""
 
-    def _launch(self, **args):
-        args["positions"] = args["positions"].long()
-        return super()._launch(**args)
+    def _dtype_kind(self, dtype, what):
+        if dtype is torch.float64:
+            return "auto"
+        return super()._dtype_kind(dtype, what)
 
 
 class OffByOnePercentFA(FakeAiterFA):

@@ -66,8 +66,8 @@ def test_identical_stand_in_agrees_on_accepts_refusals_and_outputs(harness_with)
     try:
         args = _mla()
         assert args["kv_cache"].abs().sum() > 0  # the fake ran for the test as always
-        with pytest.raises(AiterCheckError, match="int64"):
-            _mla(positions=torch.tensor([3, 7, 30], dtype=torch.int32))
+        with pytest.raises(AiterCheckError, match="not supported"):
+            _mla(kv_cache=torch.zeros(4, 4, 24, dtype=torch.float64))
         out, lse = _varlen(return_lse=True)
         assert out.shape == (8, 4, 32) and lse.shape == (4, 8)
     finally:
@@ -86,7 +86,7 @@ def test_disagreeing_fakes_are_reported_by_name_with_their_call(harness_with):
     fake = _install()
     try:
         with pytest.raises(AiterCheckError):  # the test still sees the fake's refusal
-            _mla(positions=torch.tensor([3, 7, 30], dtype=torch.int32))
+            _mla(kv_cache=torch.zeros(4, 4, 24, dtype=torch.float64))
         _mla()
         _varlen()
     finally:
@@ -95,9 +95,9 @@ def test_disagreeing_fakes_are_reported_by_name_with_their_call(harness_with):
     assert report["disagreeing"] == ["flash_attn_varlen_func", "fused_qk_rope_concat_and_cache_mla"]
     by_fake = {d["fake"]: d for d in report["disagreements"]}
     mla = by_fake["fused_qk_rope_concat_and_cache_mla"]
-    assert "the fake refuses (AiterCheckError: positions is torch.int32" in mla["problem"]
+    assert "the fake refuses (AiterCheckError: kv cache data type is not supported" in mla["problem"]
     assert "a call AITER accepts" in mla["problem"]
-    assert mla["call"]["positions"] == "Tensor(3,) int32 stride=(1,) on cpu"
+    assert mla["call"]["kv_cache"] == "Tensor(4, 4, 24) float64 stride=(96, 24, 1) on cpu"
     assert mla["test"].endswith("test_disagreeing_fakes_are_reported_by_name_with_their_call")
     assert report["fakes"]["fused_qk_rope_concat_and_cache_mla"]["agreed"] == 1  # the good call
     fa = by_fake["flash_attn_varlen_func"]
@@ -183,7 +183,7 @@ def test_plugin_writes_the_disagreements_of_a_pytest_run(tmp_path):
             fake = fake_aiter.install(standins.ARCH)
             try:
                 import aiter
-                args = {**standins.mla_inputs(), "positions": torch.tensor([1, 2, 3], dtype=torch.int32)}
+                args = {**standins.mla_inputs(), "kv_cache": torch.zeros(4, 4, 24, dtype=torch.float64)}
                 with pytest.raises(AiterCheckError):
                     aiter.fused_qk_rope_concat_and_cache_mla(*args.values())
             finally:

@@ -21,11 +21,11 @@ SMALL_FAKE_TEST = textwrap.dedent("""
     import pytest, torch, fake_aiter, standins
     from aiter_mla import AiterCheckError
 
-    def test_mla_refuses_int32_positions():
+    def test_mla_refuses_a_float64_cache():
         fake = fake_aiter.install(standins.ARCH)
         try:
             import aiter
-            args = {**standins.mla_inputs(), "positions": torch.tensor([1, 2, 3], dtype=torch.int32)}
+            args = {**standins.mla_inputs(), "kv_cache": torch.zeros(4, 4, 24, dtype=torch.float64)}
             with pytest.raises(AiterCheckError):
                 aiter.fused_qk_rope_concat_and_cache_mla(*args.values())
             aiter.flash_attn_varlen_func(**standins.varlen_inputs(), causal=True)
@@ -124,7 +124,7 @@ def test_a_rocm_run_reports_every_claim(tmp_path, model, monkeypatch):
     assert "| **FAILED** | each fake accepts and refuses what real AITER does" in page
     assert "## Fakes that disagree with AITER" in page
     assert "| fused_qk_rope_concat_and_cache_mla | `" in page
-    assert "the fake refuses (AiterCheckError: positions is torch.int32" in page
+    assert "the fake refuses (AiterCheckError: kv cache data type is not supported" in page
     assert "| fetch_kv | 1 | 1.90× | 50% |" in page  # 0.791 µs bound / 1.582 µs measured
     assert "| throughput | 2048/16 | tokens_per_s | 100 | 120 | 1.200 |" in page
     assert len(page.splitlines()) < 120

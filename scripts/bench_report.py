@@ -53,6 +53,13 @@ _FIG_RE = re.compile(r"(<!-- fig:(?P<name>[\w.:-]+) -->)(.*?)(<!-- /fig -->)", r
 NA = "n/a"
 
 
+
+def _short(version) -> str:
+    """``2.11.0+cu130`` -> ``2.11``; unknown -> ``?``."""
+    if not version:
+        return "?"
+    return ".".join(str(version).split("+")[0].split(".")[:2])
+
 class ReportError(Exception):
     """A generated region names something the report does not make."""
 
@@ -117,8 +124,9 @@ class Report:
     def summary(self, base: Path) -> str:
         if not self.sections:
             return "No usable benchmark results yet (`make bench` on a GPU, commit, `make report`)."
-        rows = ["| kernel | device | cases | timing | speedup vs baseline | of copy BW | results |",
-                "|---|---|---:|---|---|---|---|"]
+        rows = ["| kernel | device | torch / Triton | cases | timing | speedup vs baseline | "
+                "of copy BW | results |",
+                "|---|---|---|---:|---|---|---|---|"]
         for h in self.sections:
             cases = h.result.cases(h.kernel)
             host = benchmeta.host_cases(h.result.data, h.kernel) if not cases else []
@@ -128,8 +136,10 @@ class Report:
                                       if isinstance(f, (int, float))]) or NA
             timing = headlines.modes(cases) if cases else "host"
             target = self.root / h.result.path
+            series = h.result.series
+            stack = f"{_short(series.get('torch'))} / {_short(series.get('triton'))}"
             rows.append(f"| [{h.kernel}]({self.details_link(base, h.kernel, h.device)}) | {h.device} | "
-                        f"{len(cases or host)} | {timing} | {speed} | {copy} | "
+                        f"{stack} | {len(cases or host)} | {timing} | {speed} | {copy} | "
                         f"[`{h.result.name}`]({self.link(base, target)}) |")
         rows += ["", f"Per-case tables: [{self.details.name}]({self.link(base, self.details)})."]
         for (kernel, _device), png in sorted(self.plots.items()):

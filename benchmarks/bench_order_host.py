@@ -35,6 +35,8 @@ from order_support import (  # noqa: E402
 )
 
 pytest.importorskip("vllm.v1.attention.backends.batch_order")  # patched tree
+# ... and all of it: the GPU machine has the overlay (and tests/without_vllm) only.
+pytest.importorskip("vllm.v1.attention.backends.utils")
 
 UTILS = "vllm/v1/attention/backends/utils.py"
 RUNNER = "vllm/v1/worker/gpu/model_runner.py"

@@ -478,6 +478,13 @@ def _fold(summary: str, body: str) -> list[str]:
     return ["<details>", f"<summary>{summary}</summary>", "", body.strip(), "", "</details>"]
 
 
+# How the kernel tests run on a CPU in vLLM's tree: the Triton interpreter, and an
+# empty device list, which vLLM's triton_utils takes for a driver that is not up
+# yet (without it vLLM swaps Triton for placeholders where no GPU driver is active).
+CPU_KERNEL_ENV = {"CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu", "TRITON_INTERPRET": "1"}
+CPU_KERNEL_PREFIX = " ".join(f"{k}={v}" for k, v in CPU_KERNEL_ENV.items())
+
+
 def _where_tests_run(tests: list[str], upstream_kernel_tests: bool) -> list[str]:
     """pytest lines for vLLM's tree, each saying where it runs."""
     if not tests:
@@ -485,7 +492,7 @@ def _where_tests_run(tests: list[str], upstream_kernel_tests: bool) -> list[str]
     joined = " ".join(tests)
     if upstream_kernel_tests:
         return [f"pytest -q {joined}   # GPU (CUDA or ROCm): compiled, real sizes",
-                f"VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 pytest -q {joined}"
+                f"{CPU_KERNEL_PREFIX} pytest -q {joined}"
                 "   # CPU: Triton interpreter, small shapes (GPU cases skip)"]
     return [f"VLLM_TARGET_DEVICE=cpu pytest -q {joined}   # CPU (no GPU needed); on a GPU machine "
             "without VLLM_TARGET_DEVICE"]

@@ -81,14 +81,14 @@ def check_stack(layout: buildtree.Layout, dist_root: Path, python: str | None = 
 
 def run_tests(tree: Path, python: str, tests: list[str]) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != "PYTHONPATH"}
-    env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", PYTHONPATH=str(tree),
-               HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    env.update(export.CPU_KERNEL_ENV, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1",
+               PYTHONDONTWRITEBYTECODE="1")
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tree), *tests]
     with progress.stage("pr-stack", f"the PRs' tests in vLLM's layout: {' '.join(tests)}"):
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     if proc.returncode:
-        raise SeriesError(f"the PRs' tests fail in the stacked tree (cd {tree} && VLLM_TARGET_DEVICE=cpu "
-                          f"TRITON_INTERPRET=1 {' '.join(cmd)}):\n" + export._shown(proc.stdout[-6000:]
+        raise SeriesError(f"the PRs' tests fail in the stacked tree (cd {tree} && "
+                          f"{export.CPU_KERNEL_PREFIX} {' '.join(cmd)}):\n" + export._shown(proc.stdout[-6000:]
                                                                                   + proc.stderr[-3000:]))
     return f"pr-stack: the PRs' tests in vLLM's layout (CPU): {tail}"

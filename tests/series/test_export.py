@@ -363,8 +363,8 @@ def test_a_shared_file_ships_once_and_the_prs_apply_alone_and_stacked(fake_serie
     assert ("Depends on PR `fetch-kv`: its first commit adds `vllm/ops/shared_helper.py`, which this PR "
             "uses too") in mla_body
     assert "pytest -q tests/kernels/attention/test_new_kernel.py   # GPU" in fk_body
-    assert "VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 pytest -q tests/kernels/attention/test_new_kernel.py" \
-        in fk_body
+    assert ("CUDA_VISIBLE_DEVICES= VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 pytest -q "
+            "tests/kernels/attention/test_new_kernel.py") in fk_body
     assert "after PR `fetch-kv`'s first commit" in mla_body
 
     proc = _ok(fs.run("pr-stack", env=env))

@@ -31,8 +31,6 @@ from vllm.v1.attention.ops import triton_paged_context_attention as pc
 
 __all__ = ["FetchKVGeometry", "compile_case", "warmup_cases"]
 
-_BIG = 1 << 40  # "more than 2 GiB": a KV cache pool
-
 
 @dataclass(frozen=True)
 class FetchKVGeometry:
@@ -84,33 +82,6 @@ def warmup_cases(g: FetchKVGeometry) -> list[tuple]:
     return cases
 
 
-class _Ptr:
-    """A pointer argument for a compile-only launch: dtype, 16-byte aligned,
-    and the byte size of its storage (``ptr_range``, read by the AMD backend)."""
-
-    def __init__(self, t: torch.Tensor, nbytes: int | None = None):
-        self.dtype = t.dtype
-        self._bytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
-
-    def data_ptr(self) -> int:
-        return 0
-
-    def ptr_range(self) -> int:
-        return self._bytes
-
-
-def _compile(launch, tensors, caches=(), cache_bytes=None) -> None:
-    """Compile ``launch`` for ``tensors`` without launching it; the tensors at
-    indices ``caches`` stand in for the KV cache, whose storage is
-    ``cache_bytes`` (None: unknown, compile for a large and a small one)."""
-    for nbytes in (_BIG, 1) if cache_bytes is None else (cache_bytes,):
-        ptrs = [_Ptr(t, nbytes if i in caches else None) for i, t in enumerate(tensors)]
-        launch.kernel.warmup(
-            *ptrs, *launch.scalars, **launch.constexprs, **launch.options,
-            grid=launch.grid,
-        )  # fmt: skip
-
-
 def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     """Compile one case of ``warmup_cases(g)`` for ``device``.
 
@@ -149,7 +120,7 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
         meta = (block_table, cu, starts) if used is None else (unread,) * 3
         scales = (scale, scale) if dequant else (unread, unread)
         tensors = (key_cache, value_cache, out, out, *meta, unread, *scales)
-        _compile(launch, tensors, (0, 1), g.cache_bytes)
+        launch.compile_only(tensors, (0, 1), g.cache_bytes)
         return
     # The backend's call: the new tokens' K/V given, the output given, the
     # step's workspace (split or not).
@@ -168,9 +139,11 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     # The tensors paged_context_attention hands the launches.
     scales = (scale, scale) if bound.fp8 else (seq_lens, seq_lens)
     head = (query, key_cache, value_cache, new, new, block_table, cu, seq_lens, *scales)
+    attend = bound.attend
+    assert attend is not None  # a bound call always attends
     if bound.combine is None:
-        _compile(bound.attend, (*head, query, ws.lse), (1, 2), g.cache_bytes)
+        attend.compile_only((*head, query, ws.lse), (1, 2), g.cache_bytes)
         return
     parts = (ws.partial_out, ws.partial_lse)
-    _compile(bound.attend, (*head, *parts), (1, 2), g.cache_bytes)
-    _compile(bound.combine, (*parts, query, ws.lse, cu))
+    attend.compile_only((*head, *parts), (1, 2), g.cache_bytes)
+    bound.combine.compile_only((*parts, query, ws.lse, cu))

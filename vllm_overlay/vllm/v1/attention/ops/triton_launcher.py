@@ -354,6 +354,20 @@ class KernelLaunch:
         if isinstance(self.kernel, _JITFunction) and fast_path():
             self._remember(compiled, tensors)
 
+    def compile_only(self, tensors, caches=(), cache_bytes=None) -> None:
+        """Compile for ``tensors`` without launching (JIT warmup): the tensors
+        at indices ``caches`` stand in for the KV cache, whose storage is
+        ``cache_bytes`` (None: unknown, compile for a pool over 2 GiB and a
+        small one, the two AMD buffer-ops variants)."""
+        for nbytes in (_KV_POOL_BYTES, 1) if cache_bytes is None else (cache_bytes,):
+            ptrs = [
+                _CompileOnlyPointer(t, nbytes if i in caches else None)
+                for i, t in enumerate(tensors)
+            ]
+            self.kernel.warmup(
+                *ptrs, *self.scalars, **self.constexprs, **self.options, grid=self.grid
+            )
+
     def _remember(self, compiled, tensors) -> None:
         path = launch_path()
         if not path.direct or not isinstance(compiled, path.compiled_type):
@@ -376,3 +390,21 @@ class KernelLaunch:
         # no launch metadata and no hooks (what quiet() allows).
         after = (compiled.function, compiled.packed_metadata, None, None, None)
         self._compiled[key] = (compiled.run, after, launcher)
+
+
+_KV_POOL_BYTES = 1 << 40  # "more than 2 GiB": a KV cache pool
+
+
+class _CompileOnlyPointer:
+    """A pointer argument for a compile-only launch: dtype, 16-byte aligned,
+    and the byte size of its storage (``ptr_range``, read by the AMD backend)."""
+
+    def __init__(self, t: torch.Tensor, nbytes: int | None = None):
+        self.dtype = t.dtype
+        self._bytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def ptr_range(self) -> int:
+        return self._bytes

@@ -21,36 +21,6 @@ import torch
 
 from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 
-_BIG = 1 << 40  # "more than 2 GiB": a KV cache pool
-
-
-class _Ptr:
-    """A pointer argument for a compile-only launch: dtype, 16-byte aligned,
-    and the byte size of its storage (``ptr_range``, read by the AMD backend)."""
-
-    def __init__(self, t: torch.Tensor, nbytes: int | None = None):
-        self.dtype = t.dtype
-        self._bytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
-
-    def data_ptr(self) -> int:
-        return 0
-
-    def ptr_range(self) -> int:
-        return self._bytes
-
-
-def _compile(launch, tensors, caches=(), cache_bytes=None) -> None:
-    """Compile ``launch`` for ``tensors`` without launching it; the tensors at
-    indices ``caches`` stand in for the KV cache, whose storage is
-    ``cache_bytes`` (None: unknown, compile for a large and a small one)."""
-    for nbytes in (_BIG, 1) if cache_bytes is None else (cache_bytes,):
-        ptrs = [_Ptr(t, nbytes if i in caches else None) for i, t in enumerate(tensors)]
-        launch.kernel.warmup(
-            *ptrs, *launch.scalars, **launch.constexprs, **launch.options,
-            grid=launch.grid,
-        )  # fmt: skip
-
-
 __all__ = ["MLAGeometry", "compile_case", "warmup_cases"]
 
 
@@ -137,4 +107,4 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
         tensors = (q_pe, q_pe, q_pe, kv_c, k_pe, cache.view(cache_dtype), slots,
                    positions, cos_sin, k_scale,
                    positions)  # fmt: skip
-    _compile(launch, tensors, (5,), g.cache_bytes)
+    launch.compile_only(tensors, (5,), g.cache_bytes)

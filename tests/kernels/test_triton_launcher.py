@@ -16,6 +16,7 @@ and results are bit-identical to the uncached path (ENABLED = False: checks on
 every call and ``kernel[grid]``), compiled on the GPU tier.
 """
 
+import inspect
 import types
 
 import pytest
@@ -217,6 +218,112 @@ def test_interpreted_kernels_always_go_through_kernel_grid():
     from vllm.v1.attention.ops.triton_fetch_kv import _fetch_kv_kernel
 
     assert not isinstance(_fetch_kv_kernel, tl_launch._JITFunction)
+
+
+# ------------------------------------------------------------ launch()
+
+
+class _Param:
+    def __init__(self, name, do_not_specialize=False, default=inspect.Parameter.empty):
+        self.name, self.do_not_specialize, self.default = name, do_not_specialize, default
+
+
+class _StepJIT(_FakeJIT):
+    """A kernel (x_ptr, y_ptr, n, stride, BLOCK, FLAG=False) whose ``n`` is a
+    per-step integer (do_not_specialize)."""
+
+    params = [_Param("x_ptr"), _Param("y_ptr"), _Param("n", do_not_specialize=True),
+              _Param("stride"), _Param("BLOCK"), _Param("FLAG", default=False)]
+
+
+@pytest.fixture
+def step_jit(monkeypatch):
+    monkeypatch.setattr(tl_launch, "_JITFunction", _StepJIT)
+    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: True))
+    tl_launch.clear_caches()
+    yield _StepJIT()
+    tl_launch.clear_caches()
+
+
+def test_launch_compiles_through_kernel_grid_then_runs_the_compiled_kernel(step_jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    tl_launch.launch(step_jit, (7, 3), x, y, 5, 16, BLOCK=64, num_warps=4)
+    assert step_jit.launches == [((7, 3), (x, y, 5, 16), {"BLOCK": 64, "num_warps": 4})]
+    a, b = torch.ones(64), torch.ones(64)
+    tl_launch.launch(step_jit, (9,), a, b, 6, 16, BLOCK=64, num_warps=4)
+    assert len(step_jit.launches) == 1, "a hit must not go through kernel[grid]"
+    compiled = step_jit.compiled
+    # What CompiledKernel[grid]'s launcher would pass: the grid padded to three,
+    # the stream, handle and metadata, no launch metadata or hooks, then every
+    # parameter in order (FLAG's default included).
+    assert compiled.runs == [(9, 1, 1, 1234, compiled.function, compiled.packed_metadata,
+                              None, None, None, a, b, 6, 16, 64, False)]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda a, kw: ((a[0][1:], *a[1:]), kw),          # another pointer alignment
+    lambda a, kw: ((a[0].double(), *a[1:]), kw),      # another dtype
+    lambda a, kw: ((*a[:3], 17), kw),                 # another (specialised) scalar
+    lambda a, kw: ((*a[:2], 2**31, a[3]), kw),        # a per-step value of another type
+    lambda a, kw: (a, {**kw, "BLOCK": 32}),           # another constexpr
+    lambda a, kw: (a, {**kw, "num_warps": 8}),        # another option
+    lambda a, kw: (a, {**kw, "FLAG": True}),          # a default given
+], ids=["alignment", "dtype", "scalar", "per_step_type", "constexpr", "option", "default"])
+def test_what_selects_another_compiled_kernel_goes_through_kernel_grid(step_jit, edit):
+    base = torch.zeros(80)
+    args, kwargs = (base[:64], base[:64], 5, 16), {"BLOCK": 64, "num_warps": 4}
+    tl_launch.launch(step_jit, (1,), *args, **kwargs)
+    args, kwargs = edit(args, kwargs)
+    tl_launch.launch(step_jit, (1,), *args, **kwargs)
+    assert len(step_jit.launches) == 2 and not step_jit.compiled.runs
+    tl_launch.launch(step_jit, (1,), *args, **kwargs)
+    assert len(step_jit.compiled.runs) == 1, "the new key is kept"
+
+
+def test_a_per_step_value_is_a_hit(step_jit):
+    x = torch.zeros(64)
+    for n in (1, 16, 37, 4096):
+        tl_launch.launch(step_jit, (n,), x, x, n, 16, BLOCK=64)
+    assert len(step_jit.launches) == 1 and len(step_jit.compiled.runs) == 3
+
+
+def test_launch_hooks_go_through_the_compiled_kernels_launcher(step_jit, monkeypatch):
+    hooks = [False]
+    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: not hooks[0]))
+    x = torch.zeros(64)
+    tl_launch.launch(step_jit, (2, 2), x, x, 5, 16, BLOCK=64)
+    hooks[0] = True  # a profiler: Triton's own launcher passes the hooks
+    tl_launch.launch(step_jit, (3, 2), x, x, 6, 16, BLOCK=64)
+    assert not step_jit.compiled.runs
+    assert step_jit.compiled.calls == [((3, 2, 1), 1234, (x, x, 6, 16, 64, False))]
+
+
+def test_launch_plain_where_it_cannot_hit(step_jit, monkeypatch):
+    x = torch.zeros(64)
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    tl_launch.launch(step_jit, (1,), x, 3, 5, 16, BLOCK=64)  # a non-tensor pointer
+    monkeypatch.setattr(tl_launch, "ENABLED", False)
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    monkeypatch.setattr(tl_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    assert len(step_jit.launches) == 4 and not step_jit.compiled.runs
+    other = _FakeJIT()  # not a JITFunction here (an interpreted kernel)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    tl_launch.launch(other, (1,), x, x, 5, 16, BLOCK=64)
+    tl_launch.launch(other, (1,), x, x, 5, 16, BLOCK=64)
+    assert len(other.launches) == 2 and other not in tl_launch._STATES
+
+
+def test_another_device_is_another_key(step_jit, monkeypatch):
+    device = [0]
+    monkeypatch.setattr(tl_launch, "_PATH", _path(device=device, quiet=lambda: True))
+    x = torch.zeros(64)
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    device[0] = 1
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    assert len(step_jit.launches) == 2 and step_jit.compiled.runs[0][3] == 1235
 
 
 # ------------------------------------------------------------ the launch path

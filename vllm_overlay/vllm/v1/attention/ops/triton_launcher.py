@@ -1,28 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Checked-once Triton launches for kernels called once per layer per step.
+"""Triton launches for kernels called once per layer per step.
 
 An attention wrapper runs eagerly once per layer (48-61 times a step) between
 the pieces of a piecewise CUDA graph, so its host time is paid on every layer.
-Two costs dominate it: its argument checks, the same for every layer of a
-step, and ``kernel[grid](...)``, where ``JITFunction.run`` binds and
-specialises every argument and builds the compile-cache key on every call.
+``kernel[grid](...)`` dominates it: ``JITFunction.run`` binds and specialises
+every argument and builds the compile-cache key on every call.
 
-  * ``LaunchCache`` maps a wrapper's key to what it derived from validated
-    arguments (a ``KernelLaunch`` per kernel, buffer sizes, ...).  A miss runs
-    the wrapper's full checks; a hit skips them.
-  * ``KernelLaunch`` fixes a kernel's grid, scalar arguments, constexprs and
-    options; per call only its tensor arguments (the kernel's leading
-    parameters) change.  The first call of each pointer pattern launches
-    through ``kernel[grid]`` (compiling if needed) and keeps the
-    ``CompiledKernel`` it returns together with that kernel's own launcher,
-    ``compiled[grid]`` (``CompiledKernel.__getitem__``: it builds the launch
-    metadata and passes the launch hooks exactly as ``JITFunction.run`` does).
-    Later calls whose pointers Triton would specialise the same way call that
-    launcher directly, or, while no launch hook is set, the compiled kernel's
-    ``run`` with the arguments that launcher would pass (no launch metadata,
-    no hooks), where the installed Triton's launcher is seen to call ``run``
-    that way (``_RUN_CALL``).
+``launch(kernel, grid, *args, **kwargs)`` does what ``kernel[grid](*args,
+**kwargs)`` does.  The first launch of each key goes through ``kernel[grid]``
+(compiling if needed) and keeps the ``CompiledKernel`` it returns; later
+launches with the same key call that kernel's ``run`` with the arguments
+``CompiledKernel.__getitem__``'s launcher would pass (no launch metadata, no
+hooks) while no launch hook is set, where the installed Triton's launcher is
+seen to call ``run`` that way (``_RUN_CALL``), else through that launcher.  The
+key is never coarser than Triton's own: the tensors' dtypes and what the
+backend specialises their pointers on, every scalar by value except the
+kernel's ``do_not_specialize`` ones (by Triton type), every constexpr and
+option by value, and the device.
 
 Which path runs is decided once per process, on the first compiled launch, by
 what the installed Triton provides (``launch_path()``), not by its version:
@@ -39,14 +34,15 @@ Anything missing (another Triton layout, no AMD/NVIDIA backend, a driver
 that cannot be asked) selects the plain path, ``kernel[grid]`` on every call;
 the choice and its reason are logged once at info.  Direct launches go to the
 current stream, so CUDA graphs capture them like ``kernel[grid]``; while
-torch.compile traces, ``fast_path()`` is False and the wrappers check and
-launch normally.  ``ENABLED = False`` turns caching and direct launches off.
+torch.compile traces, launches go through ``kernel[grid]``.  ``ENABLED =
+False`` turns direct launches off.
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import reduce
-from operator import or_
+from operator import itemgetter, or_
 
 import torch
 
@@ -57,6 +53,8 @@ logger = init_logger(__name__)
 
 __all__ = [
     "ENABLED",
+    "launch",
+    "warmup",
     "KernelLaunch",
     "LaunchCache",
     "clear_caches",
@@ -112,10 +110,11 @@ def tensor_geometry(t) -> tuple:
 
 
 def clear_caches() -> None:
-    """Forget every validated launch (tests and tuning change module constants
-    that launches were derived from)."""
+    """Forget every validated launch and compiled kernel kept by ``launch``
+    (tests and tuning change module constants that launches derive from)."""
     for cache in _CACHES:
         cache.clear()
+    _STATES.clear()
 
 
 # ---------------------------------------------------------------- launch path
@@ -297,6 +296,159 @@ def _pointer_key(path, tensors, ptrs):
     return tuple(map(path.spec, tensors))
 
 
+class _KernelState:
+    """What ``launch`` keeps of one kernel: how its arguments split, and its
+    compiled kernels by key (filled on compiled launches, read on hits)."""
+
+    __slots__ = ("path", "num_tensors", "names", "spec", "per_step", "compiled")
+
+    def __init__(self, path, kernel, args):
+        self.path = path
+        self.num_tensors = next(
+            (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)),
+            len(args),
+        )
+        self.names = tuple(kernel.arg_names)
+        per_step = {
+            i
+            for i, p in enumerate(kernel.params)
+            if i >= self.num_tensors and getattr(p, "do_not_specialize", False)
+        }
+        # Positional scalars Triton specialises on (keyed by value) and the
+        # per-step ones (do_not_specialize: keyed by their Triton type only).
+        spec = [i for i in range(self.num_tensors, len(args)) if i not in per_step]
+        self.spec = _getter(spec)
+        self.per_step = _getter(sorted(i for i in per_step if i < len(args)))
+        self.compiled: dict = {}
+
+    def key(self, args, kwargs, ptrs):
+        tensors = args[: self.num_tensors]
+        return (
+            len(args),
+            tuple(kwargs.items()),
+            self.spec(args),
+            tuple(map(_scalar_type, self.per_step(args))),
+            tuple([t.dtype for t in tensors]),
+            _pointer_key(self.path, tensors, ptrs),
+        )
+
+
+def _getter(indices):
+    """``args -> tuple of args[i] for i in indices`` (operator.itemgetter,
+    always a tuple)."""
+    if not indices:
+        return lambda args: ()
+    get = itemgetter(*indices)
+    return get if len(indices) > 1 else (lambda args: (get(args),))
+
+
+def _scalar_type(value):
+    """The Triton type of a per-step (do_not_specialize) scalar, which alone
+    selects its compiled kernel."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return type(value)
+    return "i32" if -(2**31) <= value < 2**31 else "u64" if value >= 2**63 else "i64"
+
+
+# The state of every kernel launched through ``launch`` (module-level kernels,
+# never freed).
+_STATES: dict = {}
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, through the compiled kernel Triton
+    chose for the same arguments where the launch path allows it.
+
+    ``grid`` is a tuple of one to three ints; the kernel lists its tensor
+    parameters first, then its runtime scalars (passed positionally), then its
+    constexprs (by keyword, with the options such as ``num_warps``).  A scalar
+    that changes from step to step must be in the kernel's
+    ``do_not_specialize`` (only its Triton type is part of the key); every
+    other scalar, constexpr and option is keyed by value, as are the tensors'
+    dtypes and what Triton specialises their pointers on.  The first launch of
+    each key goes through ``kernel[grid]`` (compiling if needed).
+    """
+    state = _STATES.get(kernel)
+    if state is not None and ENABLED:
+        entry = None
+        try:
+            ptrs = [t.data_ptr() for t in args[: state.num_tensors]]
+            path = state.path
+            device = path.current_device()
+            entry = state.compiled.get((device, state.key(args, kwargs, ptrs)))
+        except (AttributeError, TypeError):  # other arguments: kernel[grid] says
+            pass
+        if entry is not None and not torch.compiler.is_compiling():
+            compiled, rest = entry
+            stream = path.current_stream(device)
+            g = (*grid, 1, 1)
+            if path.quiet is not None and path.quiet():
+                # What CompiledKernel.__getitem__'s launcher passes (_RUN_CALL)
+                # with no launch metadata and no hooks.
+                compiled.run(*g[:3], stream, *compiled.meta, *args, *rest)
+            else:
+                compiled[g[:3]](*args, *rest, stream=stream)
+            return
+    compiled = kernel[grid](*args, **kwargs)
+    if isinstance(kernel, _JITFunction) and fast_path():
+        _remember(kernel, compiled, args, kwargs)
+
+
+def _remember(kernel, compiled, args, kwargs) -> None:
+    path = launch_path()
+    if not path.direct or not isinstance(compiled, path.compiled_type):
+        return
+    state = _STATES.get(kernel)
+    if state is None:
+        state = _STATES[kernel] = _KernelState(path, kernel, args)
+    names = state.names[len(args) :]
+    params = kernel.params[len(args) :]
+    rest = tuple(kwargs[n] if n in kwargs else p.default for n, p in zip(names, params))
+    if any(r is inspect.Parameter.empty for r in rest):
+        return  # a parameter Triton filled otherwise: keep kernel[grid]
+    compiled[(1, 1, 1)]  # loads the kernel's handles if needed
+    try:
+        ptrs = [t.data_ptr() for t in args[: state.num_tensors]]
+        key = (path.current_device(), state.key(args, kwargs, ptrs))
+    except (AttributeError, TypeError):  # not the arguments the state was made for
+        return
+    if len(state.compiled) >= _MAX_KEYS:
+        state.compiled.clear()
+    state.compiled[key] = (_Compiled(compiled), rest)
+
+
+class _Compiled:
+    """A CompiledKernel with its ``run`` arguments after grid and stream."""
+
+    __slots__ = ("kernel", "run", "meta")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.run = kernel.run
+        self.meta = (kernel.function, kernel.packed_metadata, None, None, None)
+
+    def __getitem__(self, grid):
+        return self.kernel[grid]
+
+
+def warmup(kernel, grid, *args, caches=(), cache_bytes=None, **kwargs) -> None:
+    """Compile ``kernel`` for these arguments without launching (JIT warmup).
+
+    The tensors at indices ``caches`` stand in for the KV cache, whose storage
+    is ``cache_bytes`` (None: unknown, compile for a pool over 2 GiB and a
+    small one, the two AMD buffer-ops variants).
+    """
+    for nbytes in (_KV_POOL_BYTES, 1) if cache_bytes is None else (cache_bytes,):
+        stand_ins = [
+            _CompileOnlyPointer(a, nbytes if i in caches else None)
+            if isinstance(a, torch.Tensor)
+            else a
+            for i, a in enumerate(args)
+        ]
+        kernel.warmup(*stand_ins, **kwargs, grid=grid)
+
+
+# Transitional: the wrappers move to launch(); removed once none uses it.
 class KernelLaunch:
     """One launch configuration of a ``@triton.jit`` kernel.
 

@@ -346,6 +346,7 @@ class _StubKernel:
 
     def __init__(self, real):
         self.arg_names = list(real.arg_names)
+        self.params = list(real.params)
         self.function = 0
         self.packed_metadata = (4, 1, 0)
         self.run = lambda *args: None
@@ -375,7 +376,7 @@ def stub_kernels(monkeypatch):
         real.spec if real else None,
         real.current_device if real and real.direct else (lambda: 0),
         real.current_stream if real and real.direct else (lambda device: 0),
-        _StubKernel))
+        _StubKernel, real.quiet if real and real.direct else (lambda: True)))
     triton_launcher.clear_caches()
     yield
     triton_launcher.clear_caches()

@@ -419,13 +419,17 @@ def main() -> int:
                     "bytes": (wheel_dir / wheel.name).stat().st_size,
                 })
         (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        payload = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        # What the GPU verbs carry: not MANIFEST.json, nor .gpu_payload/triton/
+        # (make gpu-triton-payload's parts travel in commands of their own).
+        carried = [src_zip, *sorted(wheel_dir.glob("*.whl"))]
+        payload = sum(p.stat().st_size for p in carried)
         total = payload + travelling_bytes()
         mib = 1 << 20
-        print(f"{out.relative_to(REPO) if out.is_relative_to(REPO) else out}: {count} vLLM "
-              f"modules ({src_zip.stat().st_size / mib:.1f} MiB zipped), "
+        shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+        print(f"{shown}: {count} vLLM modules ({src_zip.stat().st_size / mib:.1f} MiB zipped), "
               f"{len(manifest['wheels'])} wheels, {payload / mib:.1f} MiB in all; "
-              f"with the working tree {total / mib:.1f} of the device's {CARRY_LIMIT_MIB} MiB")
+              f"with the working tree {total / mib:.1f} of the device's {CARRY_LIMIT_MIB} MiB "
+              f"(carry {shown}/vllm-src.zip and {shown}/whl)")
         if total > CARRY_LIMIT_MIB * mib:
             raise SeriesError(f"payload + working tree is {total / mib:.1f} MiB, over the "
                               f"device's {CARRY_LIMIT_MIB} MiB")

@@ -10,6 +10,14 @@ VPY        := $(VENV)/bin/python
 GPU_PYTHON ?= python3
 # make test-gpu-backend installs .gpu_payload/ (make gpu-payload) here.
 GPU_SITE   ?= /tmp/site
+# The payload's wheels and pruned vLLM, installed into GPU_SITE (the GPU verbs' first step).
+define GPU_SITE_INSTALL
+@test -f .gpu_payload/vllm-src.zip || { echo "no .gpu_payload/: run make gpu-payload (and carry .gpu_payload)" >&2; exit 2; }
+$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .gpu_payload/whl/*.whl
+rm -rf $(GPU_SITE)/vllm && $(GPU_PYTHON) -m zipfile -e .gpu_payload/vllm-src.zip $(GPU_SITE)
+endef
+# tests/mla's `gpu` tests, in a process of their own (-m gpu: the other tests are the CPU tier's).
+GPU_MLA_TESTS = PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests/mla $(PYTEST_ARGS)
 # make test TESTS="tests/series tests/order": the test folders/files to run (default: all).
 TESTS      ?= tests
 PYTEST_ARGS ?=
@@ -40,7 +48,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-triton-next test-gpu gpu-payload gpu-triton-payload test-gpu-backend bench bench-host report compile-report sweep sweep-report e2e validate-rocm clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-triton-next test-gpu gpu-payload gpu-triton-payload test-gpu-backend test-gpu-mla bench bench-host report compile-report sweep sweep-report e2e validate-rocm clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -79,23 +87,27 @@ test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + t
 	$(NEED) test-gpu torch triton pytest
 	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
-gpu-payload: apply venv ## Pack what test-gpu-backend imports (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
+gpu-payload: apply venv ## Pack what test-gpu-backend / test-gpu-mla import (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
 	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
 
 gpu-triton-payload: ## The target's Triton (TRITON_VERSION, or TRITON=x.y.z) trimmed and split for the GPU machine: .gpu_payload/triton/
 	@$(PYTHON) scripts/gpu_triton_payload.py build $(if $(TRITON),--version $(TRITON))
 
-test-gpu-backend: ## GPU tier: AITER FA's extend path vs dense attention, vLLM from .gpu_payload/ (carry it)
+test-gpu-backend: ## GPU tier, vLLM from .gpu_payload/ (carry it): AITER FA's extend path vs dense attention; tests/mla's gpu tests
 	$(NEED) test-gpu-backend torch triton pytest
-	@test -f .gpu_payload/vllm-src.zip || { echo "no .gpu_payload/: run make gpu-payload (and carry .gpu_payload)" >&2; exit 2; }
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .gpu_payload/whl/*.whl
-	rm -rf $(GPU_SITE)/vllm && $(GPU_PYTHON) -m zipfile -e .gpu_payload/vllm-src.zip $(GPU_SITE)
-	# Two processes: on the GPU machine's torch 2.11, importing vLLM after the
-	# fake tests have registered their torch.library ops fails inside
+	$(GPU_SITE_INSTALL)
+	# Separate processes: on the GPU machine's torch 2.11, importing vLLM after
+	# the fake tests have registered their torch.library ops fails inside
 	# torch._inductor ("'CustomDecompTable' object is not a mapping"); each file
 	# passes alone (benchmarks/results/logs/*-16dbe25-backend-*-alone.log).
 	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/aiter_fa/test_extend_path.py $(PYTEST_ARGS)
 	PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/aiter_fa/test_aiter_fa_fakes.py $(PYTEST_ARGS)
+	$(GPU_MLA_TESTS)
+
+test-gpu-mla: ## GPU tier: only tests/mla's gpu tests (the fused MLA decode's CUDA-graph replay), vLLM from .gpu_payload/
+	$(NEED) test-gpu-mla torch triton pytest
+	$(GPU_SITE_INSTALL)
+	$(GPU_MLA_TESTS)
 
 bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>-<device>-<commit>.json
 	$(NEED) bench torch triton pytest pytest_benchmark

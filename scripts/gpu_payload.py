@@ -4,11 +4,13 @@
 The GPU machine (README "Test tiers") has python3 3.12 with torch, triton, numpy
 and pytest (and torch's own requirements), no vLLM, no package index, and takes
 at most 64 MiB of working tree, carried paths included.  ``build/vllm`` is 200 MB,
-so this writes a pruned copy of what ``tests/aiter_fa`` imports, into the
-git-ignored ``.gpu_payload/`` (added to ``.git/info/exclude`` when nothing ignores it):
+so this writes a pruned copy of what TESTS (``tests/aiter_fa``, ``tests/mla``)
+import, into the git-ignored ``.gpu_payload/`` (added to ``.git/info/exclude`` when
+nothing ignores it):
 
   vllm-src.zip   the build tree's ``vllm/*.py`` files that importing ROOTS needs
-                 (the backend, ``vllm.config``, what the tests import): the closure
+                 (AITER FA's backend, the MLA RoPE + KV-cache fusion,
+                 ``vllm.config``, what the tests import): the closure
                  of their module-level imports (function bodies and
                  ``if TYPE_CHECKING:`` blocks skipped), plus RUNTIME_ROOTS, the
                  modules the test's code path imports inside functions.  No csrc,
@@ -27,9 +29,11 @@ git-ignored ``.gpu_payload/`` (added to ``.git/info/exclude`` when nothing ignor
   MANIFEST.json  the build tree's commit, the modules, and each wheel with the
                  sha256 PyPI served.
 
-``--check`` then runs ``tests/aiter_fa`` on the CPU tier with the pruned tree as
-the only vLLM (``.venv``'s packages, a fresh ``VLLM_CACHE_ROOT`` so the model
-registry's subprocess runs too): the module set is complete for that path.
+``--check`` then imports every root and runs TESTS on the CPU tier with the pruned
+tree as the only vLLM (``.venv``'s packages, a fresh ``VLLM_CACHE_ROOT`` so the
+model registry's subprocess runs too): the module set is complete for that path.
+The roots are imported first, in a process of their own, because most of
+``tests/mla`` skips itself (``importorskip``) where the fusion does not import.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -52,19 +57,29 @@ sys.path.insert(0, str(REPO / "scripts"))
 from seriestool import SeriesError, gitrepo, sdist  # noqa: E402
 
 OUT = REPO / ".gpu_payload"
-TESTS = ("tests/aiter_fa",)
+# What the GPU verbs run (tests/aiter_fa whole, tests/mla's `gpu` tests; --check: all of both).
+TESTS = ("tests/aiter_fa", "tests/mla")
 ROOTS = (
     "vllm.v1.attention.backends.rocm_aiter_fa",  # the backend under test (0200 + 0250)
     "vllm.config",
     # The GPU tier's merge (the test compiles it with the real Triton).
     "vllm.v1.attention.ops.triton_merge_attn_states",
+    # The MLA RoPE + KV-cache fusion (overlay + 0301-0304): its layer glue,
+    # decision, Triton kernel (tests/mla's CUDA-graph replay test compiles it),
+    # AITER cos/sin cache and the workspace manager holding its q_out buffer.
+    "vllm._aiter_ops",
+    "vllm.model_executor.layers.attention.mla_rope_fusion",
+    "vllm.model_executor.layers.attention.mla_rope_kv_cache",
+    "vllm.v1.attention.ops.triton_mla_rope_cache",
+    "vllm.v1.worker.workspace",
     # ModelConfig inspects the architecture in a subprocess that imports it.
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.registry",
 )
-# Imported inside functions on the test's path (a traced CPU-tier run of
-# tests/aiter_fa, then checked by --check): VllmConfig's post-init and the
-# model registry subprocess.
+# Imported inside functions on the tests' path (a traced CPU-tier run of
+# TESTS, then checked by --check): VllmConfig's post-init and the model
+# registry subprocess.  tests/mla adds none: what its harness builds inside
+# functions (MLAAttention, the rotary embeddings) the tests import too.
 RUNTIME_ROOTS = (
     "vllm.distributed.ec_transfer",
     "vllm.lora.resolver",
@@ -315,8 +330,8 @@ def travelling_bytes() -> int:
     return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
 
 
-def check(src_zip: Path, venv: Path) -> int:
-    """tests/aiter_fa on the CPU tier with the pruned tree as the only vLLM."""
+def check(src_zip: Path, venv: Path, roots: list[str], tree: Path) -> int:
+    """TESTS on the CPU tier with the pruned tree as the only vLLM, after importing every root."""
     with tempfile.TemporaryDirectory(prefix="gpu-payload-check-") as tmp:
         site = Path(tmp) / "site"
         with zipfile.ZipFile(src_zip) as zf:
@@ -324,8 +339,22 @@ def check(src_zip: Path, venv: Path) -> int:
         env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}",
                    VLLM_CACHE_ROOT=str(Path(tmp) / "vllm-cache"))
         env.pop("VLLM_BUILD_TREE", None)
-        cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               *TESTS]
+        if "VLLM_PRISTINE_TREE" not in env and gitrepo.is_repo(tree):
+            # tests/mla compares flags off with upstream, found through the git
+            # history of vllm.__file__'s tree: the pruned copy here has none.
+            pristine, tar = Path(tmp) / "pristine", Path(tmp) / "pristine.tar"
+            gitrepo.git(tree, "archive", "-o", str(tar), gitrepo.root_commit(tree), "vllm")
+            with tarfile.open(tar) as archive:
+                archive.extractall(pristine, filter="data")
+            env["VLLM_PRISTINE_TREE"] = str(pristine)
+        python = str((venv / "bin" / "python").absolute())  # run from tmp too
+        # A root that does not import fails here, not as a module-level skip.
+        print(f"checking: importing the {len(roots)} roots from {src_zip.name}", flush=True)
+        code = f"import importlib\nfor name in {roots!r}:\n    importlib.import_module(name)\n"
+        if subprocess.run([python, "-c", code], cwd=tmp, env=env).returncode:
+            print("error: a root does not import from the pruned tree", file=sys.stderr)
+            return 1
+        cmd = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS]
         print(f"checking: {' '.join(cmd[2:])} with only {src_zip.name} as vLLM", flush=True)
         return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
@@ -343,7 +372,7 @@ def main() -> int:
     parser.add_argument("--python-version", default="3.12",
                         help="the device's CPython (another one simulates the device here)")
     parser.add_argument("--check", action="store_true",
-                        help="then run tests/aiter_fa against the pruned tree (CPU tier)")
+                        help="then import the roots and run TESTS against the pruned tree (CPU tier)")
     args = parser.parse_args()
     try:
         tree = args.tree.resolve()
@@ -390,13 +419,17 @@ def main() -> int:
                     "bytes": (wheel_dir / wheel.name).stat().st_size,
                 })
         (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        payload = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        # What the GPU verbs carry: not MANIFEST.json, nor .gpu_payload/triton/
+        # (make gpu-triton-payload's parts travel in commands of their own).
+        carried = [src_zip, *sorted(wheel_dir.glob("*.whl"))]
+        payload = sum(p.stat().st_size for p in carried)
         total = payload + travelling_bytes()
         mib = 1 << 20
-        print(f"{out.relative_to(REPO) if out.is_relative_to(REPO) else out}: {count} vLLM "
-              f"modules ({src_zip.stat().st_size / mib:.1f} MiB zipped), "
+        shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+        print(f"{shown}: {count} vLLM modules ({src_zip.stat().st_size / mib:.1f} MiB zipped), "
               f"{len(manifest['wheels'])} wheels, {payload / mib:.1f} MiB in all; "
-              f"with the working tree {total / mib:.1f} of the device's {CARRY_LIMIT_MIB} MiB")
+              f"with the working tree {total / mib:.1f} of the device's {CARRY_LIMIT_MIB} MiB "
+              f"(carry {shown}/vllm-src.zip and {shown}/whl)")
         if total > CARRY_LIMIT_MIB * mib:
             raise SeriesError(f"payload + working tree is {total / mib:.1f} MiB, over the "
                               f"device's {CARRY_LIMIT_MIB} MiB")
@@ -404,7 +437,7 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        return check(src_zip, args.venv)
+        return check(src_zip, args.venv, roots, tree)
     return 0
 
 

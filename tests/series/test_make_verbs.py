@@ -34,7 +34,7 @@ def test_make_test_runs_only_the_named_folders():
 
 def test_gpu_verbs_without_torch_say_what_is_missing():
     # -S: no site-packages, so no torch, triton or pytest, on any machine.
-    for verb in ("test-gpu", "bench", "test-gpu-backend"):
+    for verb in ("test-gpu", "bench", "test-gpu-backend", "test-gpu-mla"):
         proc = _make(verb, f"GPU_PYTHON={sys.executable} -S")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         ours = [ln for ln in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\* ", ln)]

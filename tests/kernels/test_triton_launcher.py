@@ -315,6 +315,27 @@ def test_launch_plain_where_it_cannot_hit(step_jit, monkeypatch):
     assert len(other.launches) == 2 and other not in tl_launch._STATES
 
 
+@pytest.mark.parametrize("pointer_key", [tl_launch.ALIGNMENT_AND_2GB, tl_launch.BACKEND_CALL])
+def test_launch_keys_pointers_as_the_backend_does(step_jit, monkeypatch, pointer_key):
+    spec = lambda t: "S" if t.untyped_storage().nbytes() < 2**31 else ""  # noqa: E731
+    monkeypatch.setattr(tl_launch, "_PATH", _path(pointer_key, spec=spec, quiet=lambda: True))
+    small = torch.zeros(64)
+    big = torch.empty(2**31, dtype=torch.uint8)  # not touched: no memory committed
+    tl_launch.launch(step_jit, (1,), small, small, 5, 16, BLOCK=64)
+    tl_launch.launch(step_jit, (1,), big[:256].view(torch.float32), small, 5, 16, BLOCK=64)
+    tl_launch.launch(step_jit, (1,), big[256:512].view(torch.float32), small, 6, 16, BLOCK=64)
+    tl_launch.launch(step_jit, (1,), torch.ones(64), small, 7, 16, BLOCK=64)
+    assert len(step_jit.launches) == 2 and len(step_jit.compiled.runs) == 2
+
+
+def test_another_number_of_arguments_goes_through_kernel_grid(step_jit):
+    x = torch.zeros(64)
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    tl_launch.launch(step_jit, (1,), x, x, 5, BLOCK=64, stride=16)
+    tl_launch.launch(step_jit, (1,), x, x, 5, BLOCK=64, stride=16)
+    assert len(step_jit.launches) == 3 and not step_jit.compiled.runs
+
+
 def test_another_device_is_another_key(step_jit, monkeypatch):
     device = [0]
     monkeypatch.setattr(tl_launch, "_PATH", _path(device=device, quiet=lambda: True))

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import inspect
 from functools import reduce
-from operator import itemgetter, or_
+from operator import or_
 
 import torch
 
@@ -297,49 +297,64 @@ def _pointer_key(path, tensors, ptrs):
 
 
 class _KernelState:
-    """What ``launch`` keeps of one kernel: how its arguments split, and its
-    compiled kernels by key (filled on compiled launches, read on hits)."""
+    """What ``launch`` keeps of one kernel: its compiled kernels by key
+    (filled on compiled launches, read on hits) and the function computing
+    that key from a call's arguments."""
 
-    __slots__ = ("path", "num_tensors", "names", "spec", "per_step", "compiled")
+    __slots__ = ("path", "key", "compiled")
 
     def __init__(self, path, kernel, args):
         self.path = path
-        self.num_tensors = next(
-            (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)),
-            len(args),
-        )
-        self.names = tuple(kernel.arg_names)
-        per_step = {
-            i
-            for i, p in enumerate(kernel.params)
-            if i >= self.num_tensors and getattr(p, "do_not_specialize", False)
-        }
-        # Positional scalars Triton specialises on (keyed by value) and the
-        # per-step ones (do_not_specialize: keyed by their Triton type only).
-        spec = [i for i in range(self.num_tensors, len(args)) if i not in per_step]
-        self.spec = _getter(spec)
-        self.per_step = _getter(sorted(i for i in per_step if i < len(args)))
+        self.key = _key_function(path, kernel, args)
         self.compiled: dict = {}
 
-    def key(self, args, kwargs, ptrs):
-        tensors = args[: self.num_tensors]
-        return (
-            len(args),
-            tuple(kwargs.items()),
-            self.spec(args),
-            tuple(map(_scalar_type, self.per_step(args))),
-            tuple([t.dtype for t in tensors]),
-            _pointer_key(self.path, tensors, ptrs),
+
+def _key_function(path, kernel, args):
+    """``key(device, args, kwargs)`` for calls shaped like ``args``: tensors
+    first (their dtypes and pointer key), then scalars (by value, or by Triton
+    type for ``do_not_specialize`` ones), then every keyword by value.
+
+    Straight-line code made for this kernel (as Triton's own binder is), so a
+    call reads each tensor attribute once and loops over nothing; a call with
+    another number of positional arguments raises ValueError (no hit).
+    """
+    num_tensors = next(
+        (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args)
+    )
+    names = [f"a{i}" for i in range(len(args))]
+    tensors = names[:num_tensors]
+    ptrs = [f"{t}.data_ptr()" for t in tensors]
+    aligned = " or ".join(
+        [f"({' | '.join(ptrs)}) & 15 == 0"]
+        + [f"({', '.join(f'{p} & 15 == 0' for p in ptrs)},)"]
+    )
+    if not tensors:
+        pointer = "()"
+    elif path.pointer_key is ALIGNMENT:
+        pointer = f"({aligned})"
+    elif path.pointer_key is ALIGNMENT_AND_2GB:
+        sizes = ", ".join(
+            f"{t}.untyped_storage().nbytes() <= {_MAX_INT32}" for t in tensors
         )
-
-
-def _getter(indices):
-    """``args -> tuple of args[i] for i in indices`` (operator.itemgetter,
-    always a tuple)."""
-    if not indices:
-        return lambda args: ()
-    get = itemgetter(*indices)
-    return get if len(indices) > 1 else (lambda args: (get(args),))
+        pointer = f"({aligned}), ({sizes},)"
+    else:
+        pointer = ", ".join(f"spec({t})" for t in tensors)
+    params = kernel.params
+    scalars = [
+        f"scalar_type({n})"
+        if i < len(params) and getattr(params[i], "do_not_specialize", False)
+        else n
+        for i, n in enumerate(names[num_tensors:], num_tensors)
+    ]
+    parts = [f"{t}.dtype" for t in tensors] + [pointer] + scalars
+    source = (
+        f"def key(device, args, kwargs):\n"
+        f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n"
+        f"    return (device, {', '.join(parts)}, tuple(kwargs.items()))\n"
+    )
+    scope = {"spec": path.spec, "scalar_type": _scalar_type}
+    exec(source, scope)  # noqa: S102 - built above from argument counts only
+    return scope["key"]
 
 
 def _scalar_type(value):
@@ -371,12 +386,11 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     state = _STATES.get(kernel)
     if state is not None and ENABLED:
         entry = None
+        path = state.path
+        device = path.current_device()
         try:
-            ptrs = [t.data_ptr() for t in args[: state.num_tensors]]
-            path = state.path
-            device = path.current_device()
-            entry = state.compiled.get((device, state.key(args, kwargs, ptrs)))
-        except (AttributeError, TypeError):  # other arguments: kernel[grid] says
+            entry = state.compiled.get(state.key(device, args, kwargs))
+        except (AttributeError, TypeError, ValueError):  # other arguments
             pass
         if entry is not None and not torch.compiler.is_compiling():
             compiled, rest = entry
@@ -401,17 +415,16 @@ def _remember(kernel, compiled, args, kwargs) -> None:
     state = _STATES.get(kernel)
     if state is None:
         state = _STATES[kernel] = _KernelState(path, kernel, args)
-    names = state.names[len(args) :]
+    names = kernel.arg_names[len(args) :]
     params = kernel.params[len(args) :]
-    rest = tuple(kwargs[n] if n in kwargs else p.default for n, p in zip(names, params))
+    rest = tuple(kwargs.get(n, p.default) for n, p in zip(names, params))
     if any(r is inspect.Parameter.empty for r in rest):
         return  # a parameter Triton filled otherwise: keep kernel[grid]
     compiled[(1, 1, 1)]  # loads the kernel's handles if needed
     try:
-        ptrs = [t.data_ptr() for t in args[: state.num_tensors]]
-        key = (path.current_device(), state.key(args, kwargs, ptrs))
-    except (AttributeError, TypeError):  # not the arguments the state was made for
-        return
+        key = state.key(path.current_device(), args, kwargs)
+    except (AttributeError, TypeError, ValueError):  # not the arguments the
+        return  # state was made for
     if len(state.compiled) >= _MAX_KEYS:
         state.compiled.clear()
     state.compiled[key] = (_Compiled(compiled), rest)

@@ -803,13 +803,13 @@ BAD_ARGS = [
         "kv_c_dtype_mismatch",
         lambda a: {**a, "kv_c": a["kv_c"].half()},
         TypeError,
-        "must share a dtype",
+        "q_pe, kv_c, k_pe, ql_nope need one of",
     ),
     (
         "q_pe_int",
         lambda a: {**a, "q_pe": a["q_pe"].int()},
         TypeError,
-        "must share a dtype",
+        "q_pe, kv_c, k_pe, ql_nope need one of",
     ),
     (
         "cache_width",
@@ -919,7 +919,7 @@ BAD_DECODE_ARGS = [
         "ql_nope_dtype",
         lambda a: {**a, "ql_nope": a["ql_nope"].half()},
         TypeError,
-        "must share a dtype",
+        "q_pe, kv_c, k_pe, ql_nope need one of",
     ),
     (
         "q_out_shape",

@@ -4,38 +4,33 @@
 
 One launch replaces "rotary embedding on ``q_pe`` / ``k_pe``, then
 ``concat_and_cache_mla``, then (decode) ``torch.cat([ql_nope, q_pe])``":
+``mla_rope_concat_and_cache`` (decode form) returns ``q_out[t, h] =
+[ql_nope[t, h] | rope(q_pe[t, h])]`` and leaves its inputs alone;
+``mla_rope_and_cache`` (prefill form) rotates ``q_pe`` / ``k_pe`` in place
+(strided views such as ``q[..., P:]`` included).  Both write the cache rows.
 
-  * ``mla_rope_concat_and_cache`` (decode form) returns
-    ``q_out[t, h] = [ql_nope[t, h] | rope(q_pe[t, h])]`` and writes the cache;
-    its inputs are not modified.
-  * ``mla_rope_and_cache`` (prefill form) rotates ``q_pe`` and ``k_pe`` in
-    place (they may be strided views such as ``q[..., P:]``) and writes the
-    cache.
+Layouts (``T`` tokens, ``H`` heads, ``L`` = kv_lora_rank, ``R`` even rotary
+dim; last strides 1, other strides free): ``ql_nope`` ``[T, H, L]``, ``q_pe``
+``[T, H, R]``, ``kv_c`` ``[T, L]``, ``k_pe`` ``[T, R]`` or ``[T, 1, R]``,
+``kv_cache`` ``[num_blocks, block_size, L + R]`` (a token's row: ``[kv_c |
+rope(k_pe)]``), ``q_out`` ``[T, H, L + R]``, contiguous int32 / int64
+``slot_mapping`` ``[S <= T]`` and ``positions`` ``[T]``, ``cos_sin_cache``
+``[max_pos, R]`` (vLLM's ``cat(cos, sin)``).  Tokens with ``slot < 0`` or
+``t >= S`` (CUDA-graph padding) write no cache row.
 
-Layouts (``T`` tokens, ``H`` heads, ``L`` = kv_lora_rank, ``R`` = rotary dim,
-even; token / head / block strides are free, last strides 1): ``ql_nope``
-``[T, H, L]``, ``q_pe`` ``[T, H, R]``, ``kv_c`` ``[T, L]``, ``k_pe`` ``[T, R]``
-or ``[T, 1, R]``, ``kv_cache`` ``[num_blocks, block_size, L + R]`` (row of a
-token: ``[kv_c | rope(k_pe)]``), ``q_out`` ``[T, H, L + R]``;
-``slot_mapping`` ``[S <= T]`` and ``positions`` ``[T]`` contiguous int32 /
-int64; ``cos_sin_cache`` ``[max_pos, R]`` = ``cat(cos, sin)`` (vLLM's).
-Tokens with ``slot < 0`` or ``t >= S`` (CUDA-graph padding) write no cache row.
+RoPE runs in fp32, rounded to the model dtype (``q_pe``'s) as the unfused
+rotary embedding would; NeoX style rotates the halves, GPT-J style (DeepSeek)
+the interleaved pairs.  ``kv_cache_dtype`` is vLLM's: "auto" / "bfloat16" /
+"float16" copy bit-exact; "fp8" / "fp8_e4m3" / "fp8_e5m2" store ``value /
+k_scale`` saturated, rounded to nearest-even, as ``concat_and_cache_mla``
+(a uint8 cache is the platform's e4m3 type or e5m2); with ``q_scale`` the
+decode form quantises ``q_out`` likewise.  Scales are one-element fp32
+tensors read on the device (a captured CUDA graph sees new values).
 
-RoPE runs in fp32 and is rounded to the model dtype (``q_pe``'s), the value
-the unfused rotary embedding hands to the cache write; NeoX style rotates the
-halves, GPT-J style (DeepSeek) the interleaved pairs.  ``kv_cache_dtype`` is
-vLLM's string: "auto" / "bfloat16" / "float16" copy bit-exact; "fp8" /
-"fp8_e4m3" / "fp8_e5m2" store ``value / k_scale`` saturated and rounded to
-nearest-even, as ``concat_and_cache_mla`` does (a uint8 cache is read as the
-platform's e4m3 type or e5m2); the decode form quantises ``q_out`` likewise
-when ``q_scale`` is given.  Scales are one-element fp32 tensors read on the
-device, so a captured CUDA graph picks up new values.
-
-Grid ``(token blocks, head blocks + 1)``: the first columns handle
-``BLOCK_T`` tokens x ``BLOCK_H`` heads of q, the last one the cache rows (and,
-for prefill, ``k_pe``).  Bulk loads go before the dependent slot / position /
-cos-sin loads; FMA contraction is off, so both forms write identical cache
-bytes; offsets are 64-bit; no host synchronisation (CUDA-graph capturable).
+Grid ``(token blocks, head blocks + 1)``: ``BLOCK_T`` tokens x ``BLOCK_H``
+heads of q per program, the last column the cache rows (and prefill's
+``k_pe``).  No FMA contraction (both forms write identical cache bytes),
+64-bit offsets, no host synchronisation (CUDA-graph capturable).
 """
 
 import functools
@@ -459,11 +454,6 @@ def _mla_rope_cache_kernel(
         )
 
 
-# --------------------------------------------------------------------------
-# Host side
-# --------------------------------------------------------------------------
-
-
 @functools.cache
 def _e4m3() -> torch.dtype:
     return current_platform.fp8_dtype()  # a host query on ROCm: asked once
@@ -503,14 +493,10 @@ def _tile_config(
     block_h = min(
         _pow2(num_heads), _MAX_BLOCK_H, _pow2_floor(_Q_TILE_ELEMS // row_elems)
     )
-    block_t = (
-        1
-        if decode
-        else min(
-            _pow2_floor(_Q_TILE_ELEMS // (block_h * row_elems)),
-            _pow2_floor(max(1, num_tokens // _MIN_TOKEN_BLOCKS)),
-        )
-    )
+    block_t = 1
+    if not decode:
+        by_tile = _pow2_floor(_Q_TILE_ELEMS // (block_h * row_elems))
+        block_t = min(by_tile, _pow2_floor(max(1, num_tokens // _MIN_TOKEN_BLOCKS)))
     tile = max(block_t * block_h * row_elems, block_t * (block_l + 2 * block_half))
     return block_l, block_half, block_t, block_h, 8 if tile >= _BIG_TILE_ELEMS else 4
 
@@ -522,22 +508,14 @@ def _launch_config(tokens, heads, lora_rank, rot_dim, decode, neox, q_max, kv_ma
         tokens, heads, lora_rank, rot_dim, decode
     )
     grid = (-(-tokens // block_t), -(-heads // block_h) + 1)
+    blocks = dict(
+        BLOCK_L=block_l, BLOCK_HALF=block_half, BLOCK_T=block_t, BLOCK_H=block_h
+    )
+    flags = dict(IS_NEOX=bool(neox), DECODE=decode, Q_FP8_MAX=q_max, KV_FP8_MAX=kv_max)
     # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32 RoPE,
     # and both forms (separately compiled) write identical bytes.
-    return grid, dict(
-        L=lora_rank,
-        HALF=rot_dim // 2,
-        BLOCK_L=block_l,
-        BLOCK_HALF=block_half,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        IS_NEOX=bool(neox),
-        DECODE=decode,
-        Q_FP8_MAX=q_max,
-        KV_FP8_MAX=kv_max,
-        num_warps=num_warps,
-        enable_fp_fusion=False,
-    )
+    options = dict(num_warps=num_warps, enable_fp_fusion=False)
+    return grid, dict(L=lora_rank, HALF=rot_dim // 2, **blocks, **flags, **options)
 
 
 def _check_scale(fn: str, name: str, scale) -> None:
@@ -556,8 +534,7 @@ def _cache_view(fn, kv_cache, kv_cache_dtype, dtype, k_scale):
     if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
         if cache_dtype != dtype:
             raise TypeError(
-                f'{fn}: kv_cache_dtype "{kv_cache_dtype}" needs a {dtype} cache, '
-                f"got {cache_dtype}"
+                f'{fn}: kv_cache_dtype "{kv_cache_dtype}" needs a {dtype} cache'
             )
         return kv_cache, 0.0
     if kv_cache_dtype in _E4M3_CACHE_DTYPES:
@@ -570,8 +547,7 @@ def _cache_view(fn, kv_cache, kv_cache_dtype, dtype, k_scale):
         kv_cache, cache_dtype = kv_cache.view(default), default
     if cache_dtype not in family:
         raise TypeError(
-            f'{fn}: kv_cache_dtype "{kv_cache_dtype}" needs a uint8 cache or one '
-            f"of {family}, got {cache_dtype}"
+            f"{fn}: {kv_cache_dtype} needs a uint8 cache or one of {family}"
         )
     _check_scale(fn, "k_scale", k_scale)
     return kv_cache, _FP8_MAX[cache_dtype]
@@ -601,13 +577,11 @@ def _rope_cache(
     if not decode:  # the pointers the prefill form does not read: stand-ins
         ql_nope = q_out = q_pe
     dtype = q_pe.dtype
-    if dtype not in _MODEL_DTYPES or not (
-        kv_c.dtype == k_pe.dtype == ql_nope.dtype == dtype
+    if (
+        dtype not in _MODEL_DTYPES
+        or not kv_c.dtype == k_pe.dtype == ql_nope.dtype == dtype
     ):
-        raise TypeError(
-            f"{fn}: q_pe, kv_c, k_pe (and ql_nope) must share a dtype of "
-            f"{_MODEL_DTYPES}, got {dtype}, {kv_c.dtype}, {k_pe.dtype}, {ql_nope.dtype}"
-        )
+        raise TypeError(f"{fn}: q_pe, kv_c, k_pe, ql_nope need one of {_MODEL_DTYPES}")
     if slot_mapping.dtype not in _INDEX_DTYPES or positions.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{fn}: slot_mapping and positions must be int32 or int64")
     cache, kv_max = _cache_view(fn, kv_cache, kv_cache_dtype, dtype, k_scale)
@@ -626,9 +600,7 @@ def _rope_cache(
     assert positions.shape == (tokens,), "positions must be [T]"
     num_slots = slot_mapping.shape[0]
     assert slot_mapping.dim() == 1 and num_slots <= tokens, "slot_mapping: [S <= T]"
-    assert slot_mapping.is_contiguous() and positions.is_contiguous(), (
-        "slot_mapping and positions must be contiguous"
-    )
+    assert slot_mapping.is_contiguous() and positions.is_contiguous(), "strided"
     q_max = 0.0
     if decode:
         assert ql_nope.shape == (tokens, heads, lora_rank), "ql_nope must be [T, H, L]"
@@ -658,19 +630,10 @@ def _rope_cache(
     k_scale = positions if k_scale is None else k_scale
     q_scale = positions if q_scale is None else q_scale
     tensors = (ql_nope, q_pe, q_out, kv_c, k_pe, cache, slot_mapping, positions)
+    tail = (cos_sin_cache, k_scale, q_scale)
     sizes = (tokens, num_slots, heads, cache_shape[1], qn[0], qn[1], qp[0], qp[1])
     strides = (qo[0], qo[1], kvc[0], kpe[0], cst[0], cst[1], css[0])
-    run(
-        _mla_rope_cache_kernel,
-        grid,
-        *tensors,
-        cos_sin_cache,
-        k_scale,
-        q_scale,
-        *sizes,
-        *strides,
-        **constexprs,
-    )
+    run(_mla_rope_cache_kernel, grid, *tensors, *tail, *sizes, *strides, **constexprs)
     return q_out
 
 

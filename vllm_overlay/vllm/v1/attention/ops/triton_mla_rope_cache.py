@@ -471,8 +471,7 @@ def decode_q_out_dtype(ql_nope: torch.Tensor, q_scale) -> torch.dtype:
 
 
 def _pow2(n: int) -> int:
-    # Not triton.next_power_of_2 / cdiv: calling a Triton constexpr function
-    # from the host costs microseconds.
+    # Not triton.next_power_of_2 / cdiv: each host call costs microseconds.
     return 1 << (max(n, 1) - 1).bit_length()
 
 
@@ -617,8 +616,9 @@ def _rope_cache(
                 raise TypeError(f"{fn}: q_scale is given, so q_out must be fp8")
         elif q_out.dtype != dtype:
             raise TypeError(f"{fn}: q_out must be {dtype} (or fp8 with q_scale)")
-    qn, qp, qo, kvc = ql_nope.stride(), q_pe.stride(), q_out.stride(), kv_c.stride()
-    kpe, cst, css = k_pe.stride(), cache.stride(), cos_sin_cache.stride()
+    qp, kvc, kpe = q_pe.stride(), kv_c.stride(), k_pe.stride()
+    qn, qo = (ql_nope.stride(), q_out.stride()) if decode else (qp, qp)
+    cst, css = cache.stride(), cos_sin_cache.stride()
     assert qn[2] == qp[2] == qo[2] == kvc[1] == kpe[-1] == cst[2] == css[1] == 1, (
         "every tensor but slot_mapping / positions needs a unit last stride"
     )

@@ -649,30 +649,50 @@ def test_paged_context_metadata_bound_to_the_workspace(device):
     assert torch.equal(out2, ref) and len(pca._LAUNCHES) == 3
 
 
-def test_mla_rows_bound_metadata(device):
-    """Calls passing the rows' own tensors take their geometry from them (one
-    key for every layer); other tensors with the same rows are keyed and
-    checked themselves; the outputs are those of the unbound call."""
+class _MLAJIT(_FakeJIT):
+    """The MLA kernel's parameters (its per-step integers do_not_specialize),
+    launches recorded: a fake JITFunction of the interpreted kernel."""
+
+    def __init__(self, real):
+        super().__init__()
+        per_step = ("num_tokens", "num_slots", "num_heads")
+        self.arg_names = list(inspect.signature(real.fn).parameters)
+        self.params = [_Param(n, n in per_step) for n in self.arg_names]
+
+
+@CPU_TABLES
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+def test_mla_hit_runs_what_kernel_grid_got_and_still_checks(form, monkeypatch):
+    """A call that hits runs the compiled kernel with exactly the arguments
+    the first call handed kernel[grid] (parameter order, constexprs last);
+    bad input after it still raises (nothing kept of the checked call)."""
     from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 
+    kernel = _MLAJIT(mla._mla_rope_cache_kernel)
+    monkeypatch.setattr(mla, "_mla_rope_cache_kernel", kernel)
+    monkeypatch.setattr(tl_launch, "_JITFunction", _MLAJIT)
+    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: True))
     tl_launch.clear_caches()
-    args = mla_tests._valid_args(device)
-    ref = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()})
-    rows = mla.mla_rope_rows(args["slot_mapping"], args["positions"], args["cos_sin_cache"])
-    assert rows.key is not None
-    for _ in range(2):
-        out = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()},
-                                        rows=rows)
-        assert torch.equal(out, ref)
-    assert len(mla._DECODE_LAUNCHES) == 1, "bound and unbound calls share their key"
-    bad = dict(args, slot_mapping=args["slot_mapping"].float())
-    with pytest.raises(TypeError, match="slot_mapping"):
-        mla_rope_concat_and_cache(**bad, rows=rows)
-    longer = dict(args, positions=torch.tensor([0, 5], device=device))
-    with pytest.raises(ValueError, match="positions"):
-        mla_rope_concat_and_cache(**longer, rows=rows)
-    prefill = {k: v for k, v in args.items() if k != "ql_nope"}
-    mla_rope_and_cache(**prefill, rows=rows)
-    mla_rope_and_cache(**prefill, rows=rows)
-    assert len(mla._PREFILL_LAUNCHES) == 1
-    assert mla.mla_rope_rows(None, None, None).key is None
+    args = mla_tests._valid_args("cpu")
+    args["q_out"] = torch.empty(3, 2, 48)
+    fn = mla_rope_concat_and_cache
+    if form == "prefill":
+        del args["q_out"], args["ql_nope"]
+        fn = mla_rope_and_cache
+    fn(**args)
+    fn(**args)
+    (grid, first, constexprs), = kernel.launches
+    (run,) = kernel.compiled.runs
+    names = kernel.arg_names[len(first) :]
+    assert set(constexprs) == {*names, "num_warps", "enable_fp_fusion"}
+    assert run[:3] == (*grid, 1) and len(run) == 9 + len(first) + len(names)
+    n = len(first)
+    same = [a is b or type(a) is int and a == b for a, b in zip(run[9:], first)]
+    assert all(same), same
+    assert run[9 + n :] == tuple(map(constexprs.get, names))
+    import re
+
+    for _, mutate, exc, match in mla_tests.BAD_ARGS:
+        with pytest.raises(exc, match=re.escape(match)):
+            fn(**mutate(dict(args)))
+    tl_launch.clear_caches()

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.triton_utils import triton
 from vllm.v1.attention.ops import triton_fetch_kv as fk
 from vllm.v1.attention.ops import triton_paged_context_attention as pc
+from vllm.v1.attention.ops.triton_launcher import warmup
 
 __all__ = ["FetchKVGeometry", "compile_case", "warmup_cases"]
 
@@ -110,17 +112,7 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
         if kind == "fetch_kv_plan":
             return
         out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
-        used = plan if case[1] else None
-        launch, dequant = fk._bind_fetch_kv(
-            key_cache, value_cache, out, out, block_table, cu, starts, scale, scale,
-            g.kv_cache_layout, num_tokens, used,
-        )  # fmt: skip
-        # The tensors fetch_kv hands the launch (its stand-ins included).
-        unread = cu if used is None else used.table
-        meta = (block_table, cu, starts) if used is None else (unread,) * 3
-        scales = (scale, scale) if dequant else (unread, unread)
-        tensors = (key_cache, value_cache, out, out, *meta, unread, *scales)
-        launch.compile_only(tensors, (0, 1), g.cache_bytes)
+        _compile_fetch_kv(g, key_cache, out, (block_table, cu, starts), plan, case[1])
         return
     # The backend's call: the new tokens' K/V given, the output given, the
     # step's workspace (split or not).
@@ -147,3 +139,48 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     parts = (ws.partial_out, ws.partial_lse)
     attend.compile_only((*head, *parts), (1, 2), g.cache_bytes)
     bound.combine.compile_only((*parts, query, ws.lse, cu))
+
+
+def _compile_fetch_kv(g: FetchKVGeometry, cache, out, metadata, plan, use_plan) -> None:
+    """Compile ``fetch_kv``'s launch for this geometry: its arguments as the
+    wrapper passes them (stand-ins included), the cache as ``g.cache_bytes``."""
+    page, head_size = g.block_size, g.head_size
+    sizes = (g.cache_dtype.itemsize, g.out_dtype.itemsize)
+    shuffle = g.kv_cache_layout == "SHUFFLE"
+    ppp = fk._pages_per_program(page, head_size, *sizes, shuffle)
+    block_table, cu, starts = metadata
+    if use_plan:
+        meta = (plan.table,) * 4 + (0, 0, 0, 0)
+    else:
+        meta = (block_table, cu, starts, cu)
+        meta += (*block_table.stride(), *cu.stride(), *starts.stride())
+    dequant = g.cache_dtype != g.out_dtype
+    scales = (torch.ones(1, device=out.device),) * 2 if dequant else meta[3:4] * 2
+    args = (cache, cache, out, out, *meta[:4], *scales, len(starts), g.num_kv_heads)
+    args += (
+        *meta[4:],
+        *g.cache_strides,
+        *g.cache_strides,
+        *out.stride(),
+        *out.stride(),
+    )
+    warp_size = fk._gpu_warp_size() if out.is_cuda else 32
+    warmup(
+        fk._fetch_kv_kernel,
+        (1,),
+        *args,
+        caches=(0, 1),
+        cache_bytes=g.cache_bytes,
+        HEAD_SIZE=head_size,
+        BLOCK_D=triton.next_power_of_2(head_size),
+        PAGE=page,
+        PAGES_PER_PROGRAM=ppp,
+        SHUFFLE=shuffle,
+        X=fk._VECTOR_BYTES // sizes[0] if shuffle else 1,
+        DEQUANT=dequant,
+        PLAN=use_plan,
+        PLAN_WIDTH=fk._plan_width(ppp),
+        PLAN_HEADER=fk._PLAN_HEADER,
+        REQ_STEP=fk._req_step(len(starts)),
+        num_warps=fk._num_warps(warp_size, ppp * page, head_size, *sizes),
+    )

@@ -373,6 +373,11 @@ def _fetch_kv_kernel(
     tl.store(v_dst, v, mask=store_mask)
 
 
+def _pow2(n: int) -> int:
+    """triton.next_power_of_2 without its per-call constexpr-function cost."""
+    return 1 << (n - 1).bit_length()
+
+
 def _pages_per_program(block_size, head_size, cache_size, out_size, shuffle) -> int:
     """Pages one program moves: about _TILE_BYTES per side (SHUFFLE: one, so
     that Triton keeps the V rows 16-byte vectors)."""
@@ -386,7 +391,7 @@ def _pages_per_program(block_size, head_size, cache_size, out_size, shuffle) -> 
 def _num_warps(warp_size, rows, head_size, cache_size, out_size) -> int:
     """_NUM_WARPS, or fewer when the tile has fewer 16-byte vectors of its
     narrower side than the warps have threads."""
-    elements = rows * triton.next_power_of_2(head_size)
+    elements = rows * _pow2(head_size)
     vectors = elements * min(cache_size, out_size) // _VECTOR_BYTES
     warps = max(1, min(_NUM_WARPS, vectors // warp_size))
     return 1 << (warps.bit_length() - 1)
@@ -398,7 +403,7 @@ def _gpu_warp_size() -> int:
 
 
 def _plan_width(pages_per_program: int) -> int:
-    return triton.next_power_of_2(_PLAN_HEADER + pages_per_program)
+    return _pow2(_PLAN_HEADER + pages_per_program)
 
 
 def _req_step(num_reqs: int) -> int:
@@ -580,7 +585,7 @@ def fetch_kv(
         (num_items * num_kv_heads,),
         *args,
         HEAD_SIZE=head_size,
-        BLOCK_D=triton.next_power_of_2(head_size),
+        BLOCK_D=_pow2(head_size),
         PAGE=page,
         PAGES_PER_PROGRAM=ppp,
         SHUFFLE=shuffle,

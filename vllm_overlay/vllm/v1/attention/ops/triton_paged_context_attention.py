@@ -556,6 +556,11 @@ def _combine_splits_kernel(
     )
 
 
+def _pow2(n: int) -> int:
+    """triton.next_power_of_2 without its per-call constexpr-function cost."""
+    return 1 << (n - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class _Tile:
     """A launch configuration of ``_paged_context_attention_kernel``."""
@@ -570,7 +575,7 @@ class _Tile:
 def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Tile:
     """The tile for a Triton ``target`` (None: the CPU interpreter), head size,
     GQA group and query dtype (also called by scripts/compile_tier)."""
-    large_d = triton.next_power_of_2(head_size) > 128
+    large_d = _pow2(head_size) > 128
     warps = _NUM_WARPS_LARGE_D if large_d else _NUM_WARPS
     stages = _NUM_STAGES
     if target is None:
@@ -582,14 +587,14 @@ def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Til
     else:
         block_m = _BLOCK_M
         block_n = _BLOCK_N_LARGE_D if large_d else _BLOCK_N
-    group_pad = triton.next_power_of_2(group)
+    group_pad = _pow2(group)
     block_m = max(block_m, group_pad)
     return _Tile(block_m, block_m // group_pad, block_n, warps, stages)
 
 
 def _combine_config(num_heads: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps) of ``_combine_splits_kernel`` (every target)."""
-    return min(triton.next_power_of_2(num_heads), _COMBINE_BLOCK_H), _NUM_WARPS
+    return min(_pow2(num_heads), _COMBINE_BLOCK_H), _NUM_WARPS
 
 
 @functools.cache
@@ -836,13 +841,13 @@ def paged_context_attention(
     args += (seq_lens, k_scale, v_scale, part_out, part_lse, num_reqs, num_splits)
     args += (scale * _LOG2E, window_left, *q_strides[:2], *kc_strides[:3])
     args += (*vc_strides[:3], *new_strides, bt_strides[0], *part_strides)
-    head_dim_pad = triton.next_power_of_2(head_size)
+    head_dim_pad = _pow2(head_size)
     launch(
         _paged_context_attention_kernel,
         (num_tokens // tile.block_q + num_reqs, num_kv_heads, num_splits),
         *args,
         GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
+        GROUP_PAD=_pow2(group),
         BLOCK_Q=tile.block_q,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
@@ -863,7 +868,7 @@ def paged_context_attention(
         args += (num_heads, *part_strides, *out_strides[:2], *lse_strides)
         launch(
             _combine_splits_kernel,
-            (num_tokens, triton.cdiv(num_heads, block_h)),
+            (num_tokens, -(-num_heads // block_h)),
             *args,
             HEAD_DIM=head_size,
             HEAD_DIM_PAD=head_dim_pad,

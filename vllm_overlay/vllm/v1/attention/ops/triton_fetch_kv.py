@@ -14,12 +14,10 @@ their dtype is the cache's (a bit-exact copy) or, from an fp8 cache, a float
 dtype (dequantised with the per-tensor ``k_scale`` / ``v_scale``).
 
 One program moves a (page, kv head) tile per side, or several pages of one
-request when pages are small.  Work items are numbered in closed form
-(request ``b`` owns items from ``cu_seqlens_kv[b] // rows + 2 * b``), so a
-program finds its request by a vector scan of ``cu_seqlens_kv``: no host
-synchronisation, CUDA-graph capturable.  ``fetch_kv_plan`` does that scan and
-the block-table reads once per batch, into one int32 row per item that
-``fetch_kv(..., plan=)`` reads instead (one plan serves every layer).
+request when pages are small.  Request ``b`` owns work items from
+``cu_seqlens_kv[b] // rows + 2 * b``, found by a vector scan: no host sync,
+graph-capturable.  ``fetch_kv_plan`` does the scan and block-table reads once
+per batch (one int32 row per item) for every layer's ``fetch_kv(..., plan=)``.
 """
 
 import functools
@@ -56,8 +54,7 @@ _INDEX_DTYPES = frozenset((torch.int32, torch.int64))
 
 @dataclass(frozen=True, eq=False)
 class FetchKVPlan:
-    """``fetch_kv_plan``'s work plan: the int32 ``[num_items, width]`` device
-    ``table`` and the host values it was built for (checked by ``fetch_kv``)."""
+    """``fetch_kv_plan``'s int32 ``table`` and the values it was built for."""
 
     table: torch.Tensor
     block_size: int
@@ -373,14 +370,12 @@ def _fetch_kv_kernel(
     tl.store(v_dst, v, mask=store_mask)
 
 
-def _pow2(n: int) -> int:
-    """triton.next_power_of_2 without its per-call constexpr-function cost."""
+def _pow2(n: int) -> int:  # triton.next_power_of_2, minus its call overhead
     return 1 << (n - 1).bit_length()
 
 
 def _pages_per_program(block_size, head_size, cache_size, out_size, shuffle) -> int:
-    """Pages one program moves: about _TILE_BYTES per side (SHUFFLE: one, so
-    that Triton keeps the V rows 16-byte vectors)."""
+    """Pages a program moves: ~_TILE_BYTES a side (SHUFFLE: 1, keeping V vectors)."""
     if shuffle:
         return 1
     side_bytes = block_size * head_size * max(cache_size, out_size)
@@ -389,10 +384,8 @@ def _pages_per_program(block_size, head_size, cache_size, out_size, shuffle) -> 
 
 
 def _num_warps(warp_size, rows, head_size, cache_size, out_size) -> int:
-    """_NUM_WARPS, or fewer when the tile has fewer 16-byte vectors of its
-    narrower side than the warps have threads."""
-    elements = rows * _pow2(head_size)
-    vectors = elements * min(cache_size, out_size) // _VECTOR_BYTES
+    """_NUM_WARPS, fewer where a thread would move less than a 16-byte vector."""
+    vectors = rows * _pow2(head_size) * min(cache_size, out_size) // _VECTOR_BYTES
     warps = max(1, min(_NUM_WARPS, vectors // warp_size))
     return 1 << (warps.bit_length() - 1)
 
@@ -407,8 +400,7 @@ def _plan_width(pages_per_program: int) -> int:
 
 
 def _req_step(num_reqs: int) -> int:
-    """REQ_STEP for ``num_reqs`` requests, bucketed to a power of four in
-    16 .. 1024 (four compile variants, all warmed up)."""
+    """REQ_STEP, bucketed: a power of four in 16 .. 1024 (four variants)."""
     step = 16
     while step <= num_reqs and step < _MAX_REQ_STEP:
         step *= 4
@@ -469,7 +461,7 @@ def fetch_kv_plan(
         assert out.stride() == (width, 1), "fetch_kv_plan: out rows must be contiguous"
         table = out[:num_items]
     if num_items:
-        args = (table, block_table, cu_seqlens_kv, seq_starts, num_reqs)
+        args: tuple = (table, block_table, cu_seqlens_kv, seq_starts, num_reqs)
         args += (*block_table.stride(), *cu_seqlens_kv.stride(), *seq_starts.stride())
         launch(
             _fetch_kv_plan_kernel,
@@ -522,13 +514,16 @@ def fetch_kv(
     if value_cache.dtype != cache_dtype or value_out.dtype != out_dtype:
         raise TypeError("fetch_kv: K and V must have the same cache and output dtypes")
     dequant = cache_dtype != out_dtype
-    if dequant and (cache_dtype not in _FP8_DTYPES or out_dtype not in _DEQUANT_DTYPES):
+    if dequant and not (cache_dtype in _FP8_DTYPES and out_dtype in _DEQUANT_DTYPES):
         raise TypeError(
-            f"fetch_kv: cannot fetch a {cache_dtype} cache into {out_dtype}: the dtypes "
-            "must match, or the cache be fp8 (not uint8) and the outputs 16/32-bit float"
+            f"fetch_kv: cannot fetch a {cache_dtype} cache into {out_dtype}: the "
+            "dtypes must match, or the cache be fp8 (not uint8) and the outputs float"
         )
-    scales = isinstance(k_scale, torch.Tensor) and isinstance(v_scale, torch.Tensor)
-    if dequant and not (scales and k_scale.numel() == v_scale.numel() == 1):
+    if dequant and not (
+        isinstance(k_scale, torch.Tensor)
+        and isinstance(v_scale, torch.Tensor)
+        and k_scale.numel() == v_scale.numel() == 1
+    ):
         raise ValueError("fetch_kv: an fp8 cache needs one-element k_scale/v_scale")
     if page & (page - 1):
         raise ValueError(f"fetch_kv: block_size must be a power of two, got {page}")
@@ -552,7 +547,7 @@ def fetch_kv(
         if max_num_tokens is not None:
             num_tokens = max_num_tokens
         num_items = num_tokens // (ppp * page) + 2 * num_reqs
-        meta = (block_table, cu_seqlens_kv, seq_starts, cu_seqlens_kv)
+        meta: tuple = (block_table, cu_seqlens_kv, seq_starts, cu_seqlens_kv)
         meta += (*block_table.stride(), *cu_seqlens_kv.stride(), *seq_starts.stride())
     else:
         if not isinstance(plan, FetchKVPlan):
@@ -565,10 +560,9 @@ def fetch_kv(
             or num_blocks > _INT32_MAX  # the plan holds int32 block ids
         ):
             raise ValueError(
-                f"fetch_kv: a plan for (block_size, pages per program, requests) "
-                f"{built} and {plan.num_tokens} tokens; the call needs "
-                f"{(page, ppp, num_reqs)} and <= {num_tokens} (max_num_tokens "
-                f"{max_num_tokens})"
+                f"fetch_kv: a plan for (block size, pages/program, requests) {built} "
+                f"and {plan.num_tokens} tokens; the call needs {(page, ppp, num_reqs)} "
+                f"and <= {num_tokens} (max_num_tokens {max_num_tokens})"
             )
         num_tokens, num_items = plan.num_tokens, plan.num_items
         meta = (plan.table,) * 4 + (0, 0, 0, 0)  # not read: the kernel reads the plan
@@ -576,9 +570,9 @@ def fetch_kv(
         return
     if not dequant:  # not read: a stand-in of fixed dtype
         k_scale = v_scale = meta[3]
-    args = (key_cache, value_cache, key_out, value_out, *meta[:4], k_scale, v_scale)
-    args += (num_reqs, num_kv_heads, *meta[4:], *kc_strides, *vc_strides)
-    args += (*key_out.stride(), *value_out.stride())
+    args: tuple = (key_cache, value_cache, key_out, value_out, *meta[:4])
+    args += (k_scale, v_scale, num_reqs, num_kv_heads, *meta[4:], *kc_strides)
+    args += (*vc_strides, *key_out.stride(), *value_out.stride())
     warp_size = _gpu_warp_size() if key_cache.is_cuda else 32
     launch(
         _fetch_kv_kernel,

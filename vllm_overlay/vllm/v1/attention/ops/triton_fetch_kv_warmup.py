@@ -146,13 +146,22 @@ def _compile_fetch_kv(g: FetchKVGeometry, cache, out, metadata, plan, use_plan, 
     ppp = fk._pages_per_program(page, head_size, *sizes, shuffle)
     block_table, cu, starts = metadata
     if use_plan:
-        meta = (plan.table,) * 4 + (0, 0, 0, 0)
+        meta: tuple = (plan.table,) * 4 + (0, 0, 0, 0)
     else:
         meta = (block_table, cu, starts, cu)
         meta += (*block_table.stride(), *cu.stride(), *starts.stride())
     dequant = g.cache_dtype != g.out_dtype
     scales = (scale, scale) if dequant else meta[3:4] * 2
-    args = (cache, cache, out, out, *meta[:4], *scales, len(starts), g.num_kv_heads)
+    args: tuple = (
+        cache,
+        cache,
+        out,
+        out,
+        *meta[:4],
+        *scales,
+        len(starts),
+        g.num_kv_heads,
+    )
     args += (
         *meta[4:],
         *g.cache_strides,
@@ -200,7 +209,18 @@ def _compile_paged(g: FetchKVGeometry, query, cache, new, metadata, scale, ws):
     else:
         parts = (ws.partial_out, ws.partial_lse)
         part_strides = (*ws.partial_out.stride()[:3], *ws.partial_lse.stride())
-    args = (query, cache, cache, new, new, block_table, cu, seq_lens, *scales, *parts)
+    args: tuple = (
+        query,
+        cache,
+        cache,
+        new,
+        new,
+        block_table,
+        cu,
+        seq_lens,
+        *scales,
+        *parts,
+    )
     args += (len(seq_lens), splits, pc._LOG2E, 0, *query.stride()[:2])
     args += (*g.cache_strides[:3], *g.cache_strides[:3], *new.stride()[:2])
     args += (*new.stride()[:2], block_table.stride()[0], *part_strides)

@@ -597,6 +597,15 @@ def _combine_config(num_heads: int) -> tuple[int, int]:
     return min(_pow2(num_heads), _COMBINE_BLOCK_H), _NUM_WARPS
 
 
+def _scale_tensor(scale, query) -> torch.Tensor:
+    """An fp8 scale as a one-element float32 tensor (a float: one per call)."""
+    if not isinstance(scale, torch.Tensor):
+        return query.new_full((1,), scale, dtype=torch.float32)
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError("paged_context_attention: scales must be one-element float32")
+    return scale
+
+
 @functools.cache
 def _gpu_target():
     return triton.runtime.driver.active.get_current_target()
@@ -658,7 +667,7 @@ def paged_context_workspace(
     splits = _split_count(
         num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
     )
-    shapes = [(num_heads, num_tokens)]
+    shapes: list[tuple[int, ...]] = [(num_heads, num_tokens)]
     if splits > 1:
         shapes += [
             (splits, num_tokens, num_heads, head_size),
@@ -771,21 +780,13 @@ def paged_context_attention(
     if fp8:
         if k_scale is None or v_scale is None:
             raise ValueError(f"{fn}: an fp8 cache needs k_scale and v_scale")
-        if not isinstance(k_scale, torch.Tensor):
-            k_scale = query.new_full((1,), k_scale, dtype=torch.float32)
-        if not isinstance(v_scale, torch.Tensor):
-            v_scale = query.new_full((1,), v_scale, dtype=torch.float32)
-        if not (
-            k_scale.numel() == v_scale.numel() == 1
-            and k_scale.dtype == v_scale.dtype == torch.float32
-        ):
-            raise ValueError(f"{fn}: k_scale and v_scale must be one-element float32")
+        k_scale, v_scale = _scale_tensor(k_scale, query), _scale_tensor(v_scale, query)
     else:  # not read: a stand-in of fixed dtype
         k_scale = v_scale = seq_lens
     with_new = key is not None
     if with_new != (value is not None):
         raise TypeError(f"{fn}: key and value come together")
-    if with_new:
+    if key is not None and value is not None:
         new_strides = (*key.stride()[:2], *value.stride()[:2])
         assert key.shape == value.shape == (num_tokens, num_kv_heads, head_size), (
             f"{fn}: key / value shape"
@@ -831,13 +832,18 @@ def paged_context_attention(
             part_lse = query.new_empty(lse_shape, dtype=torch.float32)
         else:
             part_out, part_lse = workspace.partial_out, workspace.partial_lse
-            if part_out.shape != part_shape or part_lse.shape != lse_shape:
+            if (
+                part_out is None
+                or part_lse is None
+                or part_out.shape != part_shape
+                or part_lse.shape != lse_shape
+            ):
                 raise ValueError(f"{fn}: the workspace was made for other shapes")
         t_stride = num_heads * head_size
         part_strides = (num_tokens * t_stride, t_stride, head_size)
         part_strides += (num_heads * num_tokens, num_tokens, 1)
     window_left = 0 if sliding_window is None else sliding_window - 1
-    args = (query, key_cache, value_cache, key, value, block_table, cu_seqlens_q)
+    args: tuple = (query, key_cache, value_cache, key, value, block_table, cu_seqlens_q)
     args += (seq_lens, k_scale, v_scale, part_out, part_lse, num_reqs, num_splits)
     args += (scale * _LOG2E, window_left, *q_strides[:2], *kc_strides[:3])
     args += (*vc_strides[:3], *new_strides, bt_strides[0], *part_strides)

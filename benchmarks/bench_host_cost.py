@@ -428,7 +428,7 @@ def test_host_cost_hip_spec(benchmark):
     """What selecting the compiled kernel costs per launch on ROCm, measured on
     whatever host runs this (pure Python; no AMD GPU needed): Triton's
     HIPBackend.get_tensor_specialization for each pointer argument (what
-    JITFunction.run and the previous KernelLaunch did: it reads its knob from
+    JITFunction.run does: it reads its knob from
     the environment every call), against triton_launcher's equivalent
     (the ``alignment+2GiB`` key its probe finds for HIPBackend), for the MLA
     decode form's 11 pointer arguments.  ``torch_op`` is the host's own torch

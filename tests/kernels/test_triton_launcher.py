@@ -1,19 +1,17 @@
-"""triton_launcher (vllm/v1/attention/ops/triton_launcher.py) and the wrappers' launch caches.
+"""triton_launcher (vllm/v1/attention/ops/triton_launcher.py) and the wrappers on it.
 
-KernelLaunch's direct path is exercised on the CPU tier with a stand-in for a
-compiled Triton kernel that records what it is handed: the first call of a
-pointer pattern goes through ``kernel[grid]``, later ones hand the tensors,
-fixed scalars and constexprs (parameter order) to the compiled kernel's
-launcher, and anything that selects another compiled kernel (pointer alignment
-or storage, device, ENABLED off, the plain path) goes back through
+``launch()``'s direct path is exercised on the CPU tier with a stand-in for a
+compiled Triton kernel that records what it is handed: the first call of a key
+goes through ``kernel[grid]``, later ones hand every parameter (parameter
+order) to the compiled kernel's ``run``, and anything that selects another
+compiled kernel (pointer alignment or storage, a dtype, a specialised scalar, a
+constexpr or option, the device, ENABLED off, the plain path) goes back through
 ``kernel[grid]``.  The pointer probe is checked against stand-in backends here
 and against every real Triton release in tests/launcher.
 
-The wrappers' caches: a call that misses runs the full checks; bad input after
-a good call with the same shapes still gets the same clear error (its key
-differs: a dtype, a shape, a stride, a device); hits add nothing to the cache;
-and results are bit-identical to the uncached path (ENABLED = False: checks on
-every call and ``kernel[grid]``), compiled on the GPU tier.
+The wrappers check every call: bad input after a good call (a launch hit) still
+gets the same clear error, and results through launch hits are bit-identical
+to ``kernel[grid]`` on every call (ENABLED = False), compiled on the GPU tier.
 """
 
 import inspect
@@ -24,7 +22,6 @@ import torch
 import triton
 from vllm.v1.attention.ops import triton_launcher as tl_launch
 from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv, fetch_kv_plan
-from vllm.v1.attention.ops.triton_launcher import KernelLaunch
 from vllm.v1.attention.ops.triton_mla_rope_cache import (
     mla_rope_and_cache,
     mla_rope_concat_and_cache,
@@ -39,7 +36,7 @@ import test_triton_mla_rope_cache as mla_tests  # noqa: E402
 import test_triton_paged_context_attention as pca_tests  # noqa: E402
 
 
-# ------------------------------------------------------------ KernelLaunch
+# ------------------------------------------------------------ stand-ins
 
 
 class _Compiled:
@@ -83,49 +80,6 @@ def _path(pointer_key=tl_launch.ALIGNMENT, spec=None, device=(0,), direct=True, 
                                 lambda dev: 1234 + dev, _Compiled, quiet)
 
 
-@pytest.fixture
-def fake_jit(monkeypatch):
-    """A fake kernel on a launch path found for it."""
-    monkeypatch.setattr(tl_launch, "_JITFunction", _FakeJIT)
-    monkeypatch.setattr(tl_launch, "_PATH", _path())
-    return _FakeJIT()
-
-
-def _launch(kernel):
-    return KernelLaunch(kernel, (7, 3), (5, 16), {"FLAG": True, "BLOCK": 64}, num_warps=4)
-
-
-def test_first_call_goes_through_kernel_grid_then_direct(fake_jit):
-    launch = _launch(fake_jit)
-    x, y = torch.zeros(64), torch.zeros(64)
-    launch(x, y)
-    assert fake_jit.launches == [((7, 3), (x, y, 5, 16), {"FLAG": True, "BLOCK": 64,
-                                                         "num_warps": 4})]
-    a, b = torch.ones(64), torch.ones(64)
-    launch(a, b)
-    assert len(fake_jit.launches) == 1, "a hit must not go through kernel[grid]"
-    # The compiled kernel's own launcher, for the grid padded to three
-    # dimensions, with every parameter in order and the current stream.
-    ((grid, stream, args),) = fake_jit.compiled.calls
-    assert grid == (7, 3, 1) and stream == 1234
-    assert args[:2] == (a, b) and args[2:] == (5, 16, 64, True)
-
-
-def test_no_hook_set_calls_run_with_what_the_launcher_would_pass(fake_jit, monkeypatch):
-    hooks = [False]
-    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: not hooks[0]))
-    launch = _launch(fake_jit)
-    x, y = torch.zeros(64), torch.zeros(64)
-    launch(x, y)
-    launch(x, y)
-    compiled = fake_jit.compiled
-    assert compiled.runs == [(7, 3, 1, 1234, compiled.function, compiled.packed_metadata,
-                              None, None, None, x, y, 5, 16, 64, True)]
-    hooks[0] = True  # a profiler: Triton's own launcher passes the hooks
-    launch(x, y)
-    assert len(compiled.runs) == 1 and len(compiled.calls) == 1
-
-
 def test_quiet_reads_the_hooks_of_this_triton(monkeypatch):
     """_hooks_quiet finds _RUN_CALL in the installed CompiledKernel and its
     check follows triton.knobs.runtime's hooks."""
@@ -143,72 +97,6 @@ def test_a_launcher_that_calls_run_otherwise_is_never_bypassed():
             return lambda *args, stream=None: self.run(grid, stream, *args)
 
     assert tl_launch._hooks_quiet(Other) is None
-
-
-def test_another_alignment_is_another_compiled_kernel(fake_jit):
-    launch = _launch(fake_jit)
-    base = torch.zeros(80)
-    launch(base[:64], base[:64])
-    launch(base[1:65], base[:64])  # 4-byte offset: Triton specialises it differently
-    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
-    launch(base[5:69], base[16:80])  # first pointer misaligned, second aligned: a hit
-    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
-
-
-def test_other_device_goes_through_kernel_grid(fake_jit, monkeypatch):
-    device = [0]
-    monkeypatch.setattr(tl_launch, "_PATH", _path(device=device))
-    launch = _launch(fake_jit)
-    x = torch.zeros(64)
-    launch(x, x)
-    device[0] = 1
-    launch(x, x)
-    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
-    launch(x, x)
-    assert fake_jit.compiled.calls[0][1] == 1235, "the stream of the current device"
-
-
-def test_disabled_and_the_plain_path_go_through_kernel_grid(fake_jit, monkeypatch):
-    x = torch.zeros(64)
-    monkeypatch.setattr(tl_launch, "ENABLED", False)
-    launch = _launch(fake_jit)
-    launch(x, x)
-    launch(x, x)
-    monkeypatch.setattr(tl_launch, "ENABLED", True)
-    monkeypatch.setattr(tl_launch, "_PATH", _path(direct=False))
-    launch = _launch(fake_jit)
-    launch(x, x)
-    launch(x, x)
-    assert len(fake_jit.launches) == 4 and not fake_jit.compiled.calls
-
-
-def test_storage_within_2gib_is_part_of_the_key(fake_jit, monkeypatch):
-    monkeypatch.setattr(tl_launch, "_PATH", _path(tl_launch.ALIGNMENT_AND_2GB))
-    launch = _launch(fake_jit)
-    small = torch.zeros(64)
-    big = torch.empty(2**31, dtype=torch.uint8)  # not touched: no memory committed
-    launch(small, small)
-    launch(big[:256].view(torch.float32), small)
-    launch(big[256:512].view(torch.float32), small)
-    launch(torch.ones(64), small)
-    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 2
-
-
-def test_backend_call_asks_the_backend_per_tensor(fake_jit, monkeypatch):
-    monkeypatch.setattr(tl_launch, "_PATH", _path(
-        tl_launch.BACKEND_CALL, spec=lambda t: "S" if t.numel() < 100 else ""))
-    launch = _launch(fake_jit)
-    small, big = torch.zeros(64), torch.zeros(128)
-    launch(small, small)
-    launch(big, small)
-    launch(small, torch.ones(64))
-    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
-
-
-def test_constexprs_must_be_the_trailing_parameters(fake_jit):
-    launch = KernelLaunch(fake_jit, (1,), (5, 16), {"FLAG": True, "OTHER": 1})
-    with pytest.raises(TypeError, match="takes"):
-        launch(torch.zeros(4), torch.zeros(4))
 
 
 def test_interpreted_kernels_always_go_through_kernel_grid():
@@ -267,8 +155,7 @@ def test_launch_compiles_through_kernel_grid_then_runs_the_compiled_kernel(step_
     lambda a, kw: ((*a[:2], 2**31, a[3]), kw),        # a per-step value of another type
     lambda a, kw: (a, {**kw, "BLOCK": 32}),           # another constexpr
     lambda a, kw: (a, {**kw, "num_warps": 8}),        # another option
-    lambda a, kw: (a, {**kw, "FLAG": True}),          # a default given
-], ids=["alignment", "dtype", "scalar", "per_step_type", "constexpr", "option", "default"])
+], ids=["alignment", "dtype", "scalar", "per_step_type", "constexpr", "option"])
 def test_what_selects_another_compiled_kernel_goes_through_kernel_grid(step_jit, edit):
     base = torch.zeros(80)
     args, kwargs = (base[:64], base[:64], 5, 16), {"BLOCK": 64, "num_warps": 4}
@@ -328,12 +215,23 @@ def test_launch_keys_pointers_as_the_backend_does(step_jit, monkeypatch, pointer
     assert len(step_jit.launches) == 2 and len(step_jit.compiled.runs) == 2
 
 
-def test_another_number_of_arguments_goes_through_kernel_grid(step_jit):
+@pytest.mark.parametrize("call", [
+    lambda x: ((x, x, 5), {"BLOCK": 64, "stride": 16}),     # fewer positional arguments
+    lambda x: ((x, x, 5, 16), {"BLOCK": 64, "FLAG": True}),  # another keyword
+    lambda x: ((x, x, 5, 16), {"FLAG": 64}),                 # as many, other names
+], ids=["positional", "keyword", "names"])
+def test_calls_shaped_otherwise_go_through_kernel_grid(step_jit, call):
+    """A kernel's fast path is for calls shaped like its first compiled one
+    (one call site, as the wrappers have): others always take kernel[grid]."""
     x = torch.zeros(64)
     tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    tl_launch.launch(step_jit, (1,), x, x, 5, BLOCK=64, stride=16)
-    tl_launch.launch(step_jit, (1,), x, x, 5, BLOCK=64, stride=16)
+    args, kwargs = call(x)
+    tl_launch.launch(step_jit, (1,), *args, **kwargs)
+    tl_launch.launch(step_jit, (1,), *args, **kwargs)
     assert len(step_jit.launches) == 3 and not step_jit.compiled.runs
+    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
+    tl_launch.launch(step_jit, (1,), x, x, 7, 16, BLOCK=64)  # another per-step value
+    assert len(step_jit.compiled.runs) == 2
 
 
 def test_another_device_is_another_key(step_jit, monkeypatch):
@@ -390,10 +288,6 @@ def test_a_backend_the_probe_cannot_read_gets_the_plain_path():
 
 
 # ------------------------------------------------------------ wrapper caches
-
-
-def _cache_sizes():
-    return [len(c) for c in tl_launch._CACHES]
 
 
 # The error tables of the kernel tests build CPU tensors; on a GPU machine a

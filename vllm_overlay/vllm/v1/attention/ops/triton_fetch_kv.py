@@ -383,6 +383,7 @@ def _pages_per_program(block_size, head_size, cache_size, out_size, shuffle) -> 
     return min(_MAX_PAGES_PER_PROGRAM, pages)
 
 
+@functools.cache
 def _num_warps(warp_size, rows, head_size, cache_size, out_size) -> int:
     """_NUM_WARPS, fewer where a thread would move less than a 16-byte vector."""
     vectors = rows * _pow2(head_size) * min(cache_size, out_size) // _VECTOR_BYTES

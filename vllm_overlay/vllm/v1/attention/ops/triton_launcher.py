@@ -51,69 +51,22 @@ from vllm.triton_utils import triton
 
 logger = init_logger(__name__)
 
-__all__ = [
-    "ENABLED",
-    "launch",
-    "warmup",
-    "KernelLaunch",
-    "LaunchCache",
-    "clear_caches",
-    "fast_path",
-    "launch_path",
-    "tensor_geometry",
-]
+__all__ = ["ENABLED", "clear_caches", "launch", "launch_path", "warmup"]
 
-# Caching and direct launches on (False: every call checks its arguments and
-# launches through kernel[grid]).
+# Direct launches on (False: every launch goes through kernel[grid]).
 ENABLED = True
 
-# A cache holding more keys than this is emptied (dropping them all is cheap).
+# A kernel holding more compiled-kernel keys than this empties them (dropping
+# them all is cheap).
 _MAX_KEYS = 4096
-
-_CACHES: list[LaunchCache] = []
 
 # Compiled kernels (not TRITON_INTERPRET=1, not vLLM's Triton placeholder).
 _JITFunction = getattr(getattr(triton, "runtime", None), "JITFunction", ())
 
 
-def fast_path() -> bool:
-    """Whether a wrapper may use its cache and direct launches for this call."""
-    return ENABLED and not torch.compiler.is_compiling()
-
-
-class LaunchCache(dict):
-    """A wrapper's validated launches by key (a dict that empties when full)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        _CACHES.append(self)
-
-    def put(self, key, value):
-        if len(self) >= _MAX_KEYS:
-            self.clear()
-        self[key] = value
-        return value
-
-    def bind(self, key, check_and_bind, *args):
-        """A miss: ``check_and_bind(*args)`` (the wrapper's full checks; raises
-        before anything is cached), kept under ``key`` unless it is None (an
-        unkeyable call, or the plain path)."""
-        value = check_and_bind(*args)
-        if key is not None:
-            self.put(key, value)
-        return value
-
-
-def tensor_geometry(t) -> tuple:
-    """What a launch key holds of a tensor: shape, strides, dtype, device."""
-    return (t.shape, t.stride(), t.dtype, t.device)
-
-
 def clear_caches() -> None:
-    """Forget every validated launch and compiled kernel kept by ``launch``
-    (tests and tuning change module constants that launches derive from)."""
-    for cache in _CACHES:
-        cache.clear()
+    """Forget every compiled kernel ``launch`` kept (tests and tuning change
+    module constants that launches derive from)."""
     _STATES.clear()
 
 
@@ -126,7 +79,7 @@ BACKEND_CALL = "backend call"
 
 
 class LaunchPath:
-    """What the installed Triton lets a ``KernelLaunch`` do, found once.
+    """What the installed Triton lets ``launch`` do, found once.
 
     ``direct``: whether hits call the compiled kernel's launcher; ``reason``:
     why (logged once); ``pointer_key``: how pointers select a compiled kernel
@@ -303,20 +256,21 @@ class _KernelState:
 
     __slots__ = ("path", "key", "compiled")
 
-    def __init__(self, path, kernel, args):
+    def __init__(self, path, kernel, args, kwargs):
         self.path = path
-        self.key = _key_function(path, kernel, args)
+        self.key = _key_function(path, kernel, args, kwargs)
         self.compiled: dict = {}
 
 
-def _key_function(path, kernel, args):
-    """``key(device, args, kwargs)`` for calls shaped like ``args``: tensors
+def _key_function(path, kernel, args, kwargs):
+    """``key(device, args, kwargs)`` for calls shaped like this one: tensors
     first (their dtypes and pointer key), then scalars (by value, or by Triton
     type for ``do_not_specialize`` ones), then every keyword by value.
 
     Straight-line code made for this kernel (as Triton's own binder is), so a
     call reads each tensor attribute once and loops over nothing; a call with
-    another number of positional arguments raises ValueError (no hit).
+    another number of positional arguments or other keywords raises
+    ValueError or KeyError (no hit).
     """
     num_tensors = next(
         (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args)
@@ -347,10 +301,13 @@ def _key_function(path, kernel, args):
         for i, n in enumerate(names[num_tensors:], num_tensors)
     ]
     parts = [f"{t}.dtype" for t in tensors] + [pointer] + scalars
+    parts += [f"kwargs[{k!r}]" for k in kwargs]
     source = (
         f"def key(device, args, kwargs):\n"
         f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n"
-        f"    return (device, {', '.join(parts)}, tuple(kwargs.items()))\n"
+        f"    if len(kwargs) != {len(kwargs)}:\n"
+        f"        raise KeyError('other keywords')\n"
+        f"    return (device, {', '.join(parts)})\n"
     )
     scope = {"spec": path.spec, "scalar_type": _scalar_type}
     exec(source, scope)  # noqa: S102 - built above from argument counts only
@@ -381,7 +338,9 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     ``do_not_specialize`` (only its Triton type is part of the key); every
     other scalar, constexpr and option is keyed by value, as are the tensors'
     dtypes and what Triton specialises their pointers on.  The first launch of
-    each key goes through ``kernel[grid]`` (compiling if needed).
+    each key goes through ``kernel[grid]`` (compiling if needed), and so does
+    every call shaped otherwise than the kernel's first compiled launch (another
+    number of positional arguments, other keywords: one call site per kernel).
     """
     state = _STATES.get(kernel)
     if state is not None and ENABLED:
@@ -390,7 +349,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         device = path.current_device()
         try:
             entry = state.compiled.get(state.key(device, args, kwargs))
-        except (AttributeError, TypeError, ValueError):  # other arguments
+        except (AttributeError, KeyError, TypeError, ValueError):  # other arguments
             pass
         if entry is not None and not torch.compiler.is_compiling():
             compiled, rest = entry
@@ -404,7 +363,11 @@ def launch(kernel, grid, *args, **kwargs) -> None:
                 compiled[g[:3]](*args, *rest, stream=stream)
             return
     compiled = kernel[grid](*args, **kwargs)
-    if isinstance(kernel, _JITFunction) and fast_path():
+    if (
+        ENABLED
+        and isinstance(kernel, _JITFunction)
+        and not torch.compiler.is_compiling()
+    ):
         _remember(kernel, compiled, args, kwargs)
 
 
@@ -414,7 +377,7 @@ def _remember(kernel, compiled, args, kwargs) -> None:
         return
     state = _STATES.get(kernel)
     if state is None:
-        state = _STATES[kernel] = _KernelState(path, kernel, args)
+        state = _STATES[kernel] = _KernelState(path, kernel, args, kwargs)
     names = kernel.arg_names[len(args) :]
     params = kernel.params[len(args) :]
     rest = tuple(kwargs.get(n, p.default) for n, p in zip(names, params))
@@ -423,7 +386,7 @@ def _remember(kernel, compiled, args, kwargs) -> None:
     compiled[(1, 1, 1)]  # loads the kernel's handles if needed
     try:
         key = state.key(path.current_device(), args, kwargs)
-    except (AttributeError, TypeError, ValueError):  # not the arguments the
+    except (AttributeError, KeyError, TypeError, ValueError):  # not the arguments the
         return  # state was made for
     if len(state.compiled) >= _MAX_KEYS:
         state.compiled.clear()
@@ -459,102 +422,6 @@ def warmup(kernel, grid, *args, caches=(), cache_bytes=None, **kwargs) -> None:
             for i, a in enumerate(args)
         ]
         kernel.warmup(*stand_ins, **kwargs, grid=grid)
-
-
-# Transitional: the wrappers move to launch(); removed once none uses it.
-class KernelLaunch:
-    """One launch configuration of a ``@triton.jit`` kernel.
-
-    ``kernel(*tensors, *scalars, **constexprs)`` must list its parameters in
-    that order (pointer arguments first, then runtime scalars, then
-    constexprs), which is how every kernel here is written.  ``grid`` (up to
-    three ints), ``scalars``, ``constexprs`` and ``options`` (``num_warps``,
-    ...) are fixed; call the object with the tensor arguments, whose dtypes
-    must be the same on every call (the caller's key fixes them).
-    """
-
-    __slots__ = (
-        "kernel",
-        "grid",
-        "scalars",
-        "constexprs",
-        "options",
-        "_dims",
-        "_tail",
-        "_path",
-        "_compiled",
-    )
-
-    def __init__(self, kernel, grid, scalars=(), constexprs=None, **options):
-        self.kernel = kernel
-        self.grid = tuple(grid)
-        self.scalars = tuple(scalars)
-        self.constexprs = dict(constexprs or {})
-        self.options = options
-        self._dims = (*self.grid, 1, 1)[:3]
-        self._tail: tuple = ()  # scalars + constexpr values in parameter order
-        self._path = _UNKNOWN  # the process's launch path, once a launch found it
-        # (device, pointer key) -> (run, its arguments after grid and stream,
-        # launcher)
-        # of the CompiledKernel Triton compiled for that key
-        self._compiled: dict = {}
-
-    def __call__(self, *tensors) -> None:
-        if self._compiled:
-            path = self._path
-            device = path.current_device()
-            ptrs = [t.data_ptr() for t in tensors]
-            entry = self._compiled.get((device, _pointer_key(path, tensors, ptrs)))
-            if entry is not None:
-                run, after, launcher = entry
-                stream = path.current_stream(device)
-                if path.quiet is not None and path.quiet():
-                    run(*self._dims, stream, *after, *tensors, *self._tail)
-                else:
-                    launcher(*tensors, *self._tail, stream=stream)
-                return
-        compiled = self.kernel[self.grid](
-            *tensors, *self.scalars, **self.constexprs, **self.options
-        )
-        if isinstance(self.kernel, _JITFunction) and fast_path():
-            self._remember(compiled, tensors)
-
-    def compile_only(self, tensors, caches=(), cache_bytes=None) -> None:
-        """Compile for ``tensors`` without launching (JIT warmup): the tensors
-        at indices ``caches`` stand in for the KV cache, whose storage is
-        ``cache_bytes`` (None: unknown, compile for a pool over 2 GiB and a
-        small one, the two AMD buffer-ops variants)."""
-        for nbytes in (_KV_POOL_BYTES, 1) if cache_bytes is None else (cache_bytes,):
-            ptrs = [
-                _CompileOnlyPointer(t, nbytes if i in caches else None)
-                for i, t in enumerate(tensors)
-            ]
-            self.kernel.warmup(
-                *ptrs, *self.scalars, **self.constexprs, **self.options, grid=self.grid
-            )
-
-    def _remember(self, compiled, tensors) -> None:
-        path = launch_path()
-        if not path.direct or not isinstance(compiled, path.compiled_type):
-            return
-        if not self._tail:
-            names = self.kernel.arg_names[len(tensors) + len(self.scalars) :]
-            if sorted(names) != sorted(self.constexprs):
-                raise TypeError(
-                    f"KernelLaunch: {self.kernel} takes {self.kernel.arg_names}; "
-                    f"got {len(tensors)} tensors, {len(self.scalars)} scalars and "
-                    f"constexprs {sorted(self.constexprs)}"
-                )
-            self._tail = (*self.scalars, *(self.constexprs[n] for n in names))
-        grid = self._dims
-        ptrs = [t.data_ptr() for t in tensors]
-        key = (path.current_device(), _pointer_key(path, tensors, ptrs))
-        self._path = path
-        launcher = compiled[grid]  # loads the kernel's handles if needed
-        # run's arguments after the grid and stream: the handle, the metadata,
-        # no launch metadata and no hooks (what quiet() allows).
-        after = (compiled.function, compiled.packed_metadata, None, None, None)
-        self._compiled[key] = (compiled.run, after, launcher)
 
 
 _KV_POOL_BYTES = 1 << 40  # "more than 2 GiB": a KV cache pool

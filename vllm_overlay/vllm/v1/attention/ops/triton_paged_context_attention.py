@@ -572,9 +572,11 @@ class _Tile:
     num_stages: int
 
 
+@functools.cache
 def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Tile:
     """The tile for a Triton ``target`` (None: the CPU interpreter), head size,
-    GQA group and query dtype (also called by scripts/compile_tier)."""
+    GQA group and query dtype (also called by scripts/compile_tier); cached,
+    so a change of the tile constants needs ``_tile_config.cache_clear()``."""
     large_d = _pow2(head_size) > 128
     warps = _NUM_WARPS_LARGE_D if large_d else _NUM_WARPS
     stages = _NUM_STAGES

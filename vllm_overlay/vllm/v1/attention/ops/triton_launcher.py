@@ -344,13 +344,12 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     """
     state = _STATES.get(kernel)
     if state is not None and ENABLED:
-        entry = None
         path = state.path
         device = path.current_device()
         try:
             entry = state.compiled.get(state.key(device, args, kwargs))
         except (AttributeError, KeyError, TypeError, ValueError):  # other arguments
-            pass
+            entry = None
         if entry is not None and not torch.compiler.is_compiling():
             compiled, rest = entry
             stream = path.current_stream(device)

@@ -623,7 +623,7 @@ def _split_count(num_tokens, num_reqs, num_kv_heads, tile, device, max_context, 
     if device.type != "cuda":
         return 1
     base = (num_tokens // tile.block_q + num_reqs) * num_kv_heads
-    want = triton.cdiv(_PROGRAMS_PER_SM * num_compute_units(device.index or 0), base)
+    want = -(-_PROGRAMS_PER_SM * num_compute_units(device.index or 0) // base)
     cap = _MAX_SPLITS
     if max_context is not None:
         cap = min(cap, max(1, max_context // _MIN_TOKENS_PER_SPLIT))

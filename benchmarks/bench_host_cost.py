@@ -198,11 +198,14 @@ def fa_calls(dev, ops=None):
 
     def workspace_call():  # per step (builder, 0250)
         pca.paged_context_workspace(new, reqs, hq, hkv, d, dtype, dev,
-                                    max_context_len=context)
+                                    max_context_len=context, block_table=block_table,
+                                    cu_seqlens_q=cu_q, seq_lens=seq_lens)
 
     def paged_call(max_context_len):
         ws = pca.paged_context_workspace(new, reqs, hq, hkv, d, dtype, dev,
-                                         max_context_len=max_context_len)
+                                         max_context_len=max_context_len,
+                                         block_table=block_table, cu_seqlens_q=cu_q,
+                                         seq_lens=seq_lens)
 
         def call():  # 0250's extend_forward
             pca.paged_context_attention(q, kc, vc, block_table, cu_q, seq_lens,
@@ -255,22 +258,25 @@ def mla_calls(dev, ops=None, decodes=4, prefill=16):
     k_scale = torch.tensor(1.0, dtype=torch.float32, device=dev)
 
     # The rows of each kind, as _RopeKVStep has them when it calls: the
-    # step's slots / positions (sliced once per step and shared by every
-    # layer), the layer's own q / kv views.
+    # step's slots / positions (and their MLARopeRows, made once per step and
+    # shared by every layer), the layer's own q / kv views.
     d_args = (q[:decodes, :, p:], kv_c[:decodes], k_pe[:decodes], slots[:decodes],
               positions[:decodes])
     p_args = (q[decodes:, :, p:], kv_c[decodes:], k_pe[decodes:], slots[decodes:t],
               positions[decodes:t])
+    d_rows = mla.mla_rope_rows(d_args[3], d_args[4], cos_sin)
+    p_rows = mla.mla_rope_rows(p_args[3], p_args[4], cos_sin)
 
     def decode_call():
         q_pe, c, kp, sl, pos = d_args
         mla.mla_rope_concat_and_cache(ql_nope, q_pe, c, kp, cache, sl, pos, cos_sin, False,
-                                      kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out)
+                                      kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
+                                      rows=d_rows)
 
     def prefill_call():
         q_pe, c, kp, sl, pos = p_args
         mla.mla_rope_and_cache(q_pe, c, kp, cache, sl, pos, cos_sin, False,
-                               kv_cache_dtype="auto", k_scale=k_scale)
+                               kv_cache_dtype="auto", k_scale=k_scale, rows=p_rows)
 
     up_decode = up_prefill = None
     if ops is not None and ops.cache_mla is not None:
@@ -340,7 +346,6 @@ class _StubKernel:
 
     def __init__(self, real):
         self.arg_names = list(real.arg_names)
-        self.params = list(real.params)
         self.function = 0
         self.packed_metadata = (4, 1, 0)
         self.run = lambda *args: None
@@ -370,7 +375,7 @@ def stub_kernels(monkeypatch):
         real.spec if real else None,
         real.current_device if real and real.direct else (lambda: 0),
         real.current_stream if real and real.direct else (lambda device: 0),
-        _StubKernel, real.quiet if real and real.direct else (lambda: True)))
+        _StubKernel))
     triton_launcher.clear_caches()
     yield
     triton_launcher.clear_caches()
@@ -412,7 +417,8 @@ def _paged_with(dev, num_splits):
     seq_lens = torch.tensor([80], dtype=torch.int32, device=dev)
     scale = torch.tensor(1.0, device=dev)
     ws = pca.paged_context_workspace(16, 1, hq, hkv, d, torch.bfloat16, dev,
-                                     num_splits=num_splits)
+                                     num_splits=num_splits, block_table=bt, cu_seqlens_q=cu_q,
+                                     seq_lens=seq_lens)
 
     def call():
         pca.paged_context_attention(q, kc, vc, bt, cu_q, seq_lens, d**-0.5, key=k, value=v,
@@ -428,7 +434,7 @@ def test_host_cost_hip_spec(benchmark):
     """What selecting the compiled kernel costs per launch on ROCm, measured on
     whatever host runs this (pure Python; no AMD GPU needed): Triton's
     HIPBackend.get_tensor_specialization for each pointer argument (what
-    JITFunction.run does: it reads its knob from
+    JITFunction.run and the previous KernelLaunch did: it reads its knob from
     the environment every call), against triton_launcher's equivalent
     (the ``alignment+2GiB`` key its probe finds for HIPBackend), for the MLA
     decode form's 11 pointer arguments.  ``torch_op`` is the host's own torch
@@ -499,7 +505,8 @@ def _fa_trace(dev):
         seq_lens = torch.tensor([c + n for c, n in zip(context, new)], dtype=torch.int32,
                                 device=dev)
         ws = pca.paged_context_workspace(t, reqs, hq, hkv, d, dtype, dev,
-                                         max_context_len=max(context))
+                                         max_context_len=max(context), block_table=table,
+                                         cu_seqlens_q=cu_q, seq_lens=seq_lens)
         steps["paged"].append(lambda q=q, k=k, out=out, table=table, cu_q=cu_q,
                               seq_lens=seq_lens, ws=ws, mc=max(context):
                               pca.paged_context_attention(
@@ -529,16 +536,18 @@ def _mla_trace(dev):
         positions = torch.randint(0, 8192, (t,), generator=gen).to(dev)
         ql_nope = torch.randn(h, dec, lr, device=dev, dtype=dtype).transpose(0, 1)
         q_out = torch.empty(dec, h, lr + r, device=dev, dtype=dtype)
+        d_rows = mla.mla_rope_rows(slots[:dec], positions[:dec], cos_sin)
+        p_rows = mla.mla_rope_rows(slots[dec:], positions[dec:], cos_sin)
         steps["mla_decode"].append(lambda q=q, kv_c=kv_c, k_pe=k_pe, slots=slots, pos=positions,
-                                   ql=ql_nope, q_out=q_out, dec=dec:
+                                   ql=ql_nope, q_out=q_out, rows=d_rows, dec=dec:
                                    mla.mla_rope_concat_and_cache(
             ql, q[:dec, :, p:], kv_c[:dec], k_pe[:dec], cache, slots[:dec], pos[:dec], cos_sin,
-            False, kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out))
+            False, kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out, rows=rows))
         steps["mla_prefill"].append(lambda q=q, kv_c=kv_c, k_pe=k_pe, slots=slots,
-                                    pos=positions, dec=dec:
+                                    pos=positions, rows=p_rows, dec=dec:
                                     mla.mla_rope_and_cache(
             q[dec:, :, p:], kv_c[dec:], k_pe[dec:], cache, slots[dec:], pos[dec:], cos_sin,
-            False, kv_cache_dtype="auto", k_scale=k_scale))
+            False, kv_cache_dtype="auto", k_scale=k_scale, rows=rows))
     return steps, dict(model=model["name"], steps=16, layers=TRACE_LAYERS,
                        decode_tokens="1-64", prefill_tokens="16-512")
 

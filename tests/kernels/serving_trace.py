@@ -64,36 +64,29 @@ class Engine:
         )  # fmt: skip
         # MLA: a [blocks, bs, L + R] cache, q [T, H, P + R], kv_c | k_pe rows of
         # a [T, L + R] projection output, cos/sin [max_pos, R].
-        mla_width = MLA_L + MLA_R
-        self.mla_cache = torch.zeros(
-            (NUM_BLOCKS, BLOCK_SIZE, mla_width), dtype=cache_dtype, device=device
-        )
+        self.mla_cache = torch.zeros((NUM_BLOCKS, BLOCK_SIZE, MLA_L + MLA_R),
+                                     dtype=cache_dtype, device=device)  # fmt: skip
         self.caches.append(self.mla_cache)
-        floats = dict(dtype=model_dtype, device=device)
-        self.cos_sin = torch.rand((4096, MLA_R), **floats)
-        self.q = torch.rand((MAX_TOKENS, MLA_HEADS, MLA_P + MLA_R), **floats)
-        self.kv = torch.rand((MAX_TOKENS, mla_width), **floats)
-        self.ql_nope = torch.rand((MAX_TOKENS, MLA_HEADS, MLA_L), **floats)
+        self.cos_sin = torch.rand((4096, MLA_R), dtype=model_dtype, device=device)
+        self.q = torch.rand((MAX_TOKENS, MLA_HEADS, MLA_P + MLA_R), dtype=model_dtype,
+                            device=device)  # fmt: skip
+        self.kv = torch.rand((MAX_TOKENS, MLA_L + MLA_R), dtype=model_dtype,
+                             device=device)  # fmt: skip
+        self.ql_nope = torch.rand((MAX_TOKENS, MLA_HEADS, MLA_L), dtype=model_dtype,
+                                  device=device)  # fmt: skip
         self.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
         self.slots = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
         self.kv_cache_dtype = "fp8" if fp8 else "auto"
         self.mla_geometry = MLAGeometry(
-            num_heads=MLA_HEADS,
-            lora_rank=MLA_L,
-            rope_dim=MLA_R,
-            model_dtype=model_dtype,
-            cache_dtype=cache_dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-            block_size=BLOCK_SIZE,
+            num_heads=MLA_HEADS, lora_rank=MLA_L, rope_dim=MLA_R,
+            model_dtype=model_dtype, cache_dtype=cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype, block_size=BLOCK_SIZE,
             cache_strides=tuple(self.mla_cache.stride()[:2]),
-            q_strides=tuple(self.q.stride()[:2]),
-            kv_stride=self.kv.stride(0),
+            q_strides=tuple(self.q.stride()[:2]), kv_stride=self.kv.stride(0),
             ql_nope_strides=tuple(self.ql_nope.stride()[:2]),
-            cos_sin_stride=self.cos_sin.stride(0),
-            cos_sin_dtype=model_dtype,
-            is_neox=True,
-            max_num_tokens=MAX_TOKENS,
-        )
+            cos_sin_stride=self.cos_sin.stride(0), cos_sin_dtype=model_dtype,
+            is_neox=True, max_num_tokens=MAX_TOKENS,
+        )  # fmt: skip
 
     def _index(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
@@ -128,6 +121,7 @@ class Engine:
         ws = pc.paged_context_workspace(
             t, n, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, self.model_dtype, self.device,
             max_context_len=max(ctx), num_splits=rng.randint(1, 16),
+            block_table=block_table, cu_seqlens_q=cu, seq_lens=seq_lens,
         )  # fmt: skip
         q = torch.zeros((t, NUM_HEADS, HEAD_SIZE), dtype=self.model_dtype, device=self.device)
         k = torch.zeros((t, NUM_KV_HEADS, HEAD_SIZE), dtype=self.model_dtype,
@@ -168,18 +162,18 @@ class Engine:
         t = num_decodes + sum(qlens)
         t = min(t, MAX_TOKENS)
         nd = min(num_decodes, t)
+        rows = mla.mla_rope_step_rows(self.positions, self.slots, t, self.cos_sin)
         common = dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scale)
-        cache, cos_sin = self.mla_cache, self.cos_sin
         if nd:
-            q_pe, kv = self.q[:nd, :, MLA_P:], self.kv[:nd]
-            slots, positions = self.slots[:nd], self.positions[:nd]
-            ql_nope = self.ql_nope[:nd]
-            kv_c, k_pe = kv[:, :MLA_L], kv[:, MLA_L:]
-            args = (ql_nope, q_pe, kv_c, k_pe, cache, slots, positions, cos_sin, True)
-            mla.mla_rope_concat_and_cache(*args, **common)
+            slots, positions, r = rows.rows(0, nd)
+            q_pe = self.q[:nd, :, MLA_P:]
+            mla.mla_rope_concat_and_cache(
+                self.ql_nope[:nd], q_pe, self.kv[:nd, :MLA_L], self.kv[:nd, MLA_L:],
+                self.mla_cache, slots, positions, self.cos_sin, True, rows=r, **common,
+            )  # fmt: skip
         if t > nd:
-            q_pe, kv = self.q[nd:t, :, MLA_P:], self.kv[nd:t]
-            slots, positions = self.slots[nd:t], self.positions[nd:t]
-            kv_c, k_pe = kv[:, :MLA_L], kv[:, MLA_L:]
-            args = (q_pe, kv_c, k_pe, cache, slots, positions, cos_sin, True)
-            mla.mla_rope_and_cache(*args, **common)
+            slots, positions, r = rows.rows(nd, t)
+            mla.mla_rope_and_cache(
+                self.q[nd:t, :, MLA_P:], self.kv[nd:t, :MLA_L], self.kv[nd:t, MLA_L:],
+                self.mla_cache, slots, positions, self.cos_sin, True, rows=r, **common,
+            )  # fmt: skip

@@ -1,20 +1,21 @@
-"""triton_launcher (vllm/v1/attention/ops/triton_launcher.py) and the wrappers on it.
+"""triton_launcher (vllm/v1/attention/ops/triton_launcher.py) and the wrappers' launch caches.
 
-``launch()``'s direct path is exercised on the CPU tier with a stand-in for a
-compiled Triton kernel that records what it is handed: the first call of a key
-goes through ``kernel[grid]``, later ones hand every parameter (parameter
-order) to the compiled kernel's ``run``, and anything that selects another
-compiled kernel (pointer alignment or storage, a dtype, a specialised scalar, a
-constexpr or option, the device, ENABLED off, the plain path) goes back through
+KernelLaunch's direct path is exercised on the CPU tier with a stand-in for a
+compiled Triton kernel that records what it is handed: the first call of a
+pointer pattern goes through ``kernel[grid]``, later ones hand the tensors,
+fixed scalars and constexprs (parameter order) to the compiled kernel's
+launcher, and anything that selects another compiled kernel (pointer alignment
+or storage, device, ENABLED off, the plain path) goes back through
 ``kernel[grid]``.  The pointer probe is checked against stand-in backends here
 and against every real Triton release in tests/launcher.
 
-The wrappers check every call: bad input after a good call (a launch hit) still
-gets the same clear error, and results through launch hits are bit-identical
-to ``kernel[grid]`` on every call (ENABLED = False), compiled on the GPU tier.
+The wrappers' caches: a call that misses runs the full checks; bad input after
+a good call with the same shapes still gets the same clear error (its key
+differs: a dtype, a shape, a stride, a device); hits add nothing to the cache;
+and results are bit-identical to the uncached path (ENABLED = False: checks on
+every call and ``kernel[grid]``), compiled on the GPU tier.
 """
 
-import inspect
 import types
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 import triton
 from vllm.v1.attention.ops import triton_launcher as tl_launch
 from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv, fetch_kv_plan
+from vllm.v1.attention.ops.triton_launcher import KernelLaunch
 from vllm.v1.attention.ops.triton_mla_rope_cache import (
     mla_rope_and_cache,
     mla_rope_concat_and_cache,
@@ -36,7 +38,7 @@ import test_triton_mla_rope_cache as mla_tests  # noqa: E402
 import test_triton_paged_context_attention as pca_tests  # noqa: E402
 
 
-# ------------------------------------------------------------ stand-ins
+# ------------------------------------------------------------ KernelLaunch
 
 
 class _Compiled:
@@ -80,6 +82,49 @@ def _path(pointer_key=tl_launch.ALIGNMENT, spec=None, device=(0,), direct=True, 
                                 lambda dev: 1234 + dev, _Compiled, quiet)
 
 
+@pytest.fixture
+def fake_jit(monkeypatch):
+    """A fake kernel on a launch path found for it."""
+    monkeypatch.setattr(tl_launch, "_JITFunction", _FakeJIT)
+    monkeypatch.setattr(tl_launch, "_PATH", _path())
+    return _FakeJIT()
+
+
+def _launch(kernel):
+    return KernelLaunch(kernel, (7, 3), (5, 16), {"FLAG": True, "BLOCK": 64}, num_warps=4)
+
+
+def test_first_call_goes_through_kernel_grid_then_direct(fake_jit):
+    launch = _launch(fake_jit)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch(x, y)
+    assert fake_jit.launches == [((7, 3), (x, y, 5, 16), {"FLAG": True, "BLOCK": 64,
+                                                         "num_warps": 4})]
+    a, b = torch.ones(64), torch.ones(64)
+    launch(a, b)
+    assert len(fake_jit.launches) == 1, "a hit must not go through kernel[grid]"
+    # The compiled kernel's own launcher, for the grid padded to three
+    # dimensions, with every parameter in order and the current stream.
+    ((grid, stream, args),) = fake_jit.compiled.calls
+    assert grid == (7, 3, 1) and stream == 1234
+    assert args[:2] == (a, b) and args[2:] == (5, 16, 64, True)
+
+
+def test_no_hook_set_calls_run_with_what_the_launcher_would_pass(fake_jit, monkeypatch):
+    hooks = [False]
+    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: not hooks[0]))
+    launch = _launch(fake_jit)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch(x, y)
+    launch(x, y)
+    compiled = fake_jit.compiled
+    assert compiled.runs == [(7, 3, 1, 1234, compiled.function, compiled.packed_metadata,
+                              None, None, None, x, y, 5, 16, 64, True)]
+    hooks[0] = True  # a profiler: Triton's own launcher passes the hooks
+    launch(x, y)
+    assert len(compiled.runs) == 1 and len(compiled.calls) == 1
+
+
 def test_quiet_reads_the_hooks_of_this_triton(monkeypatch):
     """_hooks_quiet finds _RUN_CALL in the installed CompiledKernel and its
     check follows triton.knobs.runtime's hooks."""
@@ -99,6 +144,72 @@ def test_a_launcher_that_calls_run_otherwise_is_never_bypassed():
     assert tl_launch._hooks_quiet(Other) is None
 
 
+def test_another_alignment_is_another_compiled_kernel(fake_jit):
+    launch = _launch(fake_jit)
+    base = torch.zeros(80)
+    launch(base[:64], base[:64])
+    launch(base[1:65], base[:64])  # 4-byte offset: Triton specialises it differently
+    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
+    launch(base[5:69], base[16:80])  # first pointer misaligned, second aligned: a hit
+    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
+
+
+def test_other_device_goes_through_kernel_grid(fake_jit, monkeypatch):
+    device = [0]
+    monkeypatch.setattr(tl_launch, "_PATH", _path(device=device))
+    launch = _launch(fake_jit)
+    x = torch.zeros(64)
+    launch(x, x)
+    device[0] = 1
+    launch(x, x)
+    assert len(fake_jit.launches) == 2 and not fake_jit.compiled.calls
+    launch(x, x)
+    assert fake_jit.compiled.calls[0][1] == 1235, "the stream of the current device"
+
+
+def test_disabled_and_the_plain_path_go_through_kernel_grid(fake_jit, monkeypatch):
+    x = torch.zeros(64)
+    monkeypatch.setattr(tl_launch, "ENABLED", False)
+    launch = _launch(fake_jit)
+    launch(x, x)
+    launch(x, x)
+    monkeypatch.setattr(tl_launch, "ENABLED", True)
+    monkeypatch.setattr(tl_launch, "_PATH", _path(direct=False))
+    launch = _launch(fake_jit)
+    launch(x, x)
+    launch(x, x)
+    assert len(fake_jit.launches) == 4 and not fake_jit.compiled.calls
+
+
+def test_storage_within_2gib_is_part_of_the_key(fake_jit, monkeypatch):
+    monkeypatch.setattr(tl_launch, "_PATH", _path(tl_launch.ALIGNMENT_AND_2GB))
+    launch = _launch(fake_jit)
+    small = torch.zeros(64)
+    big = torch.empty(2**31, dtype=torch.uint8)  # not touched: no memory committed
+    launch(small, small)
+    launch(big[:256].view(torch.float32), small)
+    launch(big[256:512].view(torch.float32), small)
+    launch(torch.ones(64), small)
+    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 2
+
+
+def test_backend_call_asks_the_backend_per_tensor(fake_jit, monkeypatch):
+    monkeypatch.setattr(tl_launch, "_PATH", _path(
+        tl_launch.BACKEND_CALL, spec=lambda t: "S" if t.numel() < 100 else ""))
+    launch = _launch(fake_jit)
+    small, big = torch.zeros(64), torch.zeros(128)
+    launch(small, small)
+    launch(big, small)
+    launch(small, torch.ones(64))
+    assert len(fake_jit.launches) == 2 and len(fake_jit.compiled.calls) == 1
+
+
+def test_constexprs_must_be_the_trailing_parameters(fake_jit):
+    launch = KernelLaunch(fake_jit, (1,), (5, 16), {"FLAG": True, "OTHER": 1})
+    with pytest.raises(TypeError, match="takes"):
+        launch(torch.zeros(4), torch.zeros(4))
+
+
 def test_interpreted_kernels_always_go_through_kernel_grid():
     # Under TRITON_INTERPRET=1 (the CPU tier) triton.jit gives no JITFunction.
     if triton.knobs.runtime.interpret is False:
@@ -106,143 +217,6 @@ def test_interpreted_kernels_always_go_through_kernel_grid():
     from vllm.v1.attention.ops.triton_fetch_kv import _fetch_kv_kernel
 
     assert not isinstance(_fetch_kv_kernel, tl_launch._JITFunction)
-
-
-# ------------------------------------------------------------ launch()
-
-
-class _Param:
-    def __init__(self, name, do_not_specialize=False, default=inspect.Parameter.empty):
-        self.name, self.do_not_specialize, self.default = name, do_not_specialize, default
-
-
-class _StepJIT(_FakeJIT):
-    """A kernel (x_ptr, y_ptr, n, stride, BLOCK, FLAG=False) whose ``n`` is a
-    per-step integer (do_not_specialize)."""
-
-    params = [_Param("x_ptr"), _Param("y_ptr"), _Param("n", do_not_specialize=True),
-              _Param("stride"), _Param("BLOCK"), _Param("FLAG", default=False)]
-
-
-@pytest.fixture
-def step_jit(monkeypatch):
-    monkeypatch.setattr(tl_launch, "_JITFunction", _StepJIT)
-    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: True))
-    tl_launch.clear_caches()
-    yield _StepJIT()
-    tl_launch.clear_caches()
-
-
-def test_launch_compiles_through_kernel_grid_then_runs_the_compiled_kernel(step_jit):
-    x, y = torch.zeros(64), torch.zeros(64)
-    tl_launch.launch(step_jit, (7, 3), x, y, 5, 16, BLOCK=64, num_warps=4)
-    assert step_jit.launches == [((7, 3), (x, y, 5, 16), {"BLOCK": 64, "num_warps": 4})]
-    a, b = torch.ones(64), torch.ones(64)
-    tl_launch.launch(step_jit, (9,), a, b, 6, 16, BLOCK=64, num_warps=4)
-    assert len(step_jit.launches) == 1, "a hit must not go through kernel[grid]"
-    compiled = step_jit.compiled
-    # What CompiledKernel[grid]'s launcher would pass: the grid padded to three,
-    # the stream, handle and metadata, no launch metadata or hooks, then every
-    # parameter in order (FLAG's default included).
-    assert compiled.runs == [(9, 1, 1, 1234, compiled.function, compiled.packed_metadata,
-                              None, None, None, a, b, 6, 16, 64, False)]
-
-
-@pytest.mark.parametrize("edit", [
-    lambda a, kw: ((a[0][1:], *a[1:]), kw),          # another pointer alignment
-    lambda a, kw: ((a[0].double(), *a[1:]), kw),      # another dtype
-    lambda a, kw: ((*a[:3], 17), kw),                 # another (specialised) scalar
-    lambda a, kw: ((*a[:2], 2**31, a[3]), kw),        # a per-step value of another type
-    lambda a, kw: (a, {**kw, "BLOCK": 32}),           # another constexpr
-    lambda a, kw: (a, {**kw, "num_warps": 8}),        # another option
-], ids=["alignment", "dtype", "scalar", "per_step_type", "constexpr", "option"])
-def test_what_selects_another_compiled_kernel_goes_through_kernel_grid(step_jit, edit):
-    base = torch.zeros(80)
-    args, kwargs = (base[:64], base[:64], 5, 16), {"BLOCK": 64, "num_warps": 4}
-    tl_launch.launch(step_jit, (1,), *args, **kwargs)
-    args, kwargs = edit(args, kwargs)
-    tl_launch.launch(step_jit, (1,), *args, **kwargs)
-    assert len(step_jit.launches) == 2 and not step_jit.compiled.runs
-    tl_launch.launch(step_jit, (1,), *args, **kwargs)
-    assert len(step_jit.compiled.runs) == 1, "the new key is kept"
-
-
-def test_a_per_step_value_is_a_hit(step_jit):
-    x = torch.zeros(64)
-    for n in (1, 16, 37, 4096):
-        tl_launch.launch(step_jit, (n,), x, x, n, 16, BLOCK=64)
-    assert len(step_jit.launches) == 1 and len(step_jit.compiled.runs) == 3
-
-
-def test_launch_hooks_go_through_the_compiled_kernels_launcher(step_jit, monkeypatch):
-    hooks = [False]
-    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: not hooks[0]))
-    x = torch.zeros(64)
-    tl_launch.launch(step_jit, (2, 2), x, x, 5, 16, BLOCK=64)
-    hooks[0] = True  # a profiler: Triton's own launcher passes the hooks
-    tl_launch.launch(step_jit, (3, 2), x, x, 6, 16, BLOCK=64)
-    assert not step_jit.compiled.runs
-    assert step_jit.compiled.calls == [((3, 2, 1), 1234, (x, x, 6, 16, 64, False))]
-
-
-def test_launch_plain_where_it_cannot_hit(step_jit, monkeypatch):
-    x = torch.zeros(64)
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    tl_launch.launch(step_jit, (1,), x, 3, 5, 16, BLOCK=64)  # a non-tensor pointer
-    monkeypatch.setattr(tl_launch, "ENABLED", False)
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    monkeypatch.setattr(tl_launch, "ENABLED", True)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    assert len(step_jit.launches) == 4 and not step_jit.compiled.runs
-    other = _FakeJIT()  # not a JITFunction here (an interpreted kernel)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    tl_launch.launch(other, (1,), x, x, 5, 16, BLOCK=64)
-    tl_launch.launch(other, (1,), x, x, 5, 16, BLOCK=64)
-    assert len(other.launches) == 2 and other not in tl_launch._STATES
-
-
-@pytest.mark.parametrize("pointer_key", [tl_launch.ALIGNMENT_AND_2GB, tl_launch.BACKEND_CALL])
-def test_launch_keys_pointers_as_the_backend_does(step_jit, monkeypatch, pointer_key):
-    spec = lambda t: "S" if t.untyped_storage().nbytes() < 2**31 else ""  # noqa: E731
-    monkeypatch.setattr(tl_launch, "_PATH", _path(pointer_key, spec=spec, quiet=lambda: True))
-    small = torch.zeros(64)
-    big = torch.empty(2**31, dtype=torch.uint8)  # not touched: no memory committed
-    tl_launch.launch(step_jit, (1,), small, small, 5, 16, BLOCK=64)
-    tl_launch.launch(step_jit, (1,), big[:256].view(torch.float32), small, 5, 16, BLOCK=64)
-    tl_launch.launch(step_jit, (1,), big[256:512].view(torch.float32), small, 6, 16, BLOCK=64)
-    tl_launch.launch(step_jit, (1,), torch.ones(64), small, 7, 16, BLOCK=64)
-    assert len(step_jit.launches) == 2 and len(step_jit.compiled.runs) == 2
-
-
-@pytest.mark.parametrize("call", [
-    lambda x: ((x, x, 5), {"BLOCK": 64, "stride": 16}),     # fewer positional arguments
-    lambda x: ((x, x, 5, 16), {"BLOCK": 64, "FLAG": True}),  # another keyword
-    lambda x: ((x, x, 5, 16), {"FLAG": 64}),                 # as many, other names
-], ids=["positional", "keyword", "names"])
-def test_calls_shaped_otherwise_go_through_kernel_grid(step_jit, call):
-    """A kernel's fast path is for calls shaped like its first compiled one
-    (one call site, as the wrappers have): others always take kernel[grid]."""
-    x = torch.zeros(64)
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    args, kwargs = call(x)
-    tl_launch.launch(step_jit, (1,), *args, **kwargs)
-    tl_launch.launch(step_jit, (1,), *args, **kwargs)
-    assert len(step_jit.launches) == 3 and not step_jit.compiled.runs
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    tl_launch.launch(step_jit, (1,), x, x, 7, 16, BLOCK=64)  # another per-step value
-    assert len(step_jit.compiled.runs) == 2
-
-
-def test_another_device_is_another_key(step_jit, monkeypatch):
-    device = [0]
-    monkeypatch.setattr(tl_launch, "_PATH", _path(device=device, quiet=lambda: True))
-    x = torch.zeros(64)
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    device[0] = 1
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    tl_launch.launch(step_jit, (1,), x, x, 5, 16, BLOCK=64)
-    assert len(step_jit.launches) == 2 and step_jit.compiled.runs[0][3] == 1235
 
 
 # ------------------------------------------------------------ the launch path
@@ -290,6 +264,10 @@ def test_a_backend_the_probe_cannot_read_gets_the_plain_path():
 # ------------------------------------------------------------ wrapper caches
 
 
+def _cache_sizes():
+    return [len(c) for c in tl_launch._CACHES]
+
+
 # The error tables of the kernel tests build CPU tensors; on a GPU machine a
 # good CPU call would launch the compiled kernel on them.  The checks and the
 # key cache are the same Python on every device.
@@ -306,9 +284,10 @@ def _fetch_kv_cases():
 @CPU_TABLES
 def test_fetch_kv_bad_input_after_a_good_call_raises_the_same_error(name, make_args, exc, match):
     fetch_kv(**fk_tests._valid_args())
-    fetch_kv(**fk_tests._valid_args())  # a launch hit
+    before = _cache_sizes()
     with pytest.raises(exc, match=match):
         fetch_kv(**make_args())
+    assert _cache_sizes() == before, "a rejected call must not be cached"
 
 
 @CPU_TABLES
@@ -318,7 +297,6 @@ def test_fetch_kv_plan_bad_input_after_a_good_call_raises_the_same_error():
             "seq_starts": torch.zeros(1, dtype=torch.int32),
             "num_tokens": 8, "block_size": 16, "head_size": 64, "cache_dtype": torch.float16}
     fetch_kv_plan(**good)
-    fetch_kv_plan(**good)  # a launch hit
     for edits, exc, match in [c[1:] for c in fk_tests.PLAN_INVALID]:
         with pytest.raises(exc, match=match):
             fetch_kv_plan(**{**good, **edits})
@@ -336,18 +314,18 @@ def test_fetch_kv_with_a_plan_checks_the_plan_on_every_key(device):
             fetch_kv(**call, plan=plan)
 
 
-def test_fetch_kv_changed_stride_is_checked_and_launched(device):
+def test_fetch_kv_changed_stride_misses_the_cache_and_is_checked(device):
     args = fk_tests._valid_args(device)
     fetch_kv(**args)
     fetch_kv(**fk_tests._valid_args(device))  # same key (new tensors): a hit
+    before = _cache_sizes()
     # Same shapes, other strides: a transposed-back cache view (SHUFFLE needs dense blocks).
-    kc = torch.randn(4, 2, 16, 64, device=device).half().transpose(1, 2)
+    kc = torch.zeros(4, 2, 16, 64, dtype=torch.float16, device=device).transpose(1, 2)
     with pytest.raises(ValueError, match="dense"):
         fetch_kv(**{**args, "key_cache": kc, "value_cache": kc.clone(),
                     "kv_cache_layout": "SHUFFLE"})
     fetch_kv(**{**args, "key_cache": kc, "value_cache": kc.clone()})  # valid NHD: new key
-    # Block 1, slots 0-7 of each head (block_table is all ones, 8 tokens from 0).
-    assert torch.equal(args["key_out"], kc[1, :8])
+    assert sum(_cache_sizes()) == sum(before) + 1
 
 
 @pytest.mark.parametrize("idx", range(22))
@@ -357,9 +335,10 @@ def test_paged_context_bad_input_after_a_good_call_raises_the_same_error(idx, de
     good = dict(pca_tests._bad_args(device)[0][1],
                 query=pca_tests.build(pca_tests.Case("args", [20], [3]), device)["q"])
     paged_context_attention(**good)
-    paged_context_attention(**good)  # a launch hit
-    with pytest.raises(exc, match=pca_tests.BAD_ARGS_MATCH):
+    before = _cache_sizes()
+    with pytest.raises(exc, match="paged_context_attention"):
         paged_context_attention(**kwargs)
+    assert _cache_sizes() == before
 
 
 @pytest.mark.parametrize("name,mutate,exc,match", mla_tests.BAD_ARGS,
@@ -478,13 +457,6 @@ def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch)
     JITFunction.run would pick (kernel.warmup), and the outputs match the plain path."""
     from vllm.v1.attention.ops import triton_fetch_kv as module
 
-    launches = []
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        launches.append((grid, args, kwargs))
-        tl_launch.launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(module, "launch", recording_launch)
     case = fk_tests.CPU_CASES[1]  # fp16, ragged start
     gen = torch.Generator().manual_seed(case.seed)
     table, num_blocks = fk_tests.make_block_table(case.lens, case.starts, case.block_size,
@@ -507,24 +479,29 @@ def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch)
         fetch_kv(kc, vc, ko, vo, table, cu, starts)
         outs.append((ko.clone(), vo.clone()))
         if enabled:
-            (grid, args, kwargs), = launches[-1:]
-            picked = module._fetch_kv_kernel.warmup(*args, grid=grid, **kwargs)
-            state = tl_launch._STATES[module._fetch_kv_kernel]
-            assert picked.function in {c.kernel.function for c, _ in state.compiled.values()}
+            (launch,) = [v[0] for v in module._FETCH_KV_LAUNCHES.values()]
+            tensors = (kc, vc, ko, vo, table, cu, starts, cu, cu, cu)
+            picked = launch.kernel.warmup(*tensors, *launch.scalars, grid=launch.grid,
+                                          **launch.constexprs, **launch.options)
+            functions = {after[0] for _, after, _ in launch._compiled.values()}
+            assert picked.function in functions
     torch.cuda.synchronize()
     for k in range(2):
         assert torch.equal(outs[0][k], outs[2][k]) and torch.equal(outs[1][k], outs[2][k])
 
 
-def test_paged_context_workspace_call_checks_its_metadata(device):
-    """A workspace call after good ones checks the metadata it is given (nothing
-    about them is kept from an earlier call), and other metadata tensors of the
-    same values give the same output."""
+def test_paged_context_metadata_bound_to_the_workspace(device):
+    """Calls passing the workspace's own metadata tensors take their geometry
+    from it; other tensors are keyed (and checked) themselves."""
+    from vllm.v1.attention.ops import triton_paged_context_attention as pca
+
     case = pca_tests.Case("bound", [20, 9], [3, 4])
     d = pca_tests.build(case, device)
     q = d["q"]
     ws = paged_context_workspace(q.shape[0], 2, q.shape[1], d["key_cache"].shape[2],
-                                 q.shape[2], q.dtype, q.device, num_splits=2)
+                                 q.shape[2], q.dtype, q.device, num_splits=2,
+                                 block_table=d["block_table"], cu_seqlens_q=d["cu_seqlens_q"],
+                                 seq_lens=d["seq_lens"])
     args = [q, d["key_cache"], d["value_cache"], d["block_table"], d["cu_seqlens_q"],
             d["seq_lens"], d["scale"]]
     ref, _ = paged_context_attention(*args, num_splits=2)
@@ -532,60 +509,47 @@ def test_paged_context_workspace_call_checks_its_metadata(device):
     out, lse = paged_context_attention(*args, workspace=ws)
     assert lse is ws.lse and torch.equal(out, ref)
     paged_context_attention(*args, workspace=ws)
+    assert len(pca._LAUNCHES) == 2, "the bound call must hit its own key"
+    # Other metadata tensors with the same workspace: keyed and checked.
     bad = list(args)
     bad[3] = d["block_table"].float()
-    with pytest.raises(TypeError, match="request metadata must be int32 or int64"):
+    with pytest.raises(TypeError, match="block_table must be int32 or int64"):
         paged_context_attention(*bad, workspace=ws)
     other = list(args)
     other[3] = d["block_table"].clone()
     out2, _ = paged_context_attention(*other, workspace=ws)
-    assert torch.equal(out2, ref)
+    assert torch.equal(out2, ref) and len(pca._LAUNCHES) == 3
 
 
-class _MLAJIT(_FakeJIT):
-    """The MLA kernel's parameters (its per-step integers do_not_specialize),
-    launches recorded: a fake JITFunction of the interpreted kernel."""
-
-    def __init__(self, real):
-        super().__init__()
-        per_step = ("num_tokens", "num_slots", "num_heads")
-        self.arg_names = list(inspect.signature(real.fn).parameters)
-        self.params = [_Param(n, n in per_step) for n in self.arg_names]
-
-
-@CPU_TABLES
-@pytest.mark.parametrize("form", ["decode", "prefill"])
-def test_mla_hit_runs_what_kernel_grid_got_and_still_checks(form, monkeypatch):
-    """A call that hits runs the compiled kernel with exactly the arguments
-    the first call handed kernel[grid] (parameter order, constexprs last);
-    bad input after it still raises (nothing kept of the checked call)."""
+def test_mla_rows_bound_metadata(device):
+    """Calls passing the rows' own tensors take their geometry from them (one
+    key for every layer); other tensors with the same rows are keyed and
+    checked themselves; the outputs are those of the unbound call."""
     from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 
-    kernel = _MLAJIT(mla._mla_rope_cache_kernel)
-    monkeypatch.setattr(mla, "_mla_rope_cache_kernel", kernel)
-    monkeypatch.setattr(tl_launch, "_JITFunction", _MLAJIT)
-    monkeypatch.setattr(tl_launch, "_PATH", _path(quiet=lambda: True))
     tl_launch.clear_caches()
-    args = mla_tests._valid_args("cpu")
-    args["q_out"] = torch.empty(3, 2, 48)
-    fn = mla_rope_concat_and_cache
-    if form == "prefill":
-        del args["q_out"], args["ql_nope"]
-        fn = mla_rope_and_cache
-    fn(**args)
-    fn(**args)
-    (grid, first, constexprs), = kernel.launches
-    (run,) = kernel.compiled.runs
-    names = kernel.arg_names[len(first) :]
-    assert set(constexprs) == {*names, "num_warps", "enable_fp_fusion"}
-    assert run[:3] == (*grid, 1) and len(run) == 9 + len(first) + len(names)
-    n = len(first)
-    same = [a is b or type(a) is int and a == b for a, b in zip(run[9:], first)]
-    assert all(same), same
-    assert run[9 + n :] == tuple(map(constexprs.get, names))
-    import re
+    args = mla_tests._valid_args(device)
+    ref = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()})
+    rows = mla.mla_rope_rows(args["slot_mapping"], args["positions"], args["cos_sin_cache"])
+    assert rows.key is not None
+    for _ in range(2):
+        out = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()},
+                                        rows=rows)
+        assert torch.equal(out, ref)
+    assert len(mla._DECODE_LAUNCHES) == 1, "bound and unbound calls share their key"
+    bad = dict(args, slot_mapping=args["slot_mapping"].float())
+    with pytest.raises(TypeError, match="slot_mapping"):
+        mla_rope_concat_and_cache(**bad, rows=rows)
+    longer = dict(args, positions=torch.tensor([0, 5], device=device))
+    with pytest.raises(ValueError, match="positions"):
+        mla_rope_concat_and_cache(**longer, rows=rows)
+    prefill = {k: v for k, v in args.items() if k != "ql_nope"}
+    mla_rope_and_cache(**prefill, rows=rows)
+    mla_rope_and_cache(**prefill, rows=rows)
+    assert len(mla._PREFILL_LAUNCHES) == 1
+    assert mla.mla_rope_rows(None, None, None).key is None
 
-    for _, mutate, exc, match in mla_tests.BAD_ARGS:
-        with pytest.raises(exc, match=re.escape(match)):
-            fn(**mutate(dict(args)))
-    tl_launch.clear_caches()
+
+def test_next_power_of_2_is_tritons():
+    assert [tl_launch.next_power_of_2(n) for n in range(1, 2049)] == [
+        triton.next_power_of_2(n) for n in range(1, 2049)]

@@ -1,4 +1,4 @@
-"""The first compiled launches of triton_launcher.launch, under whatever Triton is on the path.
+"""The first compiled launches of a KernelLaunch, under whatever Triton is on the path.
 
 Run as ``python first_launch.py <target>`` (``cuda:90`` or ``hip:gfx942``) with a
 Triton release and the patched tree on PYTHONPATH; prints one JSON line.  No GPU:
@@ -125,7 +125,7 @@ def main(target):
 
     from vllm.v1.attention.ops import triton_launcher as tl_launch
 
-    @triton.jit(do_not_specialize=["n"])
+    @triton.jit
     def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -141,17 +141,18 @@ def main(target):
     add_one.run = counting_run
     buf = torch.zeros(4096, dtype=torch.float32)
     x, y = buf[:128], buf[1024:1152]
+    launch = tl_launch.KernelLaunch(add_one, (2,), (128,), {"BLOCK": 64}, num_warps=4)
     calls = []
 
-    def call(*tensors, n=128):
+    def call(*tensors):
         before = len(jit_runs)
         counts = [len(i.calls) for i in _Launcher.instances]
-        tl_launch.launch(add_one, (2,), *tensors, n, BLOCK=64, num_warps=4)
+        launch(*tensors)
         counts += [0] * (len(_Launcher.instances) - len(counts))
         (launcher,) = [i for i, n in zip(_Launcher.instances, counts) if len(i.calls) > n]
         args = launcher.calls[-1]
         # The compiled kernel JITFunction.run itself selects for these arguments.
-        picked = run(*tensors, n, BLOCK=64, num_warps=4, grid=(2,), warmup=True)
+        picked = run(*tensors, 128, BLOCK=64, num_warps=4, grid=(2,), warmup=True)
         calls.append({
             "jit": len(jit_runs) > before,
             "launcher": _Launcher.instances.index(launcher),
@@ -177,7 +178,6 @@ def main(target):
     knobs.runtime.launch_enter_hook = saved
     call(big[:128], y)  # 6
     call(big[:128], y)  # 7
-    call(x, y, n=100)   # 8: another per-step value (do_not_specialize): direct
     path = tl_launch.launch_path()
     print(json.dumps({
         "triton": triton.__version__,

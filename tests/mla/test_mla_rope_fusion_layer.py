@@ -153,8 +153,8 @@ def test_no_slot_mapping_applies_plain_rope():
 
 def test_layers_of_one_forward_share_their_rows():
     """Every layer of a forward passes the same positions and slot mapping:
-    the second layer reuses the first one's row slices (_forward_rows); other
-    tensors, or another length, make new ones
+    the second layer reuses the first one's row slices and their checked
+    geometry (mla_rope_step_rows); other tensors, or another length, make new ones
     (the outputs are views of the same tensors: the forward tests above
     compare whole forwards)."""
     case = h.CASES_BY_NAME["mixed_decode_first"]

@@ -90,26 +90,14 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def _rope_concat_and_cache(
-    ql_nope,
-    q_pe,
-    kv_c,
-    k_pe,
-    kv_cache,
-    q_out,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    is_neox,
-    kv_cache_dtype,
-    k_scale,
-    q_scale,
-    use_aiter,
-    all_q_rope,
-) -> None:
+    ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, positions, cos_sin_cache,
+    is_neox, kv_cache_dtype, k_scale, q_scale, use_aiter, all_q_rope, rows=None,
+) -> None:  # fmt: skip
     """Decode form: q_out = [ql_nope | rope(q_pe)] (fp8 / q_scale when q_scale
     is given) and the cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched.
     The parameters of torch.ops.vllm.mla_rope_concat_and_cache (typed in
-    _rope_concat_and_cache_impl)."""
+    _rope_concat_and_cache_impl), and ``rows``: the step's ``MLARopeRows``
+    (eager calls only; not in the op's schema)."""
     if use_aiter:
         rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
             ql_nope,
@@ -131,20 +119,10 @@ def _rope_concat_and_cache(
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_concat_and_cache
 
     mla_rope_concat_and_cache(
-        ql_nope,
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype=kv_cache_dtype,
-        k_scale=k_scale,
-        q_out=q_out,
-        q_scale=q_scale,
-    )
+        ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+        is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, q_out=q_out,
+        q_scale=q_scale, rows=rows,
+    )  # fmt: skip
 
 
 def _rope_concat_and_cache_impl(
@@ -165,22 +143,9 @@ def _rope_concat_and_cache_impl(
     all_q_rope: bool,
 ) -> None:
     _rope_concat_and_cache(
-        ql_nope,
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        q_out,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype,
-        k_scale,
-        q_scale,
-        use_aiter,
-        all_q_rope,
-    )
+        ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, positions,
+        cos_sin_cache, is_neox, kv_cache_dtype, k_scale, q_scale, use_aiter, all_q_rope,
+    )  # fmt: skip
 
 
 def _rope_concat_and_cache_fake(
@@ -204,33 +169,18 @@ def _rope_concat_and_cache_fake(
 
 
 def _rope_and_cache(
-    q_pe,
-    kv_c,
-    k_pe,
-    kv_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    is_neox,
-    kv_cache_dtype,
-    k_scale,
-) -> None:
+    q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+    kv_cache_dtype, k_scale, rows=None,
+) -> None:  # fmt: skip
     """Prefill form: rotate q_pe and k_pe in place, write [kv_c | k_pe] rows
-    (parameters as torch.ops.vllm.mla_rope_and_cache)."""
+    (parameters as torch.ops.vllm.mla_rope_and_cache, and ``rows`` as for the
+    decode form)."""
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_and_cache
 
     mla_rope_and_cache(
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype=kv_cache_dtype,
-        k_scale=k_scale,
-    )
+        q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, rows=rows,
+    )  # fmt: skip
 
 
 def _rope_and_cache_impl(
@@ -246,17 +196,9 @@ def _rope_and_cache_impl(
     k_scale: torch.Tensor,
 ) -> None:
     _rope_and_cache(
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype,
-        k_scale,
-    )
+        q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+        kv_cache_dtype, k_scale,
+    )  # fmt: skip
 
 
 def _rope_and_cache_fake(
@@ -381,6 +323,12 @@ class MLARopeKVFusion:
             MLA_ROPE_CACHE_WARMUP.register_warmup(
                 self._warmup_geometry(layer, vllm_config), decode=not self.use_aiter
             )
+        # Both paths run the Triton kernel for prefill rows: a fused layer has
+        # Triton (the module itself imports without it).
+        from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_step_rows
+
+        # The forward's rows, shared with the other layers of the same forward.
+        self._step_rows = mla_rope_step_rows
 
     @classmethod
     def for_layer(cls, layer, rotary_emb) -> "MLARopeKVFusion | None":
@@ -451,23 +399,16 @@ class MLARopeKVFusion:
         model_dtype = vllm_config.model_config.dtype
         block_size = vllm_config.cache_config.block_size
         return MLAGeometry(
-            num_heads=h,
-            lora_rank=L,
-            rope_dim=R,
-            model_dtype=model_dtype,
+            num_heads=h, lora_rank=L, rope_dim=R, model_dtype=model_dtype,
             cache_dtype=torch.uint8 if fp8 else model_dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-            block_size=block_size,
-            cache_strides=(block_size * (L + R), L + R),
-            q_strides=(h * (p + R), p + R),
-            kv_stride=L + R,
-            ql_nope_strides=(h * L, L),
+            kv_cache_dtype=self.kv_cache_dtype, block_size=block_size,
+            cache_strides=(block_size * (L + R), L + R), q_strides=(h * (p + R), p + R),
+            kv_stride=L + R, ql_nope_strides=(h * L, L),
             cos_sin_stride=self.rotary_emb.cos_sin_cache.stride(0),
-            cos_sin_dtype=self.rotary_emb.cos_sin_cache.dtype,
-            is_neox=self.is_neox,
+            cos_sin_dtype=self.rotary_emb.cos_sin_cache.dtype, is_neox=self.is_neox,
             max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
             q_fp8=self._quant_q,
-        )
+        )  # fmt: skip
 
     def begin(
         self,
@@ -490,60 +431,10 @@ class MLARopeKVFusion:
             nope = self.nope_dim
             q[..., nope:], k_pe = self.rotary_emb(positions, q[..., nope:], k_pe)
             return None, k_pe
-        rows = _forward_rows(
+        rows = self._step_rows(
             positions, slot_mapping, num_tokens, self.cos_sin_cache(kv_cache.device)
         )
         return _RopeKVStep(self, layer, kv_cache, rows), k_pe
-
-
-class _ForwardRows:
-    """What every fused layer of one forward shares: its positions, slot
-    mapping and cos/sin cache, and per kind of rows their slices (made once
-    per forward, not once per layer: a tensor slice costs about as much host
-    time as a torch op)."""
-
-    __slots__ = ("given", "cos_sin_cache", "_slices")
-
-    def __init__(self, positions, slot_mapping, num_tokens, cos_sin_cache):
-        self.given = (positions, slot_mapping, num_tokens)
-        self.cos_sin_cache = cos_sin_cache
-        self._slices: dict = {}
-
-    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot_mapping, positions) of rows ``start:end``."""
-        rows = self._slices.get((start, end))
-        if rows is None:
-            positions, slot_mapping, _ = self.given
-            rows = (slot_mapping[start:end], positions[start:end])
-            self._slices[(start, end)] = rows
-        return rows
-
-
-# The last eager forward's rows: the next layer of the same forward finds its
-# own tensors (the same objects) there.  Only views are kept, so a capture's
-# rows are safe to reuse.
-_LAST_ROWS: list = [None]
-
-
-def _forward_rows(positions, slot_mapping, num_tokens, cos_sin_cache) -> _ForwardRows:
-    """The rows of a forward over ``num_tokens`` tokens: the previous call's
-    when it got these very tensors (the layers of one forward), else new.
-    While torch.compile traces, always new (the traced code never reads or
-    guards on the eager calls' rows)."""
-    if torch.compiler.is_compiling():
-        return _ForwardRows(positions, slot_mapping, num_tokens, cos_sin_cache)
-    last = _LAST_ROWS[0]
-    if (
-        last is not None
-        and last.cos_sin_cache is cos_sin_cache
-        and last.given[0] is positions
-        and last.given[1] is slot_mapping
-        and last.given[2] == num_tokens
-    ):
-        return last
-    rows = _ForwardRows(positions, slot_mapping, num_tokens, cos_sin_cache)
-    _LAST_ROWS[0] = rows
-    return rows
 
 
 class _RopeKVStep:
@@ -563,23 +454,17 @@ class _RopeKVStep:
         """Rows ``start:start + len(q)``: rotate q[..., P:] and k_pe in place
         and write their cache rows."""
         f = self.fusion
-        slots, positions = self.shared.rows(start, start + q.shape[0])
-        args = (
-            q[..., f.nope_dim :],
-            kv_c,
-            k_pe,
-            self.kv_cache,
-            slots,
-            positions,
-            self.shared.cos_sin_cache,
-            f.is_neox,
-            f.kv_cache_dtype,
-            self.k_scale,
-        )
+        slots, positions, rows = self.shared.rows(start, start + q.shape[0])
         if torch.compiler.is_compiling():
-            torch.ops.vllm.mla_rope_and_cache(*args)
-        else:
-            _rope_and_cache(*args)
+            torch.ops.vllm.mla_rope_and_cache(
+                q[..., f.nope_dim :], kv_c, k_pe, self.kv_cache, slots, positions,
+                self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale,
+            )  # fmt: skip
+            return
+        _rope_and_cache(
+            q[..., f.nope_dim :], kv_c, k_pe, self.kv_cache, slots, positions,
+            self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale, rows,
+        )  # fmt: skip
 
     def decode(
         self,
@@ -598,26 +483,14 @@ class _RopeKVStep:
             ql_nope.dtype if q_scale is None else f.fp8_dtype,
             ql_nope.device,
         )
-        slots, positions = self.shared.rows(0, num_tokens)
+        slots, positions, rows = self.shared.rows(0, num_tokens)
         args = (
-            ql_nope,
-            q_pe,
-            kv_c,
-            k_pe,
-            self.kv_cache,
-            q_out,
-            slots,
-            positions,
-            self.shared.cos_sin_cache,
-            f.is_neox,
-            f.kv_cache_dtype,
-            self.k_scale,
-            q_scale,
-            f.use_aiter,
-            f.decision.aiter_all_q_rope,
-        )
+            ql_nope, q_pe, kv_c, k_pe, self.kv_cache, q_out, slots, positions,
+            self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale,
+            q_scale, f.use_aiter, f.decision.aiter_all_q_rope,
+        )  # fmt: skip
         if torch.compiler.is_compiling():
             torch.ops.vllm.mla_rope_concat_and_cache(*args)
         else:
-            _rope_concat_and_cache(*args)
+            _rope_concat_and_cache(*args, rows)
         return q_out

@@ -13,10 +13,10 @@ they select no variant.  What remains is fixed by the engine's geometry
 the paged route whether the context is split (a second kernel).
 
 ``warmup_cases(geometry)`` lists them; ``compile_case(geometry, case)``
-compiles one without launching it: the arguments the wrapper would launch
-with, on tiny tensors of the engine's strides, go to
-``triton_launcher.warmup`` (pointer stand-ins carrying each tensor's dtype
-and, for the KV cache, its storage size: the AMD backend specialises pointers
+compiles one without launching it: the wrapper's own checks build the launch
+on tiny tensors of the engine's strides, and the kernel is compiled
+(``JITFunction.warmup``) with pointer stand-ins that carry each tensor's dtype
+and, for the KV cache, its storage size (the AMD backend specialises pointers
 into storage of at most 2 GiB).
 """
 
@@ -26,10 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.triton_utils import triton
 from vllm.v1.attention.ops import triton_fetch_kv as fk
 from vllm.v1.attention.ops import triton_paged_context_attention as pc
-from vllm.v1.attention.ops.triton_launcher import warmup
 
 __all__ = ["FetchKVGeometry", "compile_case", "warmup_cases"]
 
@@ -105,158 +103,47 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     scale = torch.ones(1, dtype=torch.float32, device=device)
     if kind != "paged":
         plan = fk.fetch_kv_plan(
-            block_table,
-            cu,
-            starts,
-            num_tokens=num_tokens,
-            block_size=g.block_size,
-            head_size=g.head_size,
-            cache_dtype=g.cache_dtype,
-            out_dtype=g.out_dtype,
+            block_table, cu, starts, num_tokens=num_tokens, block_size=g.block_size,
+            head_size=g.head_size, cache_dtype=g.cache_dtype, out_dtype=g.out_dtype,
             kv_cache_layout=g.kv_cache_layout,
-        )
+        )  # fmt: skip
         if kind == "fetch_kv_plan":
             return
         out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
-        _compile_fetch_kv(
-            g, key_cache, out, (block_table, cu, starts), plan, case[1], scale
-        )
+        used = plan if case[1] else None
+        launch, dequant = fk._bind_fetch_kv(
+            key_cache, value_cache, out, out, block_table, cu, starts, scale, scale,
+            g.kv_cache_layout, num_tokens, used,
+        )  # fmt: skip
+        # The tensors fetch_kv hands the launch (its stand-ins included).
+        unread = cu if used is None else used.table
+        meta = (block_table, cu, starts) if used is None else (unread,) * 3
+        scales = (scale, scale) if dequant else (unread, unread)
+        tensors = (key_cache, value_cache, out, out, *meta, unread, *scales)
+        launch.compile_only(tensors, (0, 1), g.cache_bytes)
         return
     # The backend's call: the new tokens' K/V given, the output given, the
     # step's workspace (split or not).
-    query = torch.empty(
-        (num_tokens, g.num_heads, g.head_size), dtype=g.model_dtype, device=device
-    )
+    query = torch.empty((num_tokens, g.num_heads, g.head_size), dtype=g.model_dtype,
+                        device=device)  # fmt: skip
     new = torch.empty((num_tokens, *shape[2:]), dtype=g.model_dtype, device=device)
     seq_lens = torch.zeros(num_reqs, **idx)
-    heads = (g.num_heads, g.num_kv_heads, g.head_size)
-    splits = 2 if case[1] else 1
     ws = pc.paged_context_workspace(
-        num_tokens, num_reqs, *heads, g.model_dtype, device, num_splits=splits
-    )
-    _compile_paged(g, query, key_cache, new, (block_table, cu, seq_lens), scale, ws)
-
-
-def _compile_fetch_kv(g: FetchKVGeometry, cache, out, metadata, plan, use_plan, scale):
-    """Compile ``fetch_kv``'s launch for this geometry: its arguments as the
-    wrapper passes them (stand-ins included), the cache as ``g.cache_bytes``."""
-    page, head_size = g.block_size, g.head_size
-    sizes = (g.cache_dtype.itemsize, g.out_dtype.itemsize)
-    shuffle = g.kv_cache_layout == "SHUFFLE"
-    ppp = fk._pages_per_program(page, head_size, *sizes, shuffle)
-    block_table, cu, starts = metadata
-    if use_plan:
-        meta: tuple = (plan.table,) * 4 + (0, 0, 0, 0)
-    else:
-        meta = (block_table, cu, starts, cu)
-        meta += (*block_table.stride(), *cu.stride(), *starts.stride())
-    dequant = g.cache_dtype != g.out_dtype
-    scales = (scale, scale) if dequant else meta[3:4] * 2
-    args: tuple = (
-        cache,
-        cache,
-        out,
-        out,
-        *meta[:4],
-        *scales,
-        len(starts),
-        g.num_kv_heads,
-    )
-    args += (
-        *meta[4:],
-        *g.cache_strides,
-        *g.cache_strides,
-        *out.stride(),
-        *out.stride(),
-    )
-    warp_size = fk._gpu_warp_size() if out.is_cuda else 32
-    warmup(
-        fk._fetch_kv_kernel,
-        (1,),
-        *args,
-        caches=(0, 1),
-        cache_bytes=g.cache_bytes,
-        HEAD_SIZE=head_size,
-        BLOCK_D=triton.next_power_of_2(head_size),
-        PAGE=page,
-        PAGES_PER_PROGRAM=ppp,
-        SHUFFLE=shuffle,
-        X=fk._VECTOR_BYTES // sizes[0] if shuffle else 1,
-        DEQUANT=dequant,
-        PLAN=use_plan,
-        PLAN_WIDTH=fk._plan_width(ppp),
-        PLAN_HEADER=fk._PLAN_HEADER,
-        REQ_STEP=fk._req_step(len(starts)),
-        num_warps=fk._num_warps(warp_size, ppp * page, head_size, *sizes),
-    )
-
-
-def _compile_paged(g: FetchKVGeometry, query, cache, new, metadata, scale, ws):
-    """Compile ``paged_context_attention``'s launches for the backend's call
-    (new tokens' K/V, ``out=query``, the workspace ``ws``), as the wrapper
-    makes them (stand-ins included), the cache as ``g.cache_bytes``."""
-    num_tokens, num_heads, head_size = query.shape
-    block_table, cu, seq_lens = metadata
-    fp8 = g.cache_dtype in pc._FP8_DTYPES
-    scales = (scale, scale) if fp8 else (seq_lens, seq_lens)
-    group = num_heads // g.num_kv_heads
-    target = pc._gpu_target() if query.is_cuda else None
-    tile = pc._tile_config(target, head_size, group, query.dtype)
-    splits, lse = ws.num_splits, ws.lse
-    if splits == 1:
-        parts = (query, lse)
-        part_strides = (0, *query.stride()[:2], 0, *lse.stride())
-    else:
-        parts = (ws.partial_out, ws.partial_lse)
-        part_strides = (*ws.partial_out.stride()[:3], *ws.partial_lse.stride())
-    args: tuple = (
-        query,
-        cache,
-        cache,
-        new,
-        new,
-        block_table,
-        cu,
-        seq_lens,
-        *scales,
-        *parts,
-    )
-    args += (len(seq_lens), splits, pc._LOG2E, 0, *query.stride()[:2])
-    args += (*g.cache_strides[:3], *g.cache_strides[:3], *new.stride()[:2])
-    args += (*new.stride()[:2], block_table.stride()[0], *part_strides)
-    head_dim_pad = triton.next_power_of_2(head_size)
-    warmup(
-        pc._paged_context_attention_kernel,
-        (1,),
-        *args,
-        caches=(1, 2),
-        cache_bytes=g.cache_bytes,
-        GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
-        BLOCK_Q=tile.block_q,
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        HEAD_DIM=head_size,
-        HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=g.block_size,
-        USE_WINDOW=False,
-        FP8=fp8,
-        WITH_NEW=True,
-        DOT_IEEE=query.dtype == torch.float32,
-        RESCALE_SLACK=pc._RESCALE_SLACK,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-    )
-    if splits > 1:
-        block_h, warps = pc._combine_config(num_heads)
-        args = (*parts, query, lse, cu, len(seq_lens), splits, num_heads, *part_strides)
-        args += (*query.stride()[:2], *lse.stride())
-        warmup(
-            pc._combine_splits_kernel,
-            (1,),
-            *args,
-            HEAD_DIM=head_size,
-            HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_H=block_h,
-            num_warps=warps,
-        )
+        num_tokens, num_reqs, g.num_heads, g.num_kv_heads, g.head_size, g.model_dtype,
+        device, num_splits=2 if case[1] else 1,
+    )  # fmt: skip
+    bound = pc._bind(
+        query, key_cache, value_cache, block_table, cu, seq_lens, 1.0, new, new, None,
+        scale, scale, query, ws.lse, None, None, ws,
+    )  # fmt: skip
+    # The tensors paged_context_attention hands the launches.
+    scales = (scale, scale) if bound.fp8 else (seq_lens, seq_lens)
+    head = (query, key_cache, value_cache, new, new, block_table, cu, seq_lens, *scales)
+    attend = bound.attend
+    assert attend is not None  # a bound call always attends
+    if bound.combine is None:
+        attend.compile_only((*head, query, ws.lse), (1, 2), g.cache_bytes)
+        return
+    parts = (ws.partial_out, ws.partial_lse)
+    attend.compile_only((*head, *parts), (1, 2), g.cache_bytes)
+    bound.combine.compile_only((*parts, query, ws.lse, cu))

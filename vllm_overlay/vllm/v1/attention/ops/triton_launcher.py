@@ -1,23 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Triton launches for kernels called once per layer per step.
+"""Checked-once Triton launches for kernels called once per layer per step.
 
 An attention wrapper runs eagerly once per layer (48-61 times a step) between
 the pieces of a piecewise CUDA graph, so its host time is paid on every layer.
-``kernel[grid](...)`` dominates it: ``JITFunction.run`` binds and specialises
-every argument and builds the compile-cache key on every call.
+Two costs dominate it: its argument checks, the same for every layer of a
+step, and ``kernel[grid](...)``, where ``JITFunction.run`` binds and
+specialises every argument and builds the compile-cache key on every call.
 
-``launch(kernel, grid, *args, **kwargs)`` does what ``kernel[grid](*args,
-**kwargs)`` does.  The first launch of each key goes through ``kernel[grid]``
-(compiling if needed) and keeps the ``CompiledKernel`` it returns; later
-launches with the same key call that kernel's ``run`` with the arguments
-``CompiledKernel.__getitem__``'s launcher would pass (no launch metadata, no
-hooks) while no launch hook is set, where the installed Triton's launcher is
-seen to call ``run`` that way (``_RUN_CALL``), else through that launcher.  The
-key is never coarser than Triton's own: the tensors' dtypes and what the
-backend specialises their pointers on, every scalar by value except the
-kernel's ``do_not_specialize`` ones (by Triton type), every constexpr and
-option by value, and the device.
+  * ``LaunchCache`` maps a wrapper's key to what it derived from validated
+    arguments (a ``KernelLaunch`` per kernel, buffer sizes, ...).  A miss runs
+    the wrapper's full checks; a hit skips them.
+  * ``KernelLaunch`` fixes a kernel's grid, scalar arguments, constexprs and
+    options; per call only its tensor arguments (the kernel's leading
+    parameters) change.  The first call of each pointer pattern launches
+    through ``kernel[grid]`` (compiling if needed) and keeps the
+    ``CompiledKernel`` it returns together with that kernel's own launcher,
+    ``compiled[grid]`` (``CompiledKernel.__getitem__``: it builds the launch
+    metadata and passes the launch hooks exactly as ``JITFunction.run`` does).
+    Later calls whose pointers Triton would specialise the same way call that
+    launcher directly, or, while no launch hook is set, the compiled kernel's
+    ``run`` with the arguments that launcher would pass (no launch metadata,
+    no hooks), where the installed Triton's launcher is seen to call ``run``
+    that way (``_RUN_CALL``).
 
 Which path runs is decided once per process, on the first compiled launch, by
 what the installed Triton provides (``launch_path()``), not by its version:
@@ -34,13 +39,12 @@ Anything missing (another Triton layout, no AMD/NVIDIA backend, a driver
 that cannot be asked) selects the plain path, ``kernel[grid]`` on every call;
 the choice and its reason are logged once at info.  Direct launches go to the
 current stream, so CUDA graphs capture them like ``kernel[grid]``; while
-torch.compile traces, launches go through ``kernel[grid]``.  ``ENABLED =
-False`` turns direct launches off.
+torch.compile traces, ``fast_path()`` is False and the wrappers check and
+launch normally.  ``ENABLED = False`` turns caching and direct launches off.
 """
 
 from __future__ import annotations
 
-import inspect
 from functools import reduce
 from operator import or_
 
@@ -51,23 +55,74 @@ from vllm.triton_utils import triton
 
 logger = init_logger(__name__)
 
-__all__ = ["ENABLED", "clear_caches", "launch", "launch_path", "warmup"]
+__all__ = [
+    "ENABLED",
+    "KernelLaunch",
+    "LaunchCache",
+    "clear_caches",
+    "fast_path",
+    "launch_path",
+    "next_power_of_2",
+    "tensor_geometry",
+]
 
-# Direct launches on (False: every launch goes through kernel[grid]).
+# Caching and direct launches on (False: every call checks its arguments and
+# launches through kernel[grid]).
 ENABLED = True
 
-# A kernel holding more compiled-kernel keys than this empties them (dropping
-# them all is cheap).
+# A cache holding more keys than this is emptied (dropping them all is cheap).
 _MAX_KEYS = 4096
+
+_CACHES: list[LaunchCache] = []
 
 # Compiled kernels (not TRITON_INTERPRET=1, not vLLM's Triton placeholder).
 _JITFunction = getattr(getattr(triton, "runtime", None), "JITFunction", ())
 
 
+def fast_path() -> bool:
+    """Whether a wrapper may use its cache and direct launches for this call."""
+    return ENABLED and not torch.compiler.is_compiling()
+
+
+class LaunchCache(dict):
+    """A wrapper's validated launches by key (a dict that empties when full)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _CACHES.append(self)
+
+    def put(self, key, value):
+        if len(self) >= _MAX_KEYS:
+            self.clear()
+        self[key] = value
+        return value
+
+    def bind(self, key, check_and_bind, *args):
+        """A miss: ``check_and_bind(*args)`` (the wrapper's full checks; raises
+        before anything is cached), kept under ``key`` unless it is None (an
+        unkeyable call, or the plain path)."""
+        value = check_and_bind(*args)
+        if key is not None:
+            self.put(key, value)
+        return value
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host ints >= 1: Triton's is a constexpr
+    function, which costs microseconds a host call on Triton 3.8."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def tensor_geometry(t) -> tuple:
+    """What a launch key holds of a tensor: shape, strides, dtype, device."""
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
 def clear_caches() -> None:
-    """Forget every compiled kernel ``launch`` kept (tests and tuning change
-    module constants that launches derive from)."""
-    _STATES.clear()
+    """Forget every validated launch (tests and tuning change module constants
+    that launches were derived from)."""
+    for cache in _CACHES:
+        cache.clear()
 
 
 # ---------------------------------------------------------------- launch path
@@ -79,7 +134,7 @@ BACKEND_CALL = "backend call"
 
 
 class LaunchPath:
-    """What the installed Triton lets ``launch`` do, found once.
+    """What the installed Triton lets a ``KernelLaunch`` do, found once.
 
     ``direct``: whether hits call the compiled kernel's launcher; ``reason``:
     why (logged once); ``pointer_key``: how pointers select a compiled kernel
@@ -249,178 +304,99 @@ def _pointer_key(path, tensors, ptrs):
     return tuple(map(path.spec, tensors))
 
 
-class _KernelState:
-    """What ``launch`` keeps of one kernel: its compiled kernels by key
-    (filled on compiled launches, read on hits) and the function computing
-    that key from a call's arguments."""
+class KernelLaunch:
+    """One launch configuration of a ``@triton.jit`` kernel.
 
-    __slots__ = ("path", "key", "compiled")
-
-    def __init__(self, path, kernel, args, kwargs):
-        self.path = path
-        self.key = _key_function(path, kernel, args, kwargs)
-        self.compiled: dict = {}
-
-
-def _key_function(path, kernel, args, kwargs):
-    """``key(device, args, kwargs)`` for calls shaped like this one: tensors
-    first (their dtypes and pointer key), then scalars (by value, or by Triton
-    type for ``do_not_specialize`` ones), then every keyword by value.
-
-    Straight-line code made for this kernel (as Triton's own binder is), so a
-    call reads each tensor attribute once and loops over nothing; a call with
-    another number of positional arguments or other keywords raises
-    ValueError or KeyError (no hit).
+    ``kernel(*tensors, *scalars, **constexprs)`` must list its parameters in
+    that order (pointer arguments first, then runtime scalars, then
+    constexprs), which is how every kernel here is written.  ``grid`` (up to
+    three ints), ``scalars``, ``constexprs`` and ``options`` (``num_warps``,
+    ...) are fixed; call the object with the tensor arguments, whose dtypes
+    must be the same on every call (the caller's key fixes them).
     """
-    num_tensors = next(
-        (i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args)
+
+    __slots__ = (
+        "kernel",
+        "grid",
+        "scalars",
+        "constexprs",
+        "options",
+        "_dims",
+        "_tail",
+        "_path",
+        "_compiled",
     )
-    names = [f"a{i}" for i in range(len(args))]
-    tensors = names[:num_tensors]
-    ptrs = [f"{t}.data_ptr()" for t in tensors]
-    aligned = " or ".join(
-        [f"({' | '.join(ptrs)}) & 15 == 0"]
-        + [f"({', '.join(f'{p} & 15 == 0' for p in ptrs)},)"]
-    )
-    if not tensors:
-        pointer = "()"
-    elif path.pointer_key is ALIGNMENT:
-        pointer = f"({aligned})"
-    elif path.pointer_key is ALIGNMENT_AND_2GB:
-        sizes = ", ".join(
-            f"{t}.untyped_storage().nbytes() <= {_MAX_INT32}" for t in tensors
-        )
-        pointer = f"({aligned}), ({sizes},)"
-    else:
-        pointer = ", ".join(f"spec({t})" for t in tensors)
-    params = kernel.params
-    scalars = [
-        f"scalar_type({n})"
-        if i < len(params) and getattr(params[i], "do_not_specialize", False)
-        else n
-        for i, n in enumerate(names[num_tensors:], num_tensors)
-    ]
-    parts = [f"{t}.dtype" for t in tensors] + [pointer] + scalars
-    parts += [f"kwargs[{k!r}]" for k in kwargs]
-    source = (
-        f"def key(device, args, kwargs):\n"
-        f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n"
-        f"    if len(kwargs) != {len(kwargs)}:\n"
-        f"        raise KeyError('other keywords')\n"
-        f"    return (device, {', '.join(parts)})\n"
-    )
-    scope = {"spec": path.spec, "scalar_type": _scalar_type}
-    exec(source, scope)  # noqa: S102 - built above from argument counts only
-    return scope["key"]
 
-
-def _scalar_type(value):
-    """The Triton type of a per-step (do_not_specialize) scalar, which alone
-    selects its compiled kernel."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        return type(value)
-    return "i32" if -(2**31) <= value < 2**31 else "u64" if value >= 2**63 else "i64"
-
-
-# The state of every kernel launched through ``launch`` (module-level kernels,
-# never freed).
-_STATES: dict = {}
-
-
-def launch(kernel, grid, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, through the compiled kernel Triton
-    chose for the same arguments where the launch path allows it.
-
-    ``grid`` is a tuple of one to three ints; the kernel lists its tensor
-    parameters first, then its runtime scalars (passed positionally), then its
-    constexprs (by keyword, with the options such as ``num_warps``).  A scalar
-    that changes from step to step must be in the kernel's
-    ``do_not_specialize`` (only its Triton type is part of the key); every
-    other scalar, constexpr and option is keyed by value, as are the tensors'
-    dtypes and what Triton specialises their pointers on.  The first launch of
-    each key goes through ``kernel[grid]`` (compiling if needed), and so does
-    every call shaped otherwise than the kernel's first compiled launch (another
-    number of positional arguments, other keywords: one call site per kernel).
-    """
-    state = _STATES.get(kernel)
-    if state is not None and ENABLED:
-        path = state.path
-        device = path.current_device()
-        try:
-            entry = state.compiled.get(state.key(device, args, kwargs))
-        except (AttributeError, KeyError, TypeError, ValueError):  # other arguments
-            entry = None
-        if entry is not None and not torch.compiler.is_compiling():
-            compiled, rest = entry
-            stream = path.current_stream(device)
-            g = (*grid, 1, 1)
-            if path.quiet is not None and path.quiet():
-                # What CompiledKernel.__getitem__'s launcher passes (_RUN_CALL)
-                # with no launch metadata and no hooks.
-                compiled.run(*g[:3], stream, *compiled.meta, *args, *rest)
-            else:
-                compiled[g[:3]](*args, *rest, stream=stream)
-            return
-    compiled = kernel[grid](*args, **kwargs)
-    if (
-        ENABLED
-        and isinstance(kernel, _JITFunction)
-        and not torch.compiler.is_compiling()
-    ):
-        _remember(kernel, compiled, args, kwargs)
-
-
-def _remember(kernel, compiled, args, kwargs) -> None:
-    path = launch_path()
-    if not path.direct or not isinstance(compiled, path.compiled_type):
-        return
-    state = _STATES.get(kernel)
-    if state is None:
-        state = _STATES[kernel] = _KernelState(path, kernel, args, kwargs)
-    names = kernel.arg_names[len(args) :]
-    params = kernel.params[len(args) :]
-    rest = tuple(kwargs.get(n, p.default) for n, p in zip(names, params))
-    if any(r is inspect.Parameter.empty for r in rest):
-        return  # a parameter Triton filled otherwise: keep kernel[grid]
-    compiled[(1, 1, 1)]  # loads the kernel's handles if needed
-    try:
-        key = state.key(path.current_device(), args, kwargs)
-    except (AttributeError, KeyError, TypeError, ValueError):  # not the arguments the
-        return  # state was made for
-    if len(state.compiled) >= _MAX_KEYS:
-        state.compiled.clear()
-    state.compiled[key] = (_Compiled(compiled), rest)
-
-
-class _Compiled:
-    """A CompiledKernel with its ``run`` arguments after grid and stream."""
-
-    __slots__ = ("kernel", "run", "meta")
-
-    def __init__(self, kernel):
+    def __init__(self, kernel, grid, scalars=(), constexprs=None, **options):
         self.kernel = kernel
-        self.run = kernel.run
-        self.meta = (kernel.function, kernel.packed_metadata, None, None, None)
+        self.grid = tuple(grid)
+        self.scalars = tuple(scalars)
+        self.constexprs = dict(constexprs or {})
+        self.options = options
+        self._dims = (*self.grid, 1, 1)[:3]
+        self._tail: tuple = ()  # scalars + constexpr values in parameter order
+        self._path = _UNKNOWN  # the process's launch path, once a launch found it
+        # (device, pointer key) -> (run, its arguments after grid and stream,
+        # launcher)
+        # of the CompiledKernel Triton compiled for that key
+        self._compiled: dict = {}
 
-    def __getitem__(self, grid):
-        return self.kernel[grid]
+    def __call__(self, *tensors) -> None:
+        if self._compiled:
+            path = self._path
+            device = path.current_device()
+            ptrs = [t.data_ptr() for t in tensors]
+            entry = self._compiled.get((device, _pointer_key(path, tensors, ptrs)))
+            if entry is not None:
+                run, after, launcher = entry
+                stream = path.current_stream(device)
+                if path.quiet is not None and path.quiet():
+                    run(*self._dims, stream, *after, *tensors, *self._tail)
+                else:
+                    launcher(*tensors, *self._tail, stream=stream)
+                return
+        compiled = self.kernel[self.grid](
+            *tensors, *self.scalars, **self.constexprs, **self.options
+        )
+        if isinstance(self.kernel, _JITFunction) and fast_path():
+            self._remember(compiled, tensors)
 
+    def compile_only(self, tensors, caches=(), cache_bytes=None) -> None:
+        """Compile for ``tensors`` without launching (JIT warmup): the tensors
+        at indices ``caches`` stand in for the KV cache, whose storage is
+        ``cache_bytes`` (None: unknown, compile for a pool over 2 GiB and a
+        small one, the two AMD buffer-ops variants)."""
+        for nbytes in (_KV_POOL_BYTES, 1) if cache_bytes is None else (cache_bytes,):
+            ptrs = [
+                _CompileOnlyPointer(t, nbytes if i in caches else None)
+                for i, t in enumerate(tensors)
+            ]
+            self.kernel.warmup(
+                *ptrs, *self.scalars, **self.constexprs, **self.options, grid=self.grid
+            )
 
-def warmup(kernel, grid, *args, caches=(), cache_bytes=None, **kwargs) -> None:
-    """Compile ``kernel`` for these arguments without launching (JIT warmup).
-
-    The tensors at indices ``caches`` stand in for the KV cache, whose storage
-    is ``cache_bytes`` (None: unknown, compile for a pool over 2 GiB and a
-    small one, the two AMD buffer-ops variants).
-    """
-    for nbytes in (_KV_POOL_BYTES, 1) if cache_bytes is None else (cache_bytes,):
-        stand_ins = [
-            _CompileOnlyPointer(a, nbytes if i in caches else None)
-            if isinstance(a, torch.Tensor)
-            else a
-            for i, a in enumerate(args)
-        ]
-        kernel.warmup(*stand_ins, **kwargs, grid=grid)
+    def _remember(self, compiled, tensors) -> None:
+        path = launch_path()
+        if not path.direct or not isinstance(compiled, path.compiled_type):
+            return
+        if not self._tail:
+            names = self.kernel.arg_names[len(tensors) + len(self.scalars) :]
+            if sorted(names) != sorted(self.constexprs):
+                raise TypeError(
+                    f"KernelLaunch: {self.kernel} takes {self.kernel.arg_names}; "
+                    f"got {len(tensors)} tensors, {len(self.scalars)} scalars and "
+                    f"constexprs {sorted(self.constexprs)}"
+                )
+            self._tail = (*self.scalars, *(self.constexprs[n] for n in names))
+        grid = self._dims
+        ptrs = [t.data_ptr() for t in tensors]
+        key = (path.current_device(), _pointer_key(path, tensors, ptrs))
+        self._path = path
+        launcher = compiled[grid]  # loads the kernel's handles if needed
+        # run's arguments after the grid and stream: the handle, the metadata,
+        # no launch metadata and no hooks (what quiet() allows).
+        after = (compiled.function, compiled.packed_metadata, None, None, None)
+        self._compiled[key] = (compiled.run, after, launcher)
 
 
 _KV_POOL_BYTES = 1 << 40  # "more than 2 GiB": a KV cache pool

@@ -8,20 +8,18 @@ decode count) with ``do_not_specialize_on_alignment``; the rest is fixed by
 the layer's geometry (``MLAGeometry``) except the form (decode / prefill) and
 the prefill ``BLOCK_T``, a power of two that follows the step's token count
 (``_tile_config``: a few values up to its cap).  ``warmup_cases`` lists them;
-``compile_case`` compiles one without launching it: the wrapper's own checks
-and launch arguments on tiny tensors of the layer's strides, handed to
-``triton_launcher.warmup`` (the KV cache pointer carries its storage size).
+``compile_case`` compiles one without launching it (as
+``triton_fetch_kv_warmup`` does: the wrapper's checks build the launch on tiny
+tensors of the layer's strides; the KV cache pointer carries its storage size).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from vllm.v1.attention.ops import triton_mla_rope_cache as mla
-from vllm.v1.attention.ops.triton_launcher import warmup
 
 __all__ = ["MLAGeometry", "compile_case", "warmup_cases"]
 
@@ -90,17 +88,23 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
     slots, positions = torch.zeros(t, **index), torch.zeros(t, **index)
     cos_sin = strided((1, R), (g.cos_sin_stride, 1), g.cos_sin_dtype)
     # MLA layers always pass their k_scale (read only for an fp8 cache).
-    k_scale = torch.ones(1, dtype=torch.float32, device=device)
-    run = partial(warmup, caches=(5,), cache_bytes=g.cache_bytes)  # 5: kv_cache_ptr
-    rest = (kv_c, k_pe, cache, slots, positions, cos_sin, g.is_neox, g.kv_cache_dtype)
+    k_scale = scale = torch.ones(1, dtype=torch.float32, device=device)
+    common = (kv_c, k_pe, cache, slots, positions, cos_sin, g.is_neox,
+              g.kv_cache_dtype, k_scale)  # fmt: skip
     if case[0] == "decode":
         ql_nope = strided((t, h, L), (*g.ql_nope_strides, 1), g.model_dtype)
-        q_scale = k_scale if g.q_fp8 else None
-        q_out = torch.empty(
-            mla.decode_q_out_shape(ql_nope, q_pe),
-            dtype=mla.decode_q_out_dtype(ql_nope, q_scale),
-            device=device,
+        q_scale = scale if g.q_fp8 else None
+        launch, cache_dtype, q_out_dtype = mla._bind_decode(
+            ql_nope, q_pe, *common, None, q_scale
         )
-        mla._rope_cache(run, ql_nope, q_pe, q_out, *rest, k_scale, q_scale)
+        q_out = torch.empty(mla.decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype,
+                            device=device)  # fmt: skip
+        tensors = (ql_nope, q_pe, q_out, kv_c, k_pe, cache.view(cache_dtype), slots,
+                   positions, cos_sin, k_scale,
+                   positions if q_scale is None else q_scale)  # fmt: skip
     else:
-        mla._rope_cache(run, None, q_pe, None, *rest, k_scale, None)
+        launch, cache_dtype = mla._bind_prefill(q_pe, *common)
+        tensors = (q_pe, q_pe, q_pe, kv_c, k_pe, cache.view(cache_dtype), slots,
+                   positions, cos_sin, k_scale,
+                   positions)  # fmt: skip
+    launch.compile_only(tensors, (5,), g.cache_bytes)

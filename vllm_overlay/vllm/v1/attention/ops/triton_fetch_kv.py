@@ -276,7 +276,9 @@ def _fetch_kv_plan_kernel(
     is_page = (cols >= PLAN_HEADER) & (cols < PLAN_HEADER + PAGES_PER_PROGRAM)
     block = tl.load(
         block_table_ptr + req.to(tl.int64) * stride_bt_req + page * stride_bt_blk,
-        mask=busy & is_page & (page < end_page),
+        # (An idle item's bound is first_page: no page.  Not busy & ...: the
+        # Triton 3.9 interpreter makes a scalar & tensor an int32 mask.)
+        mask=is_page & (page < tl.where(busy, end_page, first_page)),
         other=0,
     ).to(tl.int64)
     tile_start = first_page * PAGE

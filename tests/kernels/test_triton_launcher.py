@@ -550,6 +550,12 @@ def test_mla_rows_bound_metadata(device):
     assert mla.mla_rope_rows(None, None, None).key is None
 
 
-def test_next_power_of_2_is_tritons():
-    assert [tl_launch.next_power_of_2(n) for n in range(1, 2049)] == [
+def test_host_int_helpers_are_tritons():
+    """The wrappers size launches with upstream's vllm.utils.math_utils (plain
+    Python) in place of Triton's constexpr functions: the same values."""
+    from vllm.utils.math_utils import cdiv, next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(1, 2049)] == [
         triton.next_power_of_2(n) for n in range(1, 2049)]
+    assert [cdiv(a, b) for a in range(0, 300) for b in (1, 7, 16, 128)] == [
+        triton.cdiv(a, b) for a in range(0, 300) for b in (1, 7, 16, 128)]

@@ -82,11 +82,11 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     LaunchCache,
     fast_path,
-    next_power_of_2,
     tensor_geometry,
 )
 

@@ -62,7 +62,6 @@ __all__ = [
     "clear_caches",
     "fast_path",
     "launch_path",
-    "next_power_of_2",
     "tensor_geometry",
 ]
 
@@ -105,12 +104,6 @@ class LaunchCache(dict):
         if key is not None:
             self.put(key, value)
         return value
-
-
-def next_power_of_2(n: int) -> int:
-    """``triton.next_power_of_2`` for host ints >= 1: Triton's is a constexpr
-    function, which costs microseconds a host call on Triton 3.8."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def tensor_geometry(t) -> tuple:

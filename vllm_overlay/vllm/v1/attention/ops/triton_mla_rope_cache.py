@@ -81,11 +81,11 @@ import torch
 
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     LaunchCache,
     fast_path,
-    next_power_of_2,
     tensor_geometry,
 )
 
@@ -721,7 +721,7 @@ def _check_common(
 
 
 def _pow2(n: int) -> int:
-    return next_power_of_2(max(int(n), 1))
+    return next_power_of_2(int(n))
 
 
 def _pow2_floor(n: int) -> int:
@@ -782,7 +782,7 @@ def _kernel_launch(
     block_l, block_half, block_t, block_h, num_warps = _tile_config(
         num_tokens, num_heads, lora_rank, rot_dim, decode
     )
-    grid = (-(-num_tokens // block_t), -(-num_heads // block_h) + 1)
+    grid = (cdiv(num_tokens, block_t), cdiv(num_heads, block_h) + 1)
     # Strides of the pointers the chosen form does not read: those of q_pe.
     ql_nope = q_pe if ql_nope is None else ql_nope
     q_out = q_pe if q_out is None else q_out

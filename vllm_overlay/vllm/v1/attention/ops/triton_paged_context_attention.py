@@ -93,12 +93,12 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.utils.platform_utils import num_compute_units
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     LaunchCache,
     fast_path,
-    next_power_of_2,
     tensor_geometry,
 )
 
@@ -1046,7 +1046,7 @@ def _split_count(
     if device.type != "cuda":
         return 1
     base = (num_tokens // tile.block_q + num_reqs) * num_kv_heads
-    want = -(-_PROGRAMS_PER_SM * num_compute_units(device.index or 0) // base)
+    want = cdiv(_PROGRAMS_PER_SM * num_compute_units(device.index or 0), base)
     cap = _MAX_SPLITS
     if max_context_len is not None:
         cap = min(cap, max(1, max_context_len // _MIN_TOKENS_PER_SPLIT))
@@ -1367,7 +1367,7 @@ def _bind(
     block_h, combine_warps = _combine_config(num_heads)
     combine = KernelLaunch(
         _combine_splits_kernel,
-        (num_tokens, -(-num_heads // block_h)),
+        (num_tokens, cdiv(num_heads, block_h)),
         (
             num_reqs,
             num_splits,

@@ -1,0 +1,9 @@
+"""GPU tier stand-in for vllm.utils.math_utils (tests/without_vllm/README.md)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n < 1 else 1 << (n - 1).bit_length()

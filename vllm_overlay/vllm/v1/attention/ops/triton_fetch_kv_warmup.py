@@ -127,26 +127,27 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
         return
     # The backend's call: the new tokens' K/V given, the output given, the
     # step's workspace (split or not).
-    query = torch.empty((num_tokens, g.num_heads, g.head_size), dtype=g.model_dtype,
-                        device=device)  # fmt: skip
+    query_shape = (num_tokens, g.num_heads, g.head_size)
+    query = torch.empty(query_shape, dtype=g.model_dtype, device=device)
     new = torch.empty((num_tokens, *shape[2:]), dtype=g.model_dtype, device=device)
     seq_lens = torch.zeros(num_reqs, **idx)
-    ws = pc.paged_context_workspace(
-        num_tokens, num_reqs, g.num_heads, g.num_kv_heads, g.head_size, g.model_dtype,
-        device, num_splits=2 if case[1] else 1,
-    )  # fmt: skip
-    bound = pc._bind(
-        query, key_cache, value_cache, block_table, cu, seq_lens, 1.0, new, new, None,
-        scale, scale, query, ws.lse, None, None, ws,
-    )  # fmt: skip
+    dims = (num_tokens, num_reqs, g.num_heads, g.num_kv_heads, g.head_size)
+    splits = 2 if case[1] else 1
+    ws = pc.paged_context_workspace(*dims, g.model_dtype, device, num_splits=splits)
+    fp8 = g.cache_dtype in pc._FP8_DTYPES
+    scales = (scale, scale) if fp8 else (None, None)
+    # paged_context_attention's arguments as it passes them to its checks.
+    args: tuple = (query, key_cache, value_cache, block_table, cu, seq_lens, 1.0, new)
+    args += (new, None, *scales, query, None, None, None, ws)
+    launch = pc._paged_context_attention_launch(*args)
     # The tensors paged_context_attention hands the launches.
-    scales = (scale, scale) if bound.fp8 else (seq_lens, seq_lens)
+    scales = (scale, scale) if fp8 else (seq_lens, seq_lens)
     head = (query, key_cache, value_cache, new, new, block_table, cu, seq_lens, *scales)
-    attend = bound.attend
-    assert attend is not None  # a bound call always attends
-    if bound.combine is None:
+    attend = launch.attend
+    assert attend is not None  # a call with requests and tokens attends
+    if launch.combine is None:
         attend.compile_only((*head, query, ws.lse), (1, 2), g.cache_bytes)
         return
     parts = (ws.partial_out, ws.partial_lse)
     attend.compile_only((*head, *parts), (1, 2), g.cache_bytes)
-    bound.combine.compile_only((*parts, query, ws.lse, cu))
+    launch.combine.compile_only((*parts, query, ws.lse, cu))

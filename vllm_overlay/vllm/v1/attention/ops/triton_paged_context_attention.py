@@ -2,105 +2,46 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Attention of extend queries to their cached context, read from the paged cache.
 
-An *extend* is a request that already has ``context_len`` tokens in the KV
-cache and brings ``query_len`` new tokens this step (a chunked-prefill chunk or
-a prefix-cache hit).  Its attention splits into two parts that a backend merges
-with ``merge_attn_states``: the new tokens attending causally to each other,
-and the new tokens attending to the cached context.  ``paged_context_attention``
-computes the second part straight from the paged cache -- no gather into a
-workspace -- and returns the output with its log-sum-exp.  Given the new
-tokens' own ``key`` / ``value`` it computes the first part in the same pass,
-so the output is the whole extend attention and nothing is merged afterwards.
+An *extend* has ``context_len`` cached tokens and ``query_len`` new ones this
+step (a chunked-prefill chunk or a prefix-cache hit).
+``paged_context_attention`` attends the new tokens to the cached context
+straight from the paged cache and returns the output with its log-sum-exp
+(natural log, ``-inf`` for a token that sees nothing, as
+``merge_attn_states`` expects).  Given the new tokens' own ``key`` /
+``value`` it also attends each new token causally to its request's new tokens
+(from those tensors), so the output is the whole extend attention.  With a
+sliding window of ``W`` tokens, the token at position ``p`` sees positions
+``> p - W``.
 
-Semantics, for request ``b`` and its ``i``-th new token (``i < query_len_b``):
+Layouts (``T`` new tokens, ``Hq`` / ``Hkv`` heads, ``D`` head size, ``B``
+requests): ``query`` ``[T, Hq, D]``; ``key_cache`` / ``value_cache``
+``[num_blocks, block_size, Hkv, D]`` views (vLLM's packed cache split into K
+and V), the query dtype or fp8 with per-tensor ``k_scale`` / ``v_scale``;
+``key`` / ``value`` ``[T, Hkv, D]``; ``block_table`` ``[>= B, max_blocks]``;
+``cu_seqlens_q`` ``[B + 1]``; ``seq_lens`` ``[B]`` (context + new tokens);
+``out`` ``[T, Hq, D]``; ``lse`` ``[Hq, T]`` float32.  Last dims contiguous.
 
-  * absolute position ``p = context_len_b + i``;
-  * it attends to context positions ``k`` in ``[0, context_len_b)`` -- all of
-    them (the context precedes every new token, so no causal mask), or, with a
-    sliding window of ``W`` tokens, those with ``p - k < W`` (vLLM's
-    ``sliding_window`` int; the backend tuple ``(W - 1, 0)``);
-  * with ``key`` / ``value``, it also attends to new tokens ``j <= i`` of its
-    request (absolute positions ``context_len_b + j``; the window applies to
-    them too), read from those tensors, never from the cache;
-  * ``lse = log(sum_k exp(scale * q . k))`` (natural log, as
-    ``merge_attn_states`` expects); a token that sees no context gets output 0
-    and ``lse = -inf``, which the merge treats as "no prefix".
-
-Layouts (``T`` = total new tokens, ``Hq`` / ``Hkv`` = query / kv heads,
-``D`` = head_size, ``bs`` = block_size, ``B`` = number of requests):
-
-  * ``query``: ``[T, Hq, D]``, requests back to back in ``cu_seqlens_q`` order;
-    any token/head strides, last dim contiguous.
-  * ``key_cache`` / ``value_cache``: ``[num_blocks, bs, Hkv, D]`` views with any
-    strides (last dim contiguous).  vLLM 0.33.0's packed cache
-    ``(num_blocks, Hkv, bs, 2 * D)`` is the common case:
-    ``kv_cache.transpose(1, 2).split(D, dim=-1)`` gives K and V with strides
-    ``(Hkv * bs * 2D, 2D, bs * 2D, 1)``.  fp16/bf16, or fp8 (e4m3fn, e4m3fnuz,
-    e5m2, e5m2fnuz) with per-tensor ``k_scale`` / ``v_scale``: the stored value
-    times the scale is the real value.
-  * ``key`` / ``value`` (optional): ``[T, Hkv, D]`` in the query dtype, rows
-    like ``query``'s; any token/head strides, last dim contiguous.
-  * ``block_table``: ``[>= B, max_blocks]`` int32/int64; logical position ``k``
-    of request ``b`` is slot ``k % bs`` of block ``block_table[b, k // bs]``.
-  * ``cu_seqlens_q``: ``[B + 1]`` int32/int64, ``cu_seqlens_q[0] == 0``,
-    ``cu_seqlens_q[B] <= T``.
-  * ``seq_lens``: ``[B]`` int32/int64, context + new tokens per request (vLLM's
-    ``seq_lens``); ``context_len_b = seq_lens[b] - query_len_b``.  Positions at
-    or after ``context_len_b`` are never read, so it does not matter whether
-    the new tokens are already in the cache.
-  * outputs: ``out`` ``[T, Hq, D]`` in the query dtype and ``lse`` ``[Hq, T]``
-    float32 (any strides; ``merge_attn_states``'s layout).  Rows of tokens at
-    or after ``cu_seqlens_q[B]`` are not written.
-
-Design (flash-attention forward, one program per tile):
-  * A program owns ``BLOCK_Q`` consecutive new tokens of one request times the
-    ``Hq / Hkv`` query heads that share one kv head (GQA): ``BLOCK_M = BLOCK_Q *
-    GROUP_PAD`` query rows, row ``r`` = token ``r // GROUP_PAD``, head ``r %
-    GROUP_PAD`` of the group.  Each K/V tile is loaded once for the whole group.
-  * It walks the context in ``BLOCK_N``-token tiles, looking up each token's
-    block in the block table (so ``BLOCK_N`` need not equal the page size), with
-    ``tl.dot`` for ``Q K^T`` and ``P V``, an fp32 accumulator and an online
-    softmax in base 2 that rescales lazily: a row's running max is replaced
-    only when a tile's max exceeds it by more than ``_RESCALE_SLACK`` (log2
-    units), so the accumulator is rescaled on few iterations (1.12-1.16x on
-    an H200).  fp8 tiles are widened to the query dtype for the dots;
-    ``k_scale`` folds into the softmax scale and ``v_scale`` into the final
-    normalisation, so dequantisation costs no extra pass.
-  * Tiles are numbered in closed form: request ``b`` owns tiles
-    ``cu_seqlens_q[b] // BLOCK_Q + b`` onwards, so a program finds its request by
-    a binary search over ``cu_seqlens_q`` -- no host synchronisation, no tile list.
-  * When there are too few tiles to fill the GPU (short extends), the key
-    tiles of each query tile (its context, then its new tokens) are split into
-    ``num_splits`` even ranges processed by separate programs; each writes a
-    normalised fp32 partial output and its lse, and a small second kernel
-    combines them.  With one split the first kernel writes the final output
-    directly.
-  * Every offset that multiplies a block id or a token index by a stride is
-    computed in 64 bits.
-
-Host cost (the call runs once per layer per step): the arguments are checked
-once per launch key (``triton_launcher.LaunchCache``) and both kernels launch
-through their compiled kernels.  A ``PagedContextWorkspace``, made once per
-step by ``paged_context_workspace``, holds the LSE and split partials every
-layer's call writes (no allocation per call) and can bind the step's metadata
-tensors, whose geometry the calls then take from it.
+Design: flash-attention forward, one program per ``BLOCK_Q`` new tokens of
+one request times the query heads of one kv head (GQA), walking the context
+in ``BLOCK_N``-token tiles through the block table, with an online softmax
+that rescales lazily (``_RESCALE_SLACK``).  Tiles are numbered in closed form
+(request ``b`` owns tiles from ``cu_seqlens_q[b] // BLOCK_Q + b``; a binary
+search finds it): no host synchronisation.  When the tiles cannot fill the
+GPU, the key range is split across programs and a second kernel combines
+their fp32 partials.  Offsets of block ids and tokens are 64-bit.
 """
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.utils.platform_utils import num_compute_units
-from vllm.v1.attention.ops.triton_launcher import (
-    KernelLaunch,
-    LaunchCache,
-    fast_path,
-    tensor_geometry,
-)
+from vllm.v1.attention.ops.triton_launcher import KernelLaunch, cached_launch
 
 __all__ = [
     "PagedContextWorkspace",
@@ -110,64 +51,37 @@ __all__ = [
     "use_paged_context",
 ]
 
-# Tile shape (query rows x context tokens per iteration, warps, pipeline
-# stages).  Query rows = tokens x heads of one GQA group; every K/V element a
-# program loads is used by BLOCK_M rows, so 128 rows halve the K/V traffic
-# from L2 against 64.  On the H200, with lazy rescaling, this tile ran the
-# context part at 288-343 TFLOP/s and no other tile of a 7-tile sweep was
-# more than 4% faster on any shape; in the sweeps of the whole fused call
-# (context + new tokens) it had the best worst case of 9 tiles
-# (benchmarks/notes/paged_context.md).  BLOCK_N is a multiple of the
-# 16-token page.
+# Tile (query rows = tokens x heads of a GQA group, context tokens per
+# iteration, warps, stages): the best worst case of the H200 sweeps
+# (benchmarks/notes/paged_context.md).  D > 128: half the context tile, twice
+# the warps.
 _BLOCK_M = 128
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
-# D > 128: the per-iteration K/V tiles and the accumulator double; halve the
-# context tile and double the warps to stay within registers / shared memory.
 _BLOCK_N_LARGE_D = 32
 _NUM_WARPS_LARGE_D = 8
-# Split the context when there are fewer than this many programs per SM
-# worth of work (one full wave of two co-resident programs per SM).
+# Split the context when fewer than this many programs per SM have work, into
+# at most _MAX_SPLITS splits of at least _MIN_TOKENS_PER_SPLIT context tokens.
 _PROGRAMS_PER_SM = 2
-# Never split finer than this many context tokens per split (enough
-# iterations to amortise the partial-output write), nor into more than this
-# many splits (the partial buffer is splits x T x Hq x D fp32).
 _MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 16
-# Heads per program of the split-combining kernel (its [BLOCK_H, D] fp32
-# accumulator stays in registers up to D 256).
+# Heads per program of the split-combining kernel.
 _COMBINE_BLOCK_H = 16
-
-# fp32 queries (tests, reference runs) use exact FMA dots, not tensor cores;
-# smaller tiles keep them in registers.
+# fp32 queries (exact FMA dots) use smaller tiles.
 _FP32_BLOCK_M = 64
 _FP32_BLOCK_N = 32
-
-# CDNA (AMD gfx942 / gfx950, wave64): (block_m, block_n, warps, stages) for
-# D <= 128 and for D > 128, from the AMD compile tier's facts (no AMD timing
-# exists; docs/compile-tier.md).  The H200 tile above takes 256 VGPRs + ~130
-# AGPRs there (one wave per SIMD) and spills at D 256.  8 warps keep the
-# 128-row tile (the K/V reuse) with half the rows per wave; one stage and a
-# 32-key tile (16 at D 256) leave room for the fp8 conversions: no spill on
-# either target for any shape of the matrix, and the two waves per SIMD
-# (two programs per CU) the context split assumes.
-_CDNA_TILES = {
-    False: (128, 32, 8, 1),
-    True: (128, 16, 8, 1),
-}
-
-# Interpreter (CPU) launches: small tiles keep numpy work per program small.
+# CDNA (gfx942 / gfx950): (block_m, block_n, warps, stages) for D <= 128 and
+# D > 128, from the AMD compile tier's facts (no spill, two waves per SIMD).
+_CDNA_TILES = {False: (128, 32, 8, 1), True: (128, 16, 8, 1)}
+# Interpreter (CPU) launches.
 _INTERP_BLOCK_M = 16
 _INTERP_BLOCK_N = 16
 
 _LOG2E = 1.4426950408889634
-
-# Lazy rescaling slack in log2 units (see _attend_tile); 0 rescales
-# the accumulator on every context tile.
+# Lazy rescaling slack in log2 units (0: rescale on every context tile).
 _RESCALE_SLACK = 8.0
-# Running max of a row that has seen no score yet: finite, so that
-# exp2(-inf - _NO_SCORE) is 0 and exp2(_NO_SCORE - m) is 0 without NaNs.
+# Running max of a row that has seen no score (finite: no NaNs).
 _NO_SCORE = tl.constexpr(-1.0e30)
 
 _FP8_DTYPES = tuple(
@@ -176,7 +90,7 @@ _FP8_DTYPES = tuple(
     if hasattr(torch, name)
 )
 _QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+_INDEX_DTYPES = frozenset((torch.int32, torch.int64))
 
 
 @triton.jit
@@ -356,20 +270,72 @@ def _attend_range(
     but the window's; the rest are masked at ``limit`` (and causally)."""
     for t in range(t_begin, tl.minimum(t_end, full_end)):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, block_row_ptr, row_base, t * BLOCK_N,
-            limit, pos_base, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
-            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, PAGED, False, False, USE_WINDOW,
-            DOT_IEEE, RESCALE_SLACK,
-        )  # fmt: skip
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptr,
+            v_ptr,
+            block_row_ptr,
+            row_base,
+            t * BLOCK_N,
+            limit,
+            pos_base,
+            q_pos,
+            k_head_off,
+            v_head_off,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            qk_scale,
+            window_left,
+            offs_n,
+            offs_d,
+            PAGE_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            PAGED,
+            False,
+            False,
+            USE_WINDOW,
+            DOT_IEEE,
+            RESCALE_SLACK,
+        )
     for t in range(tl.maximum(t_begin, full_end), t_end):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, block_row_ptr, row_base, t * BLOCK_N,
-            limit, pos_base, q_pos, k_head_off, v_head_off, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale, window_left, offs_n, offs_d,
-            PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, PAGED, True, CAUSAL, USE_WINDOW,
-            DOT_IEEE, RESCALE_SLACK,
-        )  # fmt: skip
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptr,
+            v_ptr,
+            block_row_ptr,
+            row_base,
+            t * BLOCK_N,
+            limit,
+            pos_base,
+            q_pos,
+            k_head_off,
+            v_head_off,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            qk_scale,
+            window_left,
+            offs_n,
+            offs_d,
+            PAGE_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            PAGED,
+            True,
+            CAUSAL,
+            USE_WINDOW,
+            DOT_IEEE,
+            RESCALE_SLACK,
+        )
     return acc, l_i, m_i
 
 
@@ -509,13 +475,40 @@ def _paged_context_attention_kernel(
 
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_row_ptr, 0, t_begin, t_end,
-        context_len, 0, q_pos, kv_head.to(tl.int64) * stride_kh,
-        kv_head.to(tl.int64) * stride_vh, stride_kb, stride_kt, stride_vb, stride_vt,
-        qk_scale, window_left, offs_n, offs_d, context_len // BLOCK_N,
-        BLOCK_N, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, False, USE_WINDOW, DOT_IEEE,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_row_ptr,
+        0,
+        t_begin,
+        t_end,
+        context_len,
+        0,
+        q_pos,
+        kv_head.to(tl.int64) * stride_kh,
+        kv_head.to(tl.int64) * stride_vh,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        qk_scale,
+        window_left,
+        offs_n,
+        offs_d,
+        context_len // BLOCK_N,
+        BLOCK_N,
+        PAGE_SIZE,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        True,
+        False,
+        USE_WINDOW,
+        DOT_IEEE,
         RESCALE_SLACK,
-    )  # fmt: skip
+    )
     if FP8:
         # Dequantise the context's values here (once, not per tile); new-token
         # values below are already real values.
@@ -528,14 +521,40 @@ def _paged_context_attention_kernel(
         # never from the cache: no dependence on the cache write, no fp8
         # rounding.
         acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q, k_new_ptr, v_new_ptr, block_row_ptr, q_begin.to(tl.int64),
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_new_ptr,
+            v_new_ptr,
+            block_row_ptr,
+            q_begin.to(tl.int64),
             new_tile_lo + tl.maximum(v_begin - ctx_tiles, 0),
-            new_tile_lo + tl.maximum(v_end - ctx_tiles, 0), new_end, context_len, q_pos,
-            kv_head.to(tl.int64) * stride_knh, kv_head.to(tl.int64) * stride_vnh, 0,
-            stride_knt, 0, stride_vnt, qk_scale_log2, window_left, offs_n, offs_d,
-            (first_local + 1) // BLOCK_N, BLOCK_N, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD,
-            False, True, USE_WINDOW, DOT_IEEE, RESCALE_SLACK,
-        )  # fmt: skip
+            new_tile_lo + tl.maximum(v_end - ctx_tiles, 0),
+            new_end,
+            context_len,
+            q_pos,
+            kv_head.to(tl.int64) * stride_knh,
+            kv_head.to(tl.int64) * stride_vnh,
+            0,
+            stride_knt,
+            0,
+            stride_vnt,
+            qk_scale_log2,
+            window_left,
+            offs_n,
+            offs_d,
+            (first_local + 1) // BLOCK_N,
+            BLOCK_N,
+            PAGE_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            False,
+            True,
+            USE_WINDOW,
+            DOT_IEEE,
+            RESCALE_SLACK,
+        )
 
     seen = l_i > 0.0
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
@@ -656,18 +675,14 @@ class _Tile:
 
 
 def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Tile:
-    """The tile for one target, head size, GQA group and query dtype.
-
-    ``target`` is the Triton ``GPUTarget`` the kernel compiles for (``None``:
-    the CPU interpreter).  A pure function of its arguments: the launch path
-    and the AMD compile tier (scripts/compile_tier) both call it.
-    """
+    """The tile for a Triton ``GPUTarget`` (None: the interpreter), head size,
+    GQA group and query dtype; the AMD compile tier calls it too."""
     large_d = next_power_of_2(head_size) > 128
     warps = _NUM_WARPS_LARGE_D if large_d else _NUM_WARPS
     stages = _NUM_STAGES
     if target is None:
         block_m, block_n = _INTERP_BLOCK_M, _INTERP_BLOCK_N
-    elif dtype == torch.float32:  # FMA dots: keep the tiles in registers
+    elif dtype == torch.float32:
         block_m, block_n = _FP32_BLOCK_M, _FP32_BLOCK_N
     elif target.backend == "hip":
         block_m, block_n, warps, stages = _CDNA_TILES[large_d]
@@ -680,245 +695,42 @@ def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Til
 
 
 def _combine_config(num_heads: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) of ``_combine_splits_kernel`` (every target)."""
+    """(BLOCK_H, num_warps) of ``_combine_splits_kernel``."""
     return min(next_power_of_2(num_heads), _COMBINE_BLOCK_H), _NUM_WARPS
 
 
 @functools.cache
 def _gpu_target():
-    """The Triton target of this process's GPU, read once."""
     return triton.runtime.driver.active.get_current_target()
 
 
-def _check(cond: bool, msg, exc: type[Exception] = ValueError) -> None:
-    # msg: a string, or a callable building it (formatted only on failure, so
-    # the checks cost little host time per call).
-    if not cond:
-        raise exc(f"paged_context_attention: {msg() if callable(msg) else msg}")
+def _split_count(num_tokens, num_reqs, num_kv_heads, tile, device, max_context, splits):
+    """Context splits per query tile: ``splits``, or enough programs to fill
+    the device (one under the interpreter), at most one per
+    _MIN_TOKENS_PER_SPLIT of context."""
+    if splits is not None:
+        return splits
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    base = (num_tokens // tile.block_q + num_reqs) * num_kv_heads
+    want = cdiv(_PROGRAMS_PER_SM * num_compute_units(device.index or 0), base)
+    cap = _MAX_SPLITS
+    if max_context is not None:
+        cap = min(cap, max(1, max_context // _MIN_TOKENS_PER_SPLIT))
+    return max(1, min(want, cap))
 
 
-def _check_scale(name: str, scale, device: torch.device) -> torch.Tensor:
-    if isinstance(scale, (int, float)):
-        return torch.full((1,), float(scale), dtype=torch.float32, device=device)
-    _check(
-        isinstance(scale, torch.Tensor),
-        lambda: (
-            f"{name} must be a float or a one-element float32 tensor, got {type(scale)}"
-        ),
-        TypeError,
-    )
-    _check(
-        scale.numel() == 1 and scale.dtype == torch.float32,
-        lambda: (
-            f"{name} must be a one-element float32 tensor, got shape "
-            f"{tuple(scale.shape)} dtype {scale.dtype}"
-        ),
-    )
-    _check(
-        scale.device == device,
-        lambda: f"{name} is on {scale.device}, the cache on {device}",
-    )
-    return scale
-
-
-def paged_context_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    k_scale: torch.Tensor | float | None = None,
-    v_scale: torch.Tensor | float | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    max_context_len: int | None = None,
-    num_splits: int | None = None,
-    workspace: "PagedContextWorkspace | None" = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attend each new token of each extend to its request's cached context.
-
-    Args:
-        query: ``[T, Hq, D]`` fp16/bf16/fp32 new-token queries.
-        key_cache: ``[num_blocks, block_size, Hkv, D]`` view of the paged
-            cache's keys (module docstring): the query dtype, or fp8 with
-            ``k_scale`` given.
-        value_cache: the values, same shape and dtype as ``key_cache``.
-        block_table: ``[>= B, max_blocks]`` int32/int64 block ids per request.
-        cu_seqlens_q: ``[B + 1]`` int32/int64 offsets of each request's tokens
-            in ``query`` (``cu_seqlens_q[0] == 0``).
-        seq_lens: ``[B]`` int32/int64 context + new tokens per request.
-        scale: softmax scale.
-        key: optional ``[T, Hkv, D]`` keys of the new tokens themselves, in the
-            query dtype (the step's ``key``, not read from the cache).  With
-            ``value``, each new token also attends causally to its request's
-            new tokens up to and including itself, so ``(out, lse)`` is the
-            whole extend attention and no merge follows.
-        value: the new tokens' values, same shape and dtype as ``key``.
-        sliding_window: ``None`` (full context) or the window ``W >= 1`` in
-            tokens: the token at position ``p`` sees positions ``> p - W``.
-        k_scale: per-tensor key dequantisation scale (one-element float32
-            tensor or float), required for fp8 caches, ignored otherwise.
-        v_scale: the same for values.
-        out: optional ``[T, Hq, D]`` output in the query dtype.
-        lse: optional ``[Hq, T]`` float32 log-sum-exp output (natural log).
-        max_context_len: optional host upper bound on the context lengths;
-            only caps how finely the context is split across programs.
-        num_splits: force the number of context splits (>= 1); default: enough
-            programs to fill the device.
-        workspace: optional ``paged_context_workspace`` of this call's shapes:
-            the LSE (when ``lse`` is not given) and the split partials are
-            written to its buffers instead of new ones, and its split count is
-            used.  One per step serves every layer (they run in stream order).
-
-    Returns:
-        ``(out, lse)``.  Never reads device values on the host.  The arguments
-        are checked once per launch key (shapes, strides, dtypes, devices and
-        the host scalars; module ``triton_launcher``).
-
-    """
-    bound = None
-    launch_key: tuple | None = None
-    if fast_path():
-        try:
-            ws_key = lse_key = meta_key = None
-            if workspace is not None:
-                ws_key = workspace.key
-                if lse is None:
-                    lse = workspace.lse  # its geometry is in ws_key
-                elif lse is not workspace.lse:
-                    lse_key = (lse.shape, lse.stride(), lse.dtype, lse.device)
-                # Metadata bound to the workspace: the same tensors, their
-                # geometry in ws_key.
-                bound_meta = (
-                    block_table is workspace.block_table
-                    and cu_seqlens_q is workspace.cu_seqlens_q
-                    and seq_lens is workspace.seq_lens
-                )
-            elif lse is not None:
-                lse_key = (lse.shape, lse.stride(), lse.dtype, lse.device)
-            if workspace is None or not bound_meta:
-                meta_key = (
-                    block_table.shape, block_table.stride(), block_table.dtype,
-                    block_table.device, cu_seqlens_q.shape, cu_seqlens_q.stride(),
-                    cu_seqlens_q.dtype, cu_seqlens_q.device, seq_lens.shape,
-                    seq_lens.stride(), seq_lens.dtype, seq_lens.device,
-                )  # fmt: skip
-            launch_key = (
-                query.shape, query.stride(), query.dtype, query.device,
-                key_cache.shape, key_cache.stride(), key_cache.dtype,
-                key_cache.device, value_cache.shape, value_cache.stride(),
-                value_cache.dtype, value_cache.device, meta_key, scale, type(scale),
-                sliding_window, type(sliding_window), max_context_len,
-                type(max_context_len), num_splits, type(num_splits),
-                None if key is None else tensor_geometry(key),
-                None if value is None else tensor_geometry(value),
-                None if out is None else tensor_geometry(out),
-                lse is None, lse_key, ws_key,
-            )  # fmt: skip
-            if key_cache.dtype in _FP8_DTYPES:  # only fp8 caches read the scales
-                # (Python float scales become tensors per call: not cached.)
-                launch_key += (tensor_geometry(k_scale), tensor_geometry(v_scale))
-            bound = _LAUNCHES.get(launch_key)
-        except (AttributeError, TypeError):  # not tensors, unhashable: checked below
-            launch_key = None
-    if lse is None and isinstance(workspace, PagedContextWorkspace):
-        lse = workspace.lse
-    if bound is None:
-        bound = _LAUNCHES.bind(
-            launch_key, _bind, query, key_cache, value_cache, block_table,
-            cu_seqlens_q, seq_lens, scale, key, value, sliding_window, k_scale, v_scale,
-            out, lse, max_context_len, num_splits, workspace,
-        )  # fmt: skip
-
-    if out is None:
-        out = torch.empty_like(query)
-    if lse is None:
-        lse = torch.empty(bound.lse_shape, dtype=torch.float32, device=query.device)
-    if bound.attend is None:  # no requests or no tokens
-        return out, lse
-    if bound.scales is not None:  # converted from floats for this call
-        k_scale, v_scale = bound.scales
-    elif not bound.fp8:  # never read
-        k_scale = v_scale = seq_lens
-    if key is None:  # never read
-        key, value = key_cache, value_cache
-    if bound.combine is None:  # one split: the kernel writes out / lse
-        bound.attend(
-            query, key_cache, value_cache, key, value, block_table, cu_seqlens_q,
-            seq_lens, k_scale, v_scale, out, lse,
-        )  # fmt: skip
-        return out, lse
-    if workspace is None:
-        part_out = torch.empty(
-            bound.part_shapes[0], dtype=torch.float32, device=query.device
-        )
-        part_lse = torch.empty(
-            bound.part_shapes[1], dtype=torch.float32, device=query.device
-        )
-    else:
-        part_out, part_lse = workspace.partial_out, workspace.partial_lse
-    bound.attend(query, key_cache, value_cache, key, value, block_table, cu_seqlens_q,
-                 seq_lens, k_scale, v_scale, part_out, part_lse)  # fmt: skip
-    bound.combine(part_out, part_lse, out, lse, cu_seqlens_q)
-    return out, lse
-
-
-# paged_context_attention's checked launches by key.
-_LAUNCHES = LaunchCache()
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """What a launch key fixes: the launches and the buffers a call needs."""
-
-    lse_shape: tuple[int, int]
-    fp8: bool
-    attend: KernelLaunch | None  # None: nothing to compute
-    combine: KernelLaunch | None = None  # None: one split
-    part_shapes: tuple | None = None  # (partial out, partial lse) when splitting
-    scales: tuple | None = None  # float scales converted for one (uncached) call
-
-
-@dataclass(frozen=True, eq=False)
-class PagedContextWorkspace:
-    """Buffers that one step's ``paged_context_attention`` calls share.
-
-    Made by ``paged_context_workspace`` for the step's shapes: ``lse``
-    ``[Hq, T]``, and with ``num_splits > 1`` the split partials
-    ``partial_out`` ``[S, T, Hq, D]`` and ``partial_lse`` ``[S, Hq, T]``
-    (float32, contiguous).  ``block_table`` / ``cu_seqlens_q`` / ``seq_lens``:
-    the step's request metadata when bound (calls that pass these very
-    tensors take their geometry from ``key`` instead of reading it again).
-    Compared by identity.
-    """
+class PagedContextWorkspace(NamedTuple):
+    """One step's buffers for its ``paged_context_attention`` calls (made by
+    ``paged_context_workspace``): ``lse`` ``[Hq, T]`` and, with
+    ``num_splits > 1``, ``partial_out`` ``[S, T, Hq, D]`` and ``partial_lse``
+    ``[S, Hq, T]`` (float32, contiguous)."""
 
     lse: torch.Tensor
     partial_out: torch.Tensor | None
     partial_lse: torch.Tensor | None
     num_splits: int
-    block_table: torch.Tensor | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None
-    # What the checks of the workspace (and of the metadata bound to it) look
-    # at: its launch-key part.
-    key: tuple | None = field(init=False, repr=False, default=None)
-
-    def __post_init__(self):
-        try:
-            parts = tuple(
-                None if t is None else tensor_geometry(t)
-                for t in (self.lse, self.partial_out, self.partial_lse,
-                          self.block_table, self.cu_seqlens_q, self.seq_lens)
-            )  # fmt: skip
-        except AttributeError:  # not tensors: paged_context_attention says so
-            return
-        object.__setattr__(self, "key", (*parts, self.num_splits))
 
 
 def paged_context_workspace(
@@ -932,39 +744,15 @@ def paged_context_workspace(
     *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
-    block_table: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    seq_lens: torch.Tensor | None = None,
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> PagedContextWorkspace:
-    """Buffers for one step's calls of ``T = num_tokens`` queries of ``num_reqs``
-    requests (``Hq = num_heads``, ``Hkv = num_kv_heads``, ``D = head_size``,
-    query dtype ``dtype``): the split count the calls would choose
-    (``max_context_len`` / ``num_splits`` as for ``paged_context_attention``),
-    the LSE and the split partials.  Call once per step.
-
-    ``buffers``: three 1-D float32 tensors of at least
-    ``paged_context_workspace_size(...)`` elements each (persistent, reserved
-    where memory profiling sees them); the workspace is then views of them and
-    nothing is allocated.  Without them the buffers are allocated here.
-
-    ``block_table``, ``cu_seqlens_q``, ``seq_lens``: optionally the step's
-    metadata tensors, bound to the workspace: every layer's call that passes
-    these same tensors (the same objects) reads their geometry once, here,
-    instead of on every call (the checks still run once per launch key)."""
-    for name, v in (("num_tokens", num_tokens), ("num_reqs", num_reqs),
-                    ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                    ("head_size", head_size)):  # fmt: skip
-        _check(
-            isinstance(v, int) and v >= 0,
-            lambda name=name, v=v: f"{name} must be an int >= 0, got {v!r}",
-        )
-    _check(
-        num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
-        lambda: (
-            f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
-        ),
-    )
+    """The buffers and split count of one step's calls with ``num_tokens``
+    queries of ``num_reqs`` requests (``max_context_len`` / ``num_splits`` as
+    for ``paged_context_attention``).  ``buffers``: three 1-D float32 tensors
+    of at least ``paged_context_workspace_size(...)`` elements (persistent),
+    of which the workspace is views; else the buffers are allocated."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError("paged_context_workspace: Hq must be a multiple of Hkv")
     device = torch.device(device)
     target = None if device.type != "cuda" else _gpu_target()
     tile = _tile_config(target, head_size, num_heads // num_kv_heads, dtype)
@@ -985,19 +773,19 @@ def paged_context_workspace(
             ("lse", "partial_out", "partial_lse"), buffers, shapes
         ):
             n = math.prod(shape)
-            _check(
-                buf.dim() == 1 and buf.dtype == torch.float32 and buf.numel() >= n
-                and buf.device == device,
-                lambda name=name, buf=buf, n=n: (
-                    f"buffers: {name} must be a 1-D float32 tensor of >= {n} elements "
-                    f"on {device}, got {tuple(buf.shape)} {buf.dtype} on {buf.device}"
-                ),
-            )  # fmt: skip
+            if (
+                buf.dim() != 1
+                or buf.dtype != torch.float32
+                or buf.numel() < n
+                or buf.device != device
+            ):
+                raise ValueError(
+                    f"paged_context_workspace: buffers: {name} must be a 1-D float32 "
+                    f"tensor of >= {n} elements on {device}"
+                )
             parts.append(buf[:n].view(shape))
     lse, part_out, part_lse = (*parts, None, None)[:3]
-    return PagedContextWorkspace(
-        lse, part_out, part_lse, splits, block_table, cu_seqlens_q, seq_lens
-    )
+    return PagedContextWorkspace(lse, part_out, part_lse, splits)
 
 
 def paged_context_workspace_size(
@@ -1008,15 +796,10 @@ def paged_context_workspace_size(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> tuple[int, int, int]:
-    """Float32 elements of the (lse, partial_out, partial_lse) buffers that hold
-    ``paged_context_workspace`` of every step of at most ``max_tokens`` new
-    tokens (any request count, context length; default split counts).
-
-    The bound: ``Hq * T_max`` for the LSE; for the partials the largest
-    ``S * T`` over ``T <= T_max`` at one request (the split count ``S`` only
-    falls as the request count grows), times ``Hq * D`` and ``Hq``.  ``S <= 16``,
-    so at most ``16 * T_max * Hq * D`` and ``16 * T_max * Hq``; with the device
-    filled by fewer splits it is ``S * T <= T + 2 * SMs * BLOCK_Q / Hkv``.
+    """Float32 elements of the (lse, partial_out, partial_lse) buffers that
+    hold every step of up to ``max_tokens`` tokens: ``Hq * T_max``, and for
+    the partials the largest ``S * T`` over ``T <= T_max`` at one request (S
+    only falls as requests are added) times ``Hq * D`` and ``Hq``.
     """
     device = torch.device(device)
     target = None if device.type != "cuda" else _gpu_target()
@@ -1029,380 +812,292 @@ def paged_context_workspace_size(
     return num_heads * max_tokens, rows * num_heads * head_size, rows * num_heads
 
 
-def _split_count(
-    num_tokens: int,
-    num_reqs: int,
-    num_kv_heads: int,
-    tile: _Tile,
-    device,
-    max_context_len: int | None,
-    num_splits: int | None,
-) -> int:
-    """Context splits per query tile: ``num_splits``, or enough programs to
-    fill the device (one under the interpreter)."""
-    if num_splits is not None:
-        return num_splits
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 1
-    base = (num_tokens // tile.block_q + num_reqs) * num_kv_heads
-    want = cdiv(_PROGRAMS_PER_SM * num_compute_units(device.index or 0), base)
-    cap = _MAX_SPLITS
-    if max_context_len is not None:
-        cap = min(cap, max(1, max_context_len // _MIN_TOKENS_PER_SPLIT))
-    return max(1, min(want, cap))
+class _Launch(NamedTuple):
+    """What a call's checks fix: its launches and the buffers it needs."""
+
+    lse_shape: tuple[int, int]
+    attend: KernelLaunch | None  # None: no requests or no tokens
+    combine: KernelLaunch | None  # None: one split
+    part_shapes: tuple | None  # (partial out, partial lse) when split
 
 
-def _bind(
-    query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, key,
-    value, sliding_window, k_scale, v_scale, out, lse, max_context_len, num_splits,
+@cached_launch
+def _paged_context_attention_launch(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    key,
+    value,
+    sliding_window,
+    k_scale,
+    v_scale,
+    out,
+    lse,
+    max_context_len,
+    num_splits,
     workspace,
-) -> _Bound:  # fmt: skip
-    """Check paged_context_attention's arguments; return what its key fixes."""
-    _check(
-        isinstance(query, torch.Tensor) and query.dim() == 3,
-        "query must be a [T, Hq, D] tensor",
-        TypeError,
-    )
-    _check(
-        query.dtype in _QUERY_DTYPES,
-        lambda: f"query dtype must be one of {_QUERY_DTYPES}, got {query.dtype}",
-        TypeError,
-    )
+) -> _Launch:
+    """paged_context_attention's checks and launches, cached by its arguments'
+    geometry and values (``out`` given; ``lse`` None: the workspace's or a new
+    one; the scales None unless the cache is fp8)."""
+    fn = "paged_context_attention"
     num_tokens, num_heads, head_size = query.shape
-    device = query.device
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(
-            isinstance(cache, torch.Tensor) and cache.dim() == 4,
-            lambda name=name: (
-                f"{name} must be a [num_blocks, block_size, Hkv, D] tensor"
-            ),
-            TypeError,
-        )
-        _check(
-            cache.device == device,
-            lambda name=name, cache=cache: (
-                f"{name} is on {cache.device}, query on {device}"
-            ),
-        )
-        _check(
-            cache.stride(3) == 1,
-            lambda name=name: f"{name} must be contiguous in its last dim",
-        )
-    _check(
-        key_cache.shape == value_cache.shape,
-        lambda: (
-            f"key_cache {tuple(key_cache.shape)} and value_cache "
-            f"{tuple(value_cache.shape)} shapes differ"
-        ),
-    )
-    _check(
-        key_cache.dtype == value_cache.dtype,
-        lambda: (
-            f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
-            "dtypes differ"
-        ),
-        TypeError,
-    )
     num_blocks, page_size, num_kv_heads, cache_head_size = key_cache.shape
-    _check(
-        cache_head_size == head_size,
-        lambda: f"cache head size {cache_head_size} != query head size {head_size}",
-    )
-    _check(
-        16 <= head_size <= 256,
-        lambda: f"head size must be in [16, 256], got {head_size}",
-    )
-    _check(
-        num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
-        lambda: (
-            f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
-        ),
-    )
-    _check(query.stride(2) == 1, "query must be contiguous in its last dim")
-    fp8 = key_cache.dtype in _FP8_DTYPES
-    _check(
-        fp8 or key_cache.dtype == query.dtype,
-        lambda: (
-            f"cache dtype {key_cache.dtype} must equal the query dtype {query.dtype} "
-            "or be fp8"
-        ),
-        TypeError,
-    )
+    q_dtype, cache_dtype = query.dtype, key_cache.dtype
+    q_strides = query.stride()
+    kc_strides, vc_strides = key_cache.stride(), value_cache.stride()
+    (num_reqs,) = seq_lens.shape
+    bt_rows, _ = block_table.shape
+    bt_strides = block_table.stride()
+    fp8 = cache_dtype in _FP8_DTYPES
+    if q_dtype not in _QUERY_DTYPES or value_cache.dtype != cache_dtype:
+        raise TypeError(f"{fn}: query must be fp16/bf16/fp32, the caches of one dtype")
+    if cache_dtype != q_dtype and not (fp8 and q_dtype != torch.float32):
+        raise TypeError(f"{fn}: the cache must be the query dtype or fp8 (16-bit q)")
+    if not {block_table.dtype, cu_seqlens_q.dtype, seq_lens.dtype} <= _INDEX_DTYPES:
+        raise TypeError(f"{fn}: the request metadata must be int32 or int64")
+    if not 16 <= head_size <= 256 or num_heads % num_kv_heads:
+        raise ValueError(f"{fn}: head size must be in [16, 256], Hq a multiple of Hkv")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{fn}: sliding_window must be None or >= 1")
+    if max_context_len is not None and max_context_len < 0:
+        raise ValueError(f"{fn}: max_context_len must be >= 0")
+    if num_splits is not None and not 1 <= num_splits <= 256:
+        raise ValueError(f"{fn}: num_splits must be in [1, 256]")
+    assert value_cache.shape == key_cache.shape, f"{fn}: K/V cache shapes differ"
+    assert cache_head_size == head_size, f"{fn}: cache and query head sizes differ"
+    assert q_strides[2] == kc_strides[3] == vc_strides[3] == 1, f"{fn}: last dims"
+    assert cu_seqlens_q.shape == (num_reqs + 1,), f"{fn}: cu_seqlens_q length"
+    assert bt_rows >= num_reqs and bt_strides[1] == 1, f"{fn}: block_table"
+    assert cu_seqlens_q.stride() == seq_lens.stride() == (1,), f"{fn}: metadata"
     if fp8:
-        _check(
-            query.dtype != torch.float32,
-            "an fp8 cache needs fp16/bf16 queries",
-            TypeError,
-        )
-        _check(
-            k_scale is not None and v_scale is not None,
-            "an fp8 cache needs k_scale and v_scale",
-        )
-        given_k, given_v = k_scale, v_scale
-        k_scale = _check_scale("k_scale", k_scale, device)
-        v_scale = _check_scale("v_scale", v_scale, device)
-
-    for name, t, ndim in (
-        ("block_table", block_table, 2),
-        ("cu_seqlens_q", cu_seqlens_q, 1),
-        ("seq_lens", seq_lens, 1),
-    ):
-        _check(
-            isinstance(t, torch.Tensor) and t.dim() == ndim,
-            lambda name=name, ndim=ndim: f"{name} must be a {ndim}-d tensor",
-            TypeError,
-        )
-        _check(
-            t.dtype in _INDEX_DTYPES,
-            lambda name=name, t=t: f"{name} must be int32 or int64, got {t.dtype}",
-            TypeError,
-        )
-        _check(
-            t.device == device,
-            lambda name=name, t=t: f"{name} is on {t.device}, query on {device}",
-        )
-    num_reqs = seq_lens.shape[0]
-    _check(
-        cu_seqlens_q.shape[0] == num_reqs + 1,
-        lambda: (
-            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected {num_reqs + 1}"
-        ),
-    )
-    _check(
-        block_table.shape[0] >= num_reqs,
-        lambda: f"block_table has {block_table.shape[0]} rows for {num_reqs} requests",
-    )
-    _check(block_table.stride(1) == 1, "block_table rows must be contiguous")
-    _check(
-        cu_seqlens_q.stride(0) == 1 and seq_lens.stride(0) == 1,
-        "cu_seqlens_q and seq_lens must be contiguous",
-    )
-
-    with_new = key is not None or value is not None
-    if with_new:
-        for name, t in (("key", key), ("value", value)):
-            _check(
-                isinstance(t, torch.Tensor) and t.dim() == 3,
-                lambda name=name: f"{name} must be a [T, Hkv, D] tensor",
-                TypeError,
-            )
-            _check(
-                t.shape == (num_tokens, num_kv_heads, head_size),
-                lambda name=name, t=t: (
-                    f"{name} must be {(num_tokens, num_kv_heads, head_size)}, got "
-                    f"{tuple(t.shape)}"
-                ),
-            )
-            _check(
-                t.dtype == query.dtype,
-                lambda name=name, t=t: (
-                    f"{name} dtype {t.dtype} must equal the query dtype {query.dtype}"
-                ),
-                TypeError,
-            )
-            _check(
-                t.device == device,
-                lambda name=name, t=t: f"{name} is on {t.device}, query on {device}",
-            )
-            _check(
-                t.stride(2) == 1,
-                lambda name=name: f"{name} must be contiguous in its last dim",
-            )
-
-    if sliding_window is not None:
-        _check(
-            isinstance(sliding_window, int) and sliding_window >= 1,
-            lambda: (
-                f"sliding_window must be None or an int >= 1, got {sliding_window!r}"
-            ),
-        )
-    if max_context_len is not None:
-        _check(
-            isinstance(max_context_len, int) and max_context_len >= 0,
-            lambda: f"max_context_len must be an int >= 0, got {max_context_len!r}",
-        )
-    if num_splits is not None:
-        _check(
-            isinstance(num_splits, int) and 1 <= num_splits <= 256,
-            lambda: f"num_splits must be an int in [1, 256], got {num_splits!r}",
-        )
-
-    if out is not None:
-        _check(
-            out.shape == query.shape
-            and out.dtype == query.dtype
-            and out.device == device,
-            lambda: (
-                f"out must be {tuple(query.shape)} {query.dtype} on {device}, got "
-                f"{tuple(out.shape)} {out.dtype} on {out.device}"
-            ),
-        )
-        _check(out.stride(2) == 1, "out must be contiguous in its last dim")
-    if lse is not None:
-        _check(
-            lse.shape == (num_heads, num_tokens)
-            and lse.dtype == torch.float32
-            and lse.device == device,
-            lambda: (
-                f"lse must be ({num_heads}, {num_tokens}) float32 on {device}, got "
-                f"{tuple(lse.shape)} {lse.dtype} on {lse.device}"
-            ),
-        )
-    scales = None
-    if fp8 and (k_scale is not given_k or v_scale is not given_v):
-        scales = (k_scale, v_scale)
-    lse_shape = (num_heads, num_tokens)
-    if workspace is not None:
-        _check(
-            isinstance(workspace, PagedContextWorkspace) and workspace.key is not None,
-            lambda: (
-                "workspace must be a PagedContextWorkspace made by "
-                f"paged_context_workspace, got {type(workspace).__name__}"
-            ),
-            TypeError,
-        )
-        _check(
-            num_splits is None or num_splits == workspace.num_splits,
-            lambda: (
-                f"num_splits ({num_splits}) differs from the workspace's "
-                f"({workspace.num_splits})"
-            ),
-        )
-        num_splits = workspace.num_splits
-        if num_splits > 1:
-            shapes = (
-                (num_splits, num_tokens, num_heads, head_size),
-                (num_splits, num_heads, num_tokens),
-            )
-            for name, t, shape in zip(
-                ("partial_out", "partial_lse"),
-                (workspace.partial_out, workspace.partial_lse),
-                shapes,
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"{fn}: an fp8 cache needs k_scale and v_scale")
+        for s in (k_scale, v_scale):
+            if isinstance(s, torch.Tensor) and (
+                s.numel() != 1 or s.dtype != torch.float32
             ):
-                _check(
-                    isinstance(t, torch.Tensor)
-                    and tuple(t.shape) == shape
-                    and t.dtype == torch.float32
-                    and t.device == device
-                    and t.is_contiguous(),
-                    lambda name=name, t=t, shape=shape: (
-                        f"workspace.{name} must be a contiguous {shape} float32 tensor "
-                        f"on {device} (a workspace made for this call's shapes), got "
-                        f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}"
-                    ),
-                )
+                raise ValueError(f"{fn}: scales must be one-element float32")
+    with_new = key is not None
+    if with_new != (value is not None):
+        raise TypeError(f"{fn}: key and value come together")
+    new_strides = (0, 0, 0, 0)
+    if with_new:
+        new_strides = (*key.stride()[:2], *value.stride()[:2])
+        assert key.shape == value.shape == (num_tokens, num_kv_heads, head_size), (
+            f"{fn}: key / value shape"
+        )
+        if key.dtype != q_dtype or value.dtype != q_dtype:
+            raise TypeError(f"{fn}: key and value must have the query dtype")
+        assert key.stride()[2] == value.stride()[2] == 1, f"{fn}: key / value last dims"
+    out_strides = out.stride()
+    if out.shape != query.shape or out.dtype != q_dtype or out_strides[2] != 1:
+        raise ValueError(f"{fn}: out must be like the query")
+    if workspace is not None:
+        if not isinstance(workspace, PagedContextWorkspace):
+            raise TypeError(f"{fn}: workspace must be a PagedContextWorkspace")
+        if num_splits not in (None, workspace.num_splits):
+            raise ValueError(f"{fn}: num_splits differs from the workspace's")
+        num_splits = workspace.num_splits
+        lse = workspace.lse if lse is None else lse
+    lse_shape = (num_heads, num_tokens)
+    if lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32):
+        raise ValueError(f"{fn}: lse must be ({num_heads}, {num_tokens}) float32")
     if num_reqs == 0 or num_tokens == 0:
-        return _Bound(lse_shape, fp8, None)
+        return _Launch(lse_shape, None, None, None)
 
     group = num_heads // num_kv_heads
-    head_dim_pad = next_power_of_2(head_size)
-    # The target is read once per process; this runs once per launch key.
-    target = None if device.type != "cuda" else _gpu_target()
-    tile = _tile_config(target, head_size, group, query.dtype)
-    num_q_tiles = num_tokens // tile.block_q + num_reqs
-    num_splits = _split_count(
-        num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
-    )
-    # The strides of the out / lse the call allocates when not given.
-    out_strides = (
-        out if out is not None else torch.empty_like(query, device="meta")
-    ).stride()
-    lse_strides = lse.stride() if lse is not None else (num_tokens, 1)
+    target = _gpu_target() if query.is_cuda else None
+    tile = _tile_config(target, head_size, group, q_dtype)
+    if num_splits is None:
+        counts = (num_tokens, num_reqs, num_kv_heads)
+        num_splits = _split_count(*counts, tile, query.device, max_context_len, None)
+    lse_strides = (num_tokens, 1) if lse is None else lse.stride()
+    part_shapes = None
     if num_splits == 1:
-        o_strides = (0, *out_strides[:2])
-        l_strides = (0, *lse_strides)
-        part_shapes = None
+        part_strides = (0, *out_strides[:2], 0, *lse_strides)
     else:
         part_shapes = (
             (num_splits, num_tokens, num_heads, head_size),
             (num_splits, num_heads, num_tokens),
         )
-        o_strides = (
-            num_tokens * num_heads * head_size,
-            num_heads * head_size,
-            head_size,
-        )
-        l_strides = (num_heads * num_tokens, num_tokens, 1)
+        if workspace is not None and (
+            workspace.partial_out is None
+            or workspace.partial_lse is None
+            or workspace.partial_out.shape != part_shapes[0]
+            or workspace.partial_lse.shape != part_shapes[1]
+        ):
+            raise ValueError(f"{fn}: the workspace was made for other shapes")
+        t_stride = num_heads * head_size
+        part_strides = (num_tokens * t_stride, t_stride, head_size)
+        part_strides += (num_heads * num_tokens, num_tokens, 1)
+    window_left = 0 if sliding_window is None else sliding_window - 1
+    scalars = (num_reqs, num_splits, scale * _LOG2E, window_left, *q_strides[:2])
+    scalars += (*kc_strides[:3], *vc_strides[:3], *new_strides, bt_strides[0])
+    head_dim_pad = next_power_of_2(head_size)
+    constexprs = dict(
+        GROUP=group,
+        GROUP_PAD=next_power_of_2(group),
+        BLOCK_Q=tile.block_q,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        HEAD_DIM=head_size,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=page_size,
+        USE_WINDOW=sliding_window is not None,
+        FP8=fp8,
+        WITH_NEW=with_new,
+        DOT_IEEE=q_dtype == torch.float32,
+        RESCALE_SLACK=_RESCALE_SLACK,
+    )
     attend = KernelLaunch(
         _paged_context_attention_kernel,
-        (num_q_tiles, num_kv_heads, num_splits),
-        (
-            num_reqs,
-            num_splits,
-            float(scale) * _LOG2E,
-            (sliding_window - 1) if sliding_window is not None else 0,
-            query.stride(0),
-            query.stride(1),
-            *key_cache.stride()[:3],
-            *value_cache.stride()[:3],
-            key.stride(0) if with_new else 0,
-            key.stride(1) if with_new else 0,
-            value.stride(0) if with_new else 0,
-            value.stride(1) if with_new else 0,
-            block_table.stride(0),
-            *o_strides,
-            *l_strides,
-        ),
-        dict(
-            GROUP=group,
-            GROUP_PAD=next_power_of_2(group),
-            BLOCK_Q=tile.block_q,
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            HEAD_DIM=head_size,
-            HEAD_DIM_PAD=head_dim_pad,
-            PAGE_SIZE=page_size,
-            USE_WINDOW=sliding_window is not None,
-            FP8=fp8,
-            WITH_NEW=with_new,
-            DOT_IEEE=query.dtype == torch.float32,
-            RESCALE_SLACK=_RESCALE_SLACK,
-        ),
+        (num_tokens // tile.block_q + num_reqs, num_kv_heads, num_splits),
+        (*scalars, *part_strides),
+        constexprs,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     if num_splits == 1:
-        return _Bound(lse_shape, fp8, attend, scales=scales)
-    block_h, combine_warps = _combine_config(num_heads)
+        return _Launch(lse_shape, attend, None, None)
+    block_h, warps = _combine_config(num_heads)
+    scalars = (num_reqs, num_splits, num_heads, *part_strides, *out_strides[:2])
     combine = KernelLaunch(
         _combine_splits_kernel,
         (num_tokens, cdiv(num_heads, block_h)),
-        (
-            num_reqs,
-            num_splits,
-            num_heads,
-            *_partial_strides(part_shapes),
-            *out_strides[:2],
-            *lse_strides,
-        ),
+        (*scalars, *lse_strides),
         dict(HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h),
-        num_warps=combine_warps,
+        num_warps=warps,
     )
-    return _Bound(lse_shape, fp8, attend, combine, part_shapes, scales)
+    return _Launch(lse_shape, attend, combine, part_shapes)
 
 
-def _partial_strides(part_shapes):
-    """Strides (split, token, head) of the partial output and (split, head,
-    token) of the partial LSE: contiguous buffers of ``part_shapes``."""
-    (s, t, h, d), _ = part_shapes
-    return (t * h * d, h * d, d, h * t, t, 1)
+def _scale_tensor(scale, query) -> torch.Tensor:
+    """An fp8 scale as a one-element float32 tensor (a float: one per call)."""
+    if isinstance(scale, torch.Tensor):
+        return scale
+    return query.new_full((1,), scale, dtype=torch.float32)
+
+
+def paged_context_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    workspace: PagedContextWorkspace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend each new token of each extend to its cached context (and, with
+    ``key`` / ``value``, causally to its request's new tokens); returns
+    ``(out, lse)`` (layouts in the module docstring).
+
+    ``scale``: softmax scale; ``sliding_window``: ``None`` or ``W >= 1``;
+    ``k_scale`` / ``v_scale``: one-element float32 tensors or floats, needed
+    for fp8 caches; ``max_context_len``: optional host bound on the context
+    lengths (caps the split); ``num_splits``: force the split count;
+    ``workspace``: a ``paged_context_workspace`` of this call's shapes, whose
+    buffers (and split count) the call uses.  Never reads device values on
+    the host.
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    fp8 = key_cache.dtype in _FP8_DTYPES  # only then are the scales checked
+    launch = _paged_context_attention_launch(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        key,
+        value,
+        sliding_window,
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
+        out,
+        lse,
+        max_context_len,
+        num_splits,
+        workspace,
+    )
+    if lse is None:
+        if workspace is None:
+            lse = query.new_empty(launch.lse_shape, dtype=torch.float32)
+        else:
+            lse = workspace.lse
+    attend = launch.attend
+    if attend is None:
+        return out, lse
+    if fp8:
+        k_scale, v_scale = _scale_tensor(k_scale, query), _scale_tensor(v_scale, query)
+    else:  # not read: a stand-in of fixed dtype
+        k_scale = v_scale = seq_lens
+    if key is None:  # not read
+        key, value = key_cache, value_cache
+    combine = launch.combine
+    if combine is None:  # one split: the kernel writes out and lse
+        attend(
+            query,
+            key_cache,
+            value_cache,
+            key,
+            value,
+            block_table,
+            cu_seqlens_q,
+            seq_lens,
+            k_scale,
+            v_scale,
+            out,
+            lse,
+        )
+        return out, lse
+    if workspace is None:
+        part_out = query.new_empty(launch.part_shapes[0], dtype=torch.float32)
+        part_lse = query.new_empty(launch.part_shapes[1], dtype=torch.float32)
+    else:
+        part_out, part_lse = workspace.partial_out, workspace.partial_lse
+    attend(
+        query,
+        key_cache,
+        value_cache,
+        key,
+        value,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        k_scale,
+        v_scale,
+        part_out,
+        part_lse,
+    )
+    combine(part_out, part_lse, out, lse, cu_seqlens_q)
+    return out, lse
 
 
 def use_paged_context(extend_query_lens: torch.Tensor, max_tokens: int) -> bool:
-    """Whether a step's extends should attend to their context from the paged cache.
-
-    The rule the AITER FA backend applies once per step: the extends bring at
-    most ``max_tokens`` new tokens *in total* (``max_tokens <= 0`` disables
-    the paged route).  The gain over gather + a dense varlen kernel comes
-    from parallelism: with few new tokens the dense kernel has few (query
-    block x head) tiles and leaves most of the device idle, while this kernel
-    splits the context across programs and needs no new-token pass or merge.
-    It shrinks as the step's total grows, whatever the per-request split
-    (``benchmarks/bench_paged_context.py``, ``gather_fa2`` baseline; figures in
-    benchmarks/RESULTS.md).  The rule counts the total, which also keeps every
-    long chunk on the gather path.  ``extend_query_lens`` is
-    the host tensor of the extends' new-token counts; no extends: False.
+    """Whether a step's extends take the paged route (the AITER FA backend's
+    rule, once per step): they bring at most ``max_tokens`` new tokens in all
+    (``max_tokens <= 0``: never).  The gain over gather + a dense varlen
+    kernel is parallelism, which shrinks as the step's total grows
+    (benchmarks/RESULTS.md); ``extend_query_lens`` is the host tensor of the
+    extends' new-token counts.
     """
     if max_tokens <= 0 or extend_query_lens.numel() == 0:
         return False

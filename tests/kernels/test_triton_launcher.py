@@ -591,32 +591,34 @@ def test_paged_context_workspace_call_checks_its_metadata(device):
 
 
 def test_mla_rows_bound_metadata(device):
-    """Calls passing the rows' own tensors take their geometry from them (one
-    key for every layer); other tensors with the same rows are keyed and
-    checked themselves; the outputs are those of the unbound call."""
+    """Calls passing the rows' own tensors use the rows' checks (made by the
+    first call; one key for every layer); other tensors with the same rows are
+    checked themselves; the outputs are those of the call without rows."""
     from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 
     tl_launch.clear_caches()
     args = mla_tests._valid_args(device)
     ref = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()})
     rows = mla.mla_rope_rows(args["slot_mapping"], args["positions"], args["cos_sin_cache"])
-    assert rows.key is not None
+    assert rows.checked is None
     for _ in range(2):
         out = mla_rope_concat_and_cache(**{**args, "kv_cache": args["kv_cache"].clone()},
                                         rows=rows)
         assert torch.equal(out, ref)
-    assert len(mla._DECODE_LAUNCHES) == 1, "bound and unbound calls share their key"
+    assert rows.checked is not None and len(mla._check_rows.cache) == 1
+    assert len(mla._mla_rope_concat_and_cache_launch.cache) == 1, (
+        "calls with and without rows share their key")
     bad = dict(args, slot_mapping=args["slot_mapping"].float())
     with pytest.raises(TypeError, match="slot_mapping"):
         mla_rope_concat_and_cache(**bad, rows=rows)
     longer = dict(args, positions=torch.tensor([0, 5], device=device))
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(AssertionError, match="positions"):
         mla_rope_concat_and_cache(**longer, rows=rows)
     prefill = {k: v for k, v in args.items() if k != "ql_nope"}
     mla_rope_and_cache(**prefill, rows=rows)
     mla_rope_and_cache(**prefill, rows=rows)
-    assert len(mla._PREFILL_LAUNCHES) == 1
-    assert mla.mla_rope_rows(None, None, None).key is None
+    assert len(mla._mla_rope_and_cache_launch.cache) == 1
+    assert mla.mla_rope_rows(None, None, None).checked is None  # checked by calls
 
 
 def test_host_int_helpers_are_tritons():

@@ -9,8 +9,9 @@ the layer's geometry (``MLAGeometry``) except the form (decode / prefill) and
 the prefill ``BLOCK_T``, a power of two that follows the step's token count
 (``_tile_config``: a few values up to its cap).  ``warmup_cases`` lists them;
 ``compile_case`` compiles one without launching it (as
-``triton_fetch_kv_warmup`` does: the wrapper's checks build the launch on tiny
-tensors of the layer's strides; the KV cache pointer carries its storage size).
+``triton_fetch_kv_warmup`` does: the wrappers' cached checks build the launch on
+tiny tensors of the layer's strides; the KV cache pointer carries its storage
+size).
 """
 
 from __future__ import annotations
@@ -87,24 +88,29 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
     index = dict(dtype=torch.int64, device=device)
     slots, positions = torch.zeros(t, **index), torch.zeros(t, **index)
     cos_sin = strided((1, R), (g.cos_sin_stride, 1), g.cos_sin_dtype)
-    # MLA layers always pass their k_scale (read only for an fp8 cache).
-    k_scale = scale = torch.ones(1, dtype=torch.float32, device=device)
-    common = (kv_c, k_pe, cache, slots, positions, cos_sin, g.is_neox,
-              g.kv_cache_dtype, k_scale)  # fmt: skip
+    # As the wrappers pass them: k_scale for an fp8 cache only, q_scale for an
+    # fp8 q_out only; positions stands in for a scale the kernel does not read.
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    k_scale = None if g.kv_cache_dtype in mla._UNQUANTIZED_CACHE_DTYPES else one
+    q_scale = one if g.q_fp8 and case[0] == "decode" else None
+    rows = mla._check_rows(slots, positions, cos_sin, g.is_neox, g.kv_cache_dtype)
+    common = (q_pe, kv_c, k_pe, cache, rows)
     if case[0] == "decode":
         ql_nope = strided((t, h, L), (*g.ql_nope_strides, 1), g.model_dtype)
-        q_scale = scale if g.q_fp8 else None
-        launch, cache_dtype, q_out_dtype = mla._bind_decode(
-            ql_nope, q_pe, *common, None, q_scale
+        given = () if k_scale is None and q_scale is None else (k_scale, q_scale)
+        launch, cache_dtype, q_out_dtype = mla._mla_rope_concat_and_cache_launch(
+            *common, ql_nope, None, *given
         )
-        q_out = torch.empty(mla.decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype,
-                            device=device)  # fmt: skip
-        tensors = (ql_nope, q_pe, q_out, kv_c, k_pe, cache.view(cache_dtype), slots,
-                   positions, cos_sin, k_scale,
-                   positions if q_scale is None else q_scale)  # fmt: skip
+        q_out = ql_nope.new_empty(
+            mla.decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype
+        )
+        q_tensors = (ql_nope, q_pe, q_out)
     else:
-        launch, cache_dtype = mla._bind_prefill(q_pe, *common)
-        tensors = (q_pe, q_pe, q_pe, kv_c, k_pe, cache.view(cache_dtype), slots,
-                   positions, cos_sin, k_scale,
-                   positions)  # fmt: skip
+        launch, cache_dtype, _ = mla._mla_rope_and_cache_launch(
+            *common, *(() if k_scale is None else (k_scale,))
+        )
+        q_tensors = (q_pe, q_pe, q_pe)
+    cache = cache.view(cache_dtype)
+    scales = [positions if s is None else s for s in (k_scale, q_scale)]
+    tensors = (*q_tensors, kv_c, k_pe, cache, slots, positions, cos_sin, *scales)
     launch.compile_only(tensors, (5,), g.cache_bytes)

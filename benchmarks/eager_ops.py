@@ -285,9 +285,10 @@ def fa_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, reqs: int
     paged = total_new <= PAGED_CONTEXT_MAX_TOKENS
     if paged:
         def ours(eager: bool = True):
-            # The builder (0250): the step's buffers.
+            # The builder (0250): the step's buffers, its metadata bound to them.
             ws = paged_context_workspace(total_new, reqs, hq, hkv, d, dtype, dev,
-                                         max_context_len=context)
+                                         max_context_len=context, block_table=block_table,
+                                         cu_seqlens_q=cu_q, seq_lens=seq_lens)
             for kc, vc in views:
                 paged_context_attention(q, kc, vc, block_table, cu_q, seq_lens, scale, key=k,
                                         value=v, k_scale=k_scale, v_scale=v_scale, out=output,

@@ -121,6 +121,7 @@ class Engine:
         ws = pc.paged_context_workspace(
             t, n, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, self.model_dtype, self.device,
             max_context_len=max(ctx), num_splits=rng.randint(1, 16),
+            block_table=block_table, cu_seqlens_q=cu, seq_lens=seq_lens,
         )  # fmt: skip
         q = torch.zeros((t, NUM_HEADS, HEAD_SIZE), dtype=self.model_dtype, device=self.device)
         k = torch.zeros((t, NUM_KV_HEADS, HEAD_SIZE), dtype=self.model_dtype,

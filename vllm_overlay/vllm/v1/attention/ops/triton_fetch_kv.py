@@ -24,8 +24,8 @@ from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
-    Tensors2,
-    Tensors3,
+    OptionalTensors2,
+    OptionalTensors3,
     Tensors4,
     cached_launch,
 )
@@ -421,7 +421,7 @@ def _check_metadata(fn, meta, device) -> int:
 
 @cached_launch
 def _fetch_kv_plan_launch(
-    meta: Tensors3,
+    meta: OptionalTensors3,
     sizes: tuple[int, ...],
     dtypes: tuple[torch.dtype | None, ...],
     layout: str,
@@ -501,8 +501,8 @@ def fetch_kv_plan(
 @cached_launch
 def _fetch_kv_launch(
     kv: Tensors4,
-    meta: Tensors3,
-    scales: Tensors2,
+    meta: OptionalTensors3,
+    scales: OptionalTensors2,
     kv_cache_layout: str,
     max_num_tokens: int | None,
     plan: tuple[int, ...] | None,
@@ -615,8 +615,8 @@ def fetch_kv(
     # What the kernel does not read is not checked; its pointers get stand-ins.
     dequant = key_cache.dtype != key_out.dtype
     kv = (key_cache, value_cache, key_out, value_out)
-    meta: Tensors3 = (block_table, cu_seqlens_kv, seq_starts)
-    scales: Tensors2 = (k_scale, v_scale) if dequant else (None, None)
+    meta: OptionalTensors3 = (block_table, cu_seqlens_kv, seq_starts)
+    scales: OptionalTensors2 = (k_scale, v_scale) if dequant else (None, None)
     values = None if plan is None else plan[1:]
     if plan is not None:
         meta = (None, None, seq_starts)

@@ -137,8 +137,9 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     fp8 = g.cache_dtype in pc._FP8_DTYPES
     scales = (scale, scale) if fp8 else (None, None)
     # paged_context_attention's arguments as it passes them to its checks.
-    args: tuple = (query, key_cache, value_cache, block_table, cu, seq_lens, 1.0, new)
-    args += (new, None, *scales, query, None, None, None, ws)
+    metadata = pc._check_metadata(block_table, cu, seq_lens)
+    args: tuple = (query, key_cache, value_cache, metadata, 1.0, new, new, None)
+    args += (*scales, query, None, None, None, ws[3:7])
     launch = pc._paged_context_attention_launch(*args)
     # The tensors paged_context_attention hands the launches.
     scales = (scale, scale) if fp8 else (seq_lens, seq_lens)

@@ -66,8 +66,9 @@ logger = init_logger(__name__)
 __all__ = [
     "ENABLED",
     "KernelLaunch",
-    "Tensors2",
-    "Tensors3",
+    "OptionalTensors2",
+    "OptionalTensors3",
+    "OptionalTensors4",
     "Tensors4",
     "cached_launch",
     "clear_caches",
@@ -106,20 +107,6 @@ class _LaunchCache(dict):
         self[key] = value
         return value
 
-    def bind(self, key, check_and_bind, *args):
-        value = check_and_bind(*args)
-        if key is not None:
-            self.put(key, value)
-        return value
-
-
-# Until every wrapper uses cached_launch.
-LaunchCache = _LaunchCache
-
-
-def tensor_geometry(t) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device)
-
 
 def _key(args) -> tuple:
     """A key of any arguments: a tensor by shape, strides, dtype and device, a
@@ -145,11 +132,12 @@ def _other_key(a):
 
 _BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype))
 
-# Groups of tensor arguments of a cached check, keyed by their geometry (Any: a
-# tensor or None, for one it does not read).
-Tensors2 = tuple[Any, Any]
-Tensors3 = tuple[Any, Any, Any]
+# Groups of tensor arguments of a cached check, keyed by their geometry
+# (Optional...: each a tensor or None, e.g. for one it does not read).
 Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+OptionalTensors2 = tuple[Any, Any]
+OptionalTensors3 = tuple[Any, Any, Any]
+OptionalTensors4 = tuple[Any, Any, Any, Any]
 
 
 def _union(hint) -> set:
@@ -160,20 +148,22 @@ def _union(hint) -> set:
 
 def _key_source(check) -> tuple[str, str]:
     """``check``'s parameters and the straight-line code of their key, from its
-    annotations: a ``torch.Tensor``, ``torch.Tensor | None`` or group of them
-    (``Tensors2`` ...; an unpacked tuple) by geometry, one of ``_BY_VALUE`` (or
-    a union of them) by type and value, a tuple of those as it is, anything
-    else through ``_key``."""
+    annotations: a ``torch.Tensor``, ``torch.Tensor | None`` or a group of them
+    (``Tensors4``, ``OptionalTensors2`` ...; unpacked) by geometry, one of
+    ``_BY_VALUE`` (or a union of them) by type and value, a tuple of those as
+    it is, a named tuple by its elements, another class by type and value,
+    anything else through ``_key``."""
     params = inspect.signature(check).parameters.values()
     if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
-        return "*args", "key = _key(args)"
+        return "*args", "_k_ = _key_(args)"
     hints = typing.get_type_hints(check)
     names = [p.name for p in params]
     lines, parts = [], []
     for name in names:
         hint = hints.get(name)
         kinds = _union(hint)
-        tensors = [(name, kinds)] if torch.Tensor in kinds else []
+        tensor = torch.Tensor in kinds <= {torch.Tensor, type(None)}
+        tensors = [(name, kinds)] if tensor else []
         group = typing.get_args(hint)
         if typing.get_origin(hint) is tuple and set(group) <= {Any, torch.Tensor}:
             tensors = [(f"{name}_{i}", {k}) for i, k in enumerate(group)]
@@ -188,28 +178,46 @@ def _key_source(check) -> tuple[str, str]:
         if kinds <= _BY_VALUE:
             parts.append(f"type({name}), {name}")
             continue
-        value = f"_key(({name},))"
+        value = f"_key_(({name},))"
+        classes = [k for k in kinds - {type(None)} if isinstance(k, type)]
+        if len(classes) == len(kinds - {type(None)}) == 1:
+            # One class: a tuple (a named tuple) by its elements, else by value.
+            by_value = f"(type({name}), {name})"
+            value = f"_key_({name})" if issubclass(classes[0], tuple) else by_value
         for kind in kinds:
             if typing.get_origin(kind) is tuple:  # tuple[int, ...]: as it is
                 inner = {k for a in typing.get_args(kind) for k in _union(a)}
-                value = name if inner <= _BY_VALUE else f"_key({name})"
+                value = name if inner <= _BY_VALUE else f"_key_({name})"
         if type(None) in kinds:
             value = f"None if {name} is None else {value}"
         parts.append(value)
-    lines.append(f"key = ({', '.join(parts)},)")
+    lines.append(f"_k_ = ({', '.join(parts)},)")
     return ", ".join(names), "\n        ".join(lines)
 
 
+def _signature(check) -> str:
+    """``check``'s parameters with their defaults (``defaults[i]``)."""
+    params = inspect.signature(check).parameters.values()
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        return "*args"
+    return ", ".join(
+        p.name if p.default is p.empty else f"{p.name}=_defaults_[{i}]"
+        for i, p in enumerate(params)
+    )
+
+
+# Names of the generated function's own start and end with "_" (parameters
+# of the checks do not).
 _CACHED_SOURCE = """
-def cached({params}):
-    if not launcher.ENABLED or is_compiling():
-        return check({params})
+def cached({signature}):
+    if not _launcher_.ENABLED or _compiling_():
+        return _check_({params})
     try:
         {key}
-        hit = cache.get(key, cache)
+        _hit_ = _cache_.get(_k_, _cache_)
     except (AttributeError, TypeError, ValueError):  # not tensors, unhashable
-        return check({params})
-    return hit if hit is not cache else cache.put(key, check({params}))
+        return _check_({params})
+    return _hit_ if _hit_ is not _cache_ else _cache_.put(_k_, _check_({params}))
 """
 
 
@@ -228,10 +236,14 @@ def cached_launch(check):
     """
     cache = _LaunchCache()
     params, key = _key_source(check)
-    source = _CACHED_SOURCE.format(params=params, key=key)
+    signature = _signature(check)
+    source = _CACHED_SOURCE.format(signature=signature, params=params, key=key)
     launcher = sys.modules[__name__]  # ENABLED as it is at the call
-    namespace = dict(check=check, cache=cache, _key=_key, launcher=launcher)
-    namespace["is_compiling"] = torch.compiler.is_compiling
+    namespace = dict(_check_=check, _cache_=cache, _key_=_key, _launcher_=launcher)
+    namespace["_defaults_"] = [
+        p.default for p in inspect.signature(check).parameters.values()
+    ]
+    namespace["_compiling_"] = torch.compiler.is_compiling
     exec(source, namespace)
     cached = functools.wraps(check)(namespace["cached"])
     cached.cache = cache  # type: ignore[attr-defined]

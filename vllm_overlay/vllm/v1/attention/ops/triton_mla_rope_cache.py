@@ -2,12 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fused RoPE + MLA KV-cache write (DeepSeek-style multi-head latent attention).
 
-One launch replaces "rotary embedding on ``q_pe`` / ``k_pe``, then
-``concat_and_cache_mla``, then (decode) ``torch.cat([ql_nope, q_pe])``":
-``mla_rope_concat_and_cache`` (decode form) returns ``q_out[t, h] =
-[ql_nope[t, h] | rope(q_pe[t, h])]`` and leaves its inputs alone;
-``mla_rope_and_cache`` (prefill form) rotates ``q_pe`` / ``k_pe`` in place
-(strided views such as ``q[..., P:]`` included).  Both write the cache rows.
+One launch for RoPE, ``concat_and_cache_mla`` and (decode) the query concat:
+``mla_rope_concat_and_cache`` returns ``q_out = [ql_nope | rope(q_pe)]``,
+``mla_rope_and_cache`` (prefill) rotates ``q_pe`` / ``k_pe`` in place; both
+write the cache rows.
 
 Layouts (``T`` tokens, ``H`` heads, ``L`` = kv_lora_rank, ``R`` even rotary
 dim; last strides 1, other strides free): ``ql_nope`` ``[T, H, L]``, ``q_pe``
@@ -26,12 +24,10 @@ to nearest-even, as ``concat_and_cache_mla`` (a uint8 cache is the platform's
 e4m3 type or e5m2); with ``q_scale`` the decode form quantises ``q_out``
 likewise.  Scales are one-element fp32 tensors read on the device.
 
-Grid ``(token blocks, head blocks + 1)``: ``BLOCK_T`` tokens x ``BLOCK_H``
-heads of q per program, the last column the cache rows (and prefill's
-``k_pe``).  No FMA contraction (both forms write identical cache bytes),
-64-bit offsets, no host synchronisation (CUDA-graph capturable).  Checks are
-cached (``cached_launch``); what every layer passes alike is checked once per
-step through its ``mla_rope_rows`` (``rows=``).
+Grid ``(token blocks, head blocks + 1)``, the last column the cache rows (and
+prefill's ``k_pe``); no FMA contraction, 64-bit offsets, no host sync.  Checks
+are cached (``cached_launch``); what every layer passes alike once per step
+(``rows=``, ``mla_rope_rows``).
 """
 
 from dataclasses import dataclass
@@ -41,7 +37,12 @@ import torch
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
-from vllm.v1.attention.ops.triton_launcher import KernelLaunch, cached_launch
+from vllm.v1.attention.ops.triton_launcher import (
+    KernelLaunch,
+    OptionalTensors4,
+    Tensors4,
+    cached_launch,
+)
 
 __all__ = [
     "MLARopeRows",
@@ -458,8 +459,7 @@ def decode_q_out_shape(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple:
 
 
 def decode_q_out_dtype(ql_nope: torch.Tensor, q_scale) -> torch.dtype:
-    """Dtype of the ``q_out`` the decode form allocates: the platform's e4m3
-    fp8 type when ``q_scale`` is given, else the query dtype."""
+    """Dtype of the decode form's new ``q_out``: fp8 e4m3 with ``q_scale``."""
     return current_platform.fp8_dtype() if q_scale is not None else ql_nope.dtype
 
 
@@ -687,19 +687,21 @@ def _check(fn, q_pe, kv_c, k_pe, kv_cache, rows, k_scale, *decode_args):
     return launch, stored, out_dtype
 
 
-# Each form's checks, cached by q_pe, kv_c, k_pe, kv_cache, _rows(...), decode:
-# ql_nope, q_out, and the scales the kernel reads (none: not passed).
+# Each form's checks (decode: ql_nope, q_out, k_scale, q_scale; None: not read).
 @cached_launch
 def _mla_rope_concat_and_cache_launch(
-    q_pe, kv_c, k_pe, kv_cache, rows, ql_nope, q_out, k_scale=None, q_scale=None
+    inputs: Tensors4, rows: _Rows, decode: OptionalTensors4
 ):
-    args = (q_pe, kv_c, k_pe, kv_cache, rows, k_scale, ql_nope, q_out, q_scale)
+    ql_nope, q_out, k_scale, q_scale = decode
+    args = (*inputs, rows, k_scale, ql_nope, q_out, q_scale)
     return _check("mla_rope_concat_and_cache", *args)
 
 
 @cached_launch
-def _mla_rope_and_cache_launch(q_pe, kv_c, k_pe, kv_cache, rows, k_scale=None):
-    return _check("mla_rope_and_cache", q_pe, kv_c, k_pe, kv_cache, rows, k_scale)
+def _mla_rope_and_cache_launch(
+    inputs: Tensors4, rows: _Rows, k_scale: torch.Tensor | None
+):
+    return _check("mla_rope_and_cache", *inputs, rows, k_scale)
 
 
 def mla_rope_concat_and_cache(
@@ -730,9 +732,9 @@ def mla_rope_concat_and_cache(
     meta = _rows(slot_mapping, positions, cos_sin_cache, is_neox, kv_cache_dtype, rows)
     if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
         k_scale = None  # not read
-    scales = () if k_scale is None and q_scale is None else (k_scale, q_scale)
+    inputs, decode = (q_pe, kv_c, k_pe, kv_cache), (ql_nope, q_out, k_scale, q_scale)
     launch, cache_dtype, q_out_dtype = _mla_rope_concat_and_cache_launch(
-        q_pe, kv_c, k_pe, kv_cache, meta, ql_nope, q_out, *scales
+        inputs, meta, decode
     )
     if q_out is None:
         q_out = ql_nope.new_empty(decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype)
@@ -769,10 +771,8 @@ def mla_rope_and_cache(
     meta = _rows(slot_mapping, positions, cos_sin_cache, is_neox, kv_cache_dtype, rows)
     if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
         k_scale = None  # not read
-    scales = () if k_scale is None else (k_scale,)
-    launch, cache_dtype, _ = _mla_rope_and_cache_launch(
-        q_pe, kv_c, k_pe, kv_cache, meta, *scales
-    )
+    inputs = (q_pe, kv_c, k_pe, kv_cache)
+    launch, cache_dtype, _ = _mla_rope_and_cache_launch(inputs, meta, k_scale)
     if launch is not None:
         if kv_cache.dtype is not cache_dtype:
             kv_cache = kv_cache.view(cache_dtype)

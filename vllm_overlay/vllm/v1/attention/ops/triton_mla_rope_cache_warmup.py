@@ -94,21 +94,19 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
     k_scale = None if g.kv_cache_dtype in mla._UNQUANTIZED_CACHE_DTYPES else one
     q_scale = one if g.q_fp8 and case[0] == "decode" else None
     rows = mla._check_rows(slots, positions, cos_sin, g.is_neox, g.kv_cache_dtype)
-    common = (q_pe, kv_c, k_pe, cache, rows)
+    inputs = (q_pe, kv_c, k_pe, cache)
     if case[0] == "decode":
         ql_nope = strided((t, h, L), (*g.ql_nope_strides, 1), g.model_dtype)
-        given = () if k_scale is None and q_scale is None else (k_scale, q_scale)
+        decode = (ql_nope, None, k_scale, q_scale)
         launch, cache_dtype, q_out_dtype = mla._mla_rope_concat_and_cache_launch(
-            *common, ql_nope, None, *given
+            inputs, rows, decode
         )
         q_out = ql_nope.new_empty(
             mla.decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype
         )
         q_tensors = (ql_nope, q_pe, q_out)
     else:
-        launch, cache_dtype, _ = mla._mla_rope_and_cache_launch(
-            *common, *(() if k_scale is None else (k_scale,))
-        )
+        launch, cache_dtype, _ = mla._mla_rope_and_cache_launch(inputs, rows, k_scale)
         q_tensors = (q_pe, q_pe, q_pe)
     cache = cache.view(cache_dtype)
     scales = [positions if s is None else s for s in (k_scale, q_scale)]

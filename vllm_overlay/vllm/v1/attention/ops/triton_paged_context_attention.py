@@ -731,6 +731,11 @@ class PagedContextWorkspace(NamedTuple):
     partial_out: torch.Tensor | None
     partial_lse: torch.Tensor | None
     num_splits: int
+    num_tokens: int
+    num_heads: int
+    head_size: int
+    metadata: tuple = (None,) * 3  # the step's (block_table, cu_seqlens_q, seq_lens)
+    checked: object = None  # what their checks found
 
 
 def paged_context_workspace(
@@ -744,13 +749,17 @@ def paged_context_workspace(
     *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    block_table: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> PagedContextWorkspace:
     """The buffers and split count of one step's calls with ``num_tokens``
     queries of ``num_reqs`` requests (``max_context_len`` / ``num_splits`` as
     for ``paged_context_attention``).  ``buffers``: three 1-D float32 tensors
     of at least ``paged_context_workspace_size(...)`` elements (persistent),
-    of which the workspace is views; else the buffers are allocated."""
+    of which the workspace is views; else the buffers are allocated.  With the
+    step's metadata, calls passing the same tensors skip their checks."""
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError("paged_context_workspace: Hq must be a multiple of Hkv")
     device = torch.device(device)
@@ -785,7 +794,12 @@ def paged_context_workspace(
                 )
             parts.append(buf[:n].view(shape))
     lse, part_out, part_lse = (*parts, None, None)[:3]
-    return PagedContextWorkspace(lse, part_out, part_lse, splits)
+    sizes = (num_tokens, num_heads, head_size)
+    metadata, checked = (block_table, cu_seqlens_q, seq_lens), None
+    if block_table is not None:
+        checked = _check_metadata(*metadata)
+    ws = (lse, part_out, part_lse, splits, *sizes, metadata, checked)
+    return PagedContextWorkspace(*ws)
 
 
 def paged_context_workspace_size(
@@ -812,6 +826,32 @@ def paged_context_workspace_size(
     return num_heads * max_tokens, rows * num_heads * head_size, rows * num_heads
 
 
+@dataclass(frozen=True, eq=False)
+class _Metadata:
+    """What the checks of the request metadata found (``_check_metadata``);
+    one object per geometry (keyed by identity)."""
+
+    num_reqs: int
+    stride_bt: int
+    dtypes: tuple  # block_table's, cu_seqlens_q's, seq_lens'
+
+
+@cached_launch
+def _check_metadata(
+    block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor
+) -> _Metadata:
+    fn = "paged_context_attention"
+    dtypes = (block_table.dtype, cu_seqlens_q.dtype, seq_lens.dtype)
+    if not set(dtypes) <= _INDEX_DTYPES:
+        raise TypeError(f"{fn}: the request metadata must be int32 or int64")
+    (num_reqs,) = seq_lens.shape
+    (bt_rows, _), bt_strides = block_table.shape, block_table.stride()
+    assert cu_seqlens_q.shape == (num_reqs + 1,), f"{fn}: cu_seqlens_q length"
+    assert bt_rows >= num_reqs and bt_strides[1] == 1, f"{fn}: block_table"
+    assert cu_seqlens_q.stride() == seq_lens.stride() == (1,), f"{fn}: metadata"
+    return _Metadata(num_reqs, bt_strides[0], dtypes)
+
+
 class _Launch(NamedTuple):
     """What a call's checks fix: its launches and the buffers it needs."""
 
@@ -823,23 +863,21 @@ class _Launch(NamedTuple):
 
 @cached_launch
 def _paged_context_attention_launch(
-    query,
-    key_cache,
-    value_cache,
-    block_table,
-    cu_seqlens_q,
-    seq_lens,
-    scale,
-    key,
-    value,
-    sliding_window,
-    k_scale,
-    v_scale,
-    out,
-    lse,
-    max_context_len,
-    num_splits,
-    workspace,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: _Metadata,
+    scale: float,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    sliding_window: int | None,
+    k_scale: torch.Tensor | float | None,
+    v_scale: torch.Tensor | float | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    max_context_len: int | None,
+    num_splits: int | None,
+    workspace: tuple[int, ...] | None,
 ) -> _Launch:
     """paged_context_attention's checks and launches, cached by its arguments'
     geometry and values (``out`` given; ``lse`` None: the workspace's or a new
@@ -850,16 +888,12 @@ def _paged_context_attention_launch(
     q_dtype, cache_dtype = query.dtype, key_cache.dtype
     q_strides = query.stride()
     kc_strides, vc_strides = key_cache.stride(), value_cache.stride()
-    (num_reqs,) = seq_lens.shape
-    bt_rows, _ = block_table.shape
-    bt_strides = block_table.stride()
+    num_reqs, stride_bt = metadata.num_reqs, metadata.stride_bt
     fp8 = cache_dtype in _FP8_DTYPES
     if q_dtype not in _QUERY_DTYPES or value_cache.dtype != cache_dtype:
         raise TypeError(f"{fn}: query must be fp16/bf16/fp32, the caches of one dtype")
     if cache_dtype != q_dtype and not (fp8 and q_dtype != torch.float32):
         raise TypeError(f"{fn}: the cache must be the query dtype or fp8 (16-bit q)")
-    if not {block_table.dtype, cu_seqlens_q.dtype, seq_lens.dtype} <= _INDEX_DTYPES:
-        raise TypeError(f"{fn}: the request metadata must be int32 or int64")
     if not 16 <= head_size <= 256 or num_heads % num_kv_heads:
         raise ValueError(f"{fn}: head size must be in [16, 256], Hq a multiple of Hkv")
     if sliding_window is not None and sliding_window < 1:
@@ -871,9 +905,6 @@ def _paged_context_attention_launch(
     assert value_cache.shape == key_cache.shape, f"{fn}: K/V cache shapes differ"
     assert cache_head_size == head_size, f"{fn}: cache and query head sizes differ"
     assert q_strides[2] == kc_strides[3] == vc_strides[3] == 1, f"{fn}: last dims"
-    assert cu_seqlens_q.shape == (num_reqs + 1,), f"{fn}: cu_seqlens_q length"
-    assert bt_rows >= num_reqs and bt_strides[1] == 1, f"{fn}: block_table"
-    assert cu_seqlens_q.stride() == seq_lens.stride() == (1,), f"{fn}: metadata"
     if fp8:
         if k_scale is None or v_scale is None:
             raise ValueError(f"{fn}: an fp8 cache needs k_scale and v_scale")
@@ -886,7 +917,7 @@ def _paged_context_attention_launch(
     if with_new != (value is not None):
         raise TypeError(f"{fn}: key and value come together")
     new_strides = (0, 0, 0, 0)
-    if with_new:
+    if key is not None and value is not None:
         new_strides = (*key.stride()[:2], *value.stride()[:2])
         assert key.shape == value.shape == (num_tokens, num_kv_heads, head_size), (
             f"{fn}: key / value shape"
@@ -897,13 +928,12 @@ def _paged_context_attention_launch(
     out_strides = out.stride()
     if out.shape != query.shape or out.dtype != q_dtype or out_strides[2] != 1:
         raise ValueError(f"{fn}: out must be like the query")
-    if workspace is not None:
-        if not isinstance(workspace, PagedContextWorkspace):
-            raise TypeError(f"{fn}: workspace must be a PagedContextWorkspace")
-        if num_splits not in (None, workspace.num_splits):
+    if workspace is not None:  # its values: splits, tokens, heads, head size
+        if num_splits not in (None, workspace[0]):
             raise ValueError(f"{fn}: num_splits differs from the workspace's")
-        num_splits = workspace.num_splits
-        lse = workspace.lse if lse is None else lse
+        if workspace[1:] != (num_tokens, num_heads, head_size):
+            raise ValueError(f"{fn}: the workspace was made for other shapes")
+        num_splits = workspace[0]
     lse_shape = (num_heads, num_tokens)
     if lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32):
         raise ValueError(f"{fn}: lse must be ({num_heads}, {num_tokens}) float32")
@@ -925,19 +955,12 @@ def _paged_context_attention_launch(
             (num_splits, num_tokens, num_heads, head_size),
             (num_splits, num_heads, num_tokens),
         )
-        if workspace is not None and (
-            workspace.partial_out is None
-            or workspace.partial_lse is None
-            or workspace.partial_out.shape != part_shapes[0]
-            or workspace.partial_lse.shape != part_shapes[1]
-        ):
-            raise ValueError(f"{fn}: the workspace was made for other shapes")
         t_stride = num_heads * head_size
         part_strides = (num_tokens * t_stride, t_stride, head_size)
         part_strides += (num_heads * num_tokens, num_tokens, 1)
     window_left = 0 if sliding_window is None else sliding_window - 1
     scalars = (num_reqs, num_splits, scale * _LOG2E, window_left, *q_strides[:2])
-    scalars += (*kc_strides[:3], *vc_strides[:3], *new_strides, bt_strides[0])
+    scalars += (*kc_strides[:3], *vc_strides[:3], *new_strides, stride_bt)
     head_dim_pad = next_power_of_2(head_size)
     constexprs = dict(
         GROUP=group,
@@ -1015,6 +1038,19 @@ def paged_context_attention(
     buffers (and split count) the call uses.  Never reads device values on
     the host.
     """
+    metadata = None
+    if workspace is not None:
+        if type(workspace) is not PagedContextWorkspace:
+            raise TypeError("paged_context_attention: workspace is not a workspace")
+        bound = workspace.metadata
+        if (
+            bound[0] is block_table
+            and bound[1] is cu_seqlens_q
+            and bound[2] is seq_lens
+        ):
+            metadata = workspace.checked  # checked when the workspace was made
+    if metadata is None:
+        metadata = _check_metadata(block_table, cu_seqlens_q, seq_lens)
     if out is None:
         out = torch.empty_like(query)
     fp8 = key_cache.dtype in _FP8_DTYPES  # only then are the scales checked
@@ -1022,9 +1058,7 @@ def paged_context_attention(
         query,
         key_cache,
         value_cache,
-        block_table,
-        cu_seqlens_q,
-        seq_lens,
+        metadata,
         scale,
         key,
         value,
@@ -1035,7 +1069,7 @@ def paged_context_attention(
         lse,
         max_context_len,
         num_splits,
-        workspace,
+        None if workspace is None else workspace[3:7],
     )
     if lse is None:
         if workspace is None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TREE = Path(os.environ.get("VLLM_BUILD_TREE", REPO / "build" / "vllm")).resolve()
@@ -52,8 +53,19 @@ pytestmark = pytest.mark.skipif(not (TREE / ".git").exists(),
                                 reason=f"{TREE} not built (run make apply)")
 
 
+# Modules that read vLLM's compiled ops at import, which the CPU tier has not.
+NEEDS_COMPILED_OPS = {
+    "vllm.compilation.passes.fusion.mla_attn_quant_fusion": (
+        "its matcher_utils reads torch.ops._C at import; tests/mla/"
+        "test_mla_rope_fusion_quant_pass.py imports it with placeholder ops"
+    ),
+}
+
+
 @pytest.mark.parametrize("module", series_modules())
 def test_series_module_imports_from_the_patched_tree(module):
+    if module in NEEDS_COMPILED_OPS and not hasattr(torch.ops._C, "rotary_embedding"):
+        pytest.skip(f"{module}: {NEEDS_COMPILED_OPS[module]}")
     imported = importlib.import_module(module)
     assert Path(imported.__file__).resolve().is_relative_to(TREE), (
         f"{module} came from {imported.__file__}, not from {TREE}: PYTHONPATH is wrong")

@@ -508,8 +508,8 @@ def _fetch_kv_launch(
     plan: tuple[int, ...] | None,
 ):
     """fetch_kv's checks; its launch (None: nothing to fetch).  With a plan
-    (its values but the table) the kernel does not read the metadata: None but
-    seq_starts, for the batch size."""
+    (its values but the table, and the call's batch size) the kernel does not
+    read the metadata (None)."""
     key_cache, value_cache, key_out, value_out = kv
     block_table, cu_seqlens_kv, seq_starts = meta
     num_blocks, page, num_kv_heads, head_size = key_cache.shape
@@ -558,8 +558,8 @@ def _fetch_kv_launch(
         meta_strides = (*block_table.stride(), *cu_seqlens_kv.stride())
         meta_strides += seq_starts.stride()
     else:
-        block_size, plan_ppp, plan_tokens, plan_reqs, num_items = plan
-        built, (num_reqs,) = (block_size, plan_ppp, plan_reqs), seq_starts.shape
+        block_size, plan_ppp, plan_tokens, plan_reqs, num_items, num_reqs = plan
+        built = (block_size, plan_ppp, plan_reqs)
         if (
             built != (page, ppp, num_reqs)
             or plan_tokens > num_tokens
@@ -617,9 +617,9 @@ def fetch_kv(
     kv = (key_cache, value_cache, key_out, value_out)
     meta: OptionalTensors3 = (block_table, cu_seqlens_kv, seq_starts)
     scales: OptionalTensors2 = (k_scale, v_scale) if dequant else (None, None)
-    values = None if plan is None else plan[1:]
+    values = None if plan is None else plan[1:] + seq_starts.shape
     if plan is not None:
-        meta = (None, None, seq_starts)
+        meta = (None, None, None)
     launch = _fetch_kv_launch(kv, meta, scales, kv_cache_layout, max_num_tokens, values)
     if launch is None:
         return

@@ -69,6 +69,7 @@ __all__ = [
     "OptionalTensors2",
     "OptionalTensors3",
     "OptionalTensors4",
+    "Tensors3",
     "Tensors4",
     "cached_launch",
     "clear_caches",
@@ -134,6 +135,7 @@ _BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype))
 
 # Groups of tensor arguments of a cached check, keyed by their geometry
 # (Optional...: each a tensor or None, e.g. for one it does not read).
+Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 OptionalTensors2 = tuple[Any, Any]
 OptionalTensors3 = tuple[Any, Any, Any]

@@ -40,6 +40,7 @@ from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
     OptionalTensors4,
+    Tensors3,
     Tensors4,
     cached_launch,
 )
@@ -489,9 +490,8 @@ def _tile_config(
 
 @dataclass(frozen=True, eq=False)
 class _Rows:
-    """What the checks of the arguments every layer passes alike found (the
-    rows' slot mapping, positions and cos/sin cache, is_neox, kv_cache_dtype);
-    one object per checked call shape (compared by identity)."""
+    """What the checks of the rows' metadata found; one per geometry (keyed by
+    identity)."""
 
     index_dtypes: tuple  # slot_mapping's and positions'
     num_slots: int
@@ -504,7 +504,8 @@ class _Rows:
 
 
 @cached_launch
-def _check_rows(slot_mapping, positions, cos_sin_cache, neox, kv) -> _Rows:
+def _check_rows(tensors: Tensors3, neox: bool, kv: str) -> _Rows:
+    slot_mapping, positions, cos_sin_cache = tensors
     assert slot_mapping.dim() == positions.dim() == 1, "slot_mapping, positions: 1-D"
     assert slot_mapping.is_contiguous() and positions.is_contiguous(), "strided"
     cs_shape, cs_strides = cos_sin_cache.shape, cos_sin_cache.stride()
@@ -518,9 +519,8 @@ def _check_rows(slot_mapping, positions, cos_sin_cache, neox, kv) -> _Rows:
 
 
 class MLARopeRows:
-    """One step's ``slot_mapping``, ``positions`` and ``cos_sin_cache`` of a
-    kind of rows, shared by every layer (``mla_rope_rows``): calls passing
-    these very tensors with ``rows=`` check them once."""
+    """One step's slot mapping, positions and cos/sin cache of a kind of rows,
+    checked once for calls passing these very tensors (``rows=``)."""
 
     __slots__ = ("slot_mapping", "positions", "cos_sin_cache", "checked")
 
@@ -539,15 +539,15 @@ def mla_rope_rows(
 
 
 def _rows(slot_mapping, positions, cos_sin_cache, neox, kv, rows) -> _Rows:
-    """The shared arguments' checks; those ``rows`` keeps when it holds these
-    very tensors and was checked with this is_neox and kv_cache_dtype."""
+    """The shared arguments' checks (kept by ``rows`` holding these tensors)."""
+    shared = (slot_mapping, positions, cos_sin_cache)
     mine = rows is not None and rows.slot_mapping is slot_mapping
     mine = mine and rows.positions is positions and rows.cos_sin_cache is cos_sin_cache
     if not mine:
-        return _check_rows(slot_mapping, positions, cos_sin_cache, neox, kv)
+        return _check_rows(shared, neox, kv)
     c = rows.checked
     if c is None or (c.is_neox, c.kv_cache_dtype) != (neox, kv):
-        c = rows.checked = _check_rows(slot_mapping, positions, cos_sin_cache, neox, kv)
+        c = rows.checked = _check_rows(shared, neox, kv)
     return c
 
 

@@ -93,7 +93,7 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
     one = torch.ones(1, dtype=torch.float32, device=device)
     k_scale = None if g.kv_cache_dtype in mla._UNQUANTIZED_CACHE_DTYPES else one
     q_scale = one if g.q_fp8 and case[0] == "decode" else None
-    rows = mla._check_rows(slots, positions, cos_sin, g.is_neox, g.kv_cache_dtype)
+    rows = mla._check_rows((slots, positions, cos_sin), g.is_neox, g.kv_cache_dtype)
     inputs = (q_pe, kv_c, k_pe, cache)
     if case[0] == "decode":
         ql_nope = strided((t, h, L), (*g.ql_nope_strides, 1), g.model_dtype)

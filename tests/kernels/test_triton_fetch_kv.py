@@ -579,7 +579,10 @@ def test_fetch_kv_plan_rows_cover_every_token_once(tile_bytes, device, monkeypat
         cache_dtype=F16,
     )
     ppp = plan.pages_per_program
-    assert ppp == (1 if tile_bytes else 4) and plan.block_size * plan.pages_per_program == ppp * bs
+    assert (
+        ppp == (1 if tile_bytes else 4)
+        and plan.block_size * plan.pages_per_program == ppp * bs
+    )
     rows = plan.table.cpu().long()
     assert rows.shape == (int(cu[-1] + 7) // (ppp * bs) + 2 * len(lens), 8)
     seen = []

@@ -420,6 +420,37 @@ def test_cached_launch_checks_every_call_when_unhashable_or_disabled(monkeypatch
     assert len(calls) == 4 and not check.cache
 
 
+def test_cached_launch_keys_annotated_groups_and_values():
+    calls = []
+
+    @tl_launch.cached_launch
+    def check(
+        kv: tl_launch.Tensors2,
+        meta: tl_launch.Tensors3 | None,
+        scale: tl_launch.OptionalTensors2,
+        layout: str,
+        plan: tuple[int, ...] | None,
+    ):
+        calls.append(1)
+        return len(calls)
+
+    a, b = torch.zeros(4, 3), torch.zeros(4, 3)
+    meta = (a, b, torch.zeros(2))
+    first = check((a, b), meta, (None, a), "NHD", None)
+    assert check((b, a), (b, a, torch.ones(2)), (None, b), "NHD", None) == first
+    others = [
+        ((a, a.t()), meta, (None, a), "NHD", None),  # a group's strides
+        ((a, b), None, (None, a), "NHD", None),  # a group given as None
+        ((a, b), meta, (a, a), "NHD", None),  # None in a group vs a tensor
+        ((a, b), meta, (None, a), "SHUFFLE", None),
+        ((a, b), meta, (None, a), "NHD", (16, 4)),
+    ]
+    assert len({check(*args) for args in others}) == len(others) and len(calls) == 6
+    for _ in range(2):  # a group of another size: no key, checked every call
+        check((a,), meta, (None, a), "NHD", None)
+    assert len(calls) == 8 and len(check.cache) == 6
+
+
 def test_clear_caches_empties_cached_launches():
     check, calls = _counting_check()
     check(torch.zeros(1))

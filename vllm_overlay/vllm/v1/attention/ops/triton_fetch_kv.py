@@ -24,8 +24,8 @@ from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
-    OptionalTensors2,
-    OptionalTensors3,
+    Tensors2,
+    Tensors3,
     Tensors4,
     cached_launch,
 )
@@ -421,7 +421,7 @@ def _check_metadata(fn, meta, device) -> int:
 
 @cached_launch
 def _fetch_kv_plan_launch(
-    meta: OptionalTensors3,
+    meta: Tensors3,
     sizes: tuple[int, ...],
     dtypes: tuple[torch.dtype | None, ...],
     layout: str,
@@ -501,17 +501,15 @@ def fetch_kv_plan(
 @cached_launch
 def _fetch_kv_launch(
     kv: Tensors4,
-    meta: OptionalTensors3,
-    scales: OptionalTensors2,
+    meta: Tensors3 | None,
+    scales: Tensors2 | None,
     kv_cache_layout: str,
     max_num_tokens: int | None,
     plan: tuple[int, ...] | None,
 ):
-    """fetch_kv's checks; its launch (None: nothing to fetch).  With a plan
-    (its values but the table, and the call's batch size) the kernel does not
-    read the metadata (None)."""
+    """fetch_kv's checks; its launch (None: nothing to fetch).  With a plan (its
+    values but the table, and the batch size) there are no metadata (None)."""
     key_cache, value_cache, key_out, value_out = kv
-    block_table, cu_seqlens_kv, seq_starts = meta
     num_blocks, page, num_kv_heads, head_size = key_cache.shape
     num_tokens, out_heads, out_d = key_out.shape
     cache_dtype, out_dtype = key_cache.dtype, key_out.dtype
@@ -529,7 +527,7 @@ def _fetch_kv_launch(
             "dtypes must match, or the cache be fp8 (not uint8) and the outputs float"
         )
     if dequant and not all(
-        isinstance(s, torch.Tensor) and s.numel() == 1 for s in scales
+        isinstance(s, torch.Tensor) and s.numel() == 1 for s in scales or (None,)
     ):
         raise ValueError("fetch_kv: an fp8 cache needs one-element k_scale/v_scale")
     if page & (page - 1):
@@ -552,6 +550,8 @@ def _fetch_kv_launch(
     assert device == value_cache.device == key_out.device == value_out.device
     ppp = _pages_per_program(page, head_size, cache_size, out_size, shuffle)
     if plan is None:
+        assert meta is not None, "fetch_kv: no request metadata"
+        block_table, cu_seqlens_kv, seq_starts = meta
         num_reqs = _check_metadata("fetch_kv", meta, device)
         num_tokens = num_tokens if max_num_tokens is None else max_num_tokens
         num_items = num_tokens // (ppp * page) + 2 * num_reqs
@@ -615,11 +615,11 @@ def fetch_kv(
     # What the kernel does not read is not checked; its pointers get stand-ins.
     dequant = key_cache.dtype != key_out.dtype
     kv = (key_cache, value_cache, key_out, value_out)
-    meta: OptionalTensors3 = (block_table, cu_seqlens_kv, seq_starts)
-    scales: OptionalTensors2 = (k_scale, v_scale) if dequant else (None, None)
-    values = None if plan is None else plan[1:] + seq_starts.shape
+    scales: Tensors2 | None = (k_scale, v_scale) if dequant else None
+    meta: Tensors3 | None = (block_table, cu_seqlens_kv, seq_starts)
+    values = None
     if plan is not None:
-        meta = (None, None, None)
+        meta, values = None, plan[1:] + seq_starts.shape
     launch = _fetch_kv_launch(kv, meta, scales, kv_cache_layout, max_num_tokens, values)
     if launch is None:
         return

@@ -114,8 +114,8 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
         # What fetch_kv checks and hands the launch (its stand-ins included).
         dequant = g.cache_dtype != g.out_dtype
         kv = (key_cache, value_cache, out, out)
-        checked = (block_table, cu, starts) if used is None else (None, None, None)
-        scales = (scale, scale) if dequant else (None, None)
+        checked = (block_table, cu, starts) if used is None else None
+        scales = (scale, scale) if dequant else None
         plan_values = None if used is None else used[1:] + starts.shape
         launch = fk._fetch_kv_launch(
             kv, checked, scales, g.kv_cache_layout, num_tokens, plan_values

@@ -69,6 +69,7 @@ __all__ = [
     "OptionalTensors2",
     "OptionalTensors3",
     "OptionalTensors4",
+    "Tensors2",
     "Tensors3",
     "Tensors4",
     "cached_launch",
@@ -135,6 +136,7 @@ _BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype))
 
 # Groups of tensor arguments of a cached check, keyed by their geometry
 # (Optional...: each a tensor or None, e.g. for one it does not read).
+Tensors2 = tuple[torch.Tensor, torch.Tensor]
 Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 OptionalTensors2 = tuple[Any, Any]
@@ -166,6 +168,23 @@ def _key_source(check) -> tuple[str, str]:
         kinds = _union(hint)
         tensor = torch.Tensor in kinds <= {torch.Tensor, type(None)}
         tensors = [(name, kinds)] if tensor else []
+        (group_hint, *rest) = kinds - {type(None)} or {None}
+        group = typing.get_args(group_hint)
+        if (
+            not rest
+            and type(None) in kinds
+            and typing.get_origin(group_hint) is tuple
+            and set(group) == {torch.Tensor}
+        ):  # a group of tensors, or None: one nested tuple
+            names_i = [f"{name}_{i}" for i in range(len(group))]
+            geometry = ", ".join(
+                f"{t}.shape, {t}.stride(), {t}.dtype, {t}.device" for t in names_i
+            )
+            lines += [f"if {name} is None:", f"    _g_{name} = None", "else:"]
+            lines += [f"    {', '.join(names_i)}, = {name}"]
+            lines += [f"    _g_{name} = ({geometry})"]
+            parts.append(f"_g_{name}")
+            continue
         group = typing.get_args(hint)
         if typing.get_origin(hint) is tuple and set(group) <= {Any, torch.Tensor}:
             tensors = [(f"{name}_{i}", {k}) for i, k in enumerate(group)]

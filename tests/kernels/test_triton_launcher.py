@@ -17,6 +17,7 @@ every call and ``kernel[grid]``), compiled on the GPU tier.
 """
 
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -427,7 +428,7 @@ def test_cached_launch_keys_annotated_groups_and_values():
     def check(
         kv: tl_launch.Tensors2,
         meta: tl_launch.Tensors3 | None,
-        scale: tl_launch.OptionalTensors2,
+        scale: tuple[Any, Any],
         layout: str,
         plan: tuple[int, ...] | None,
     ):

@@ -139,7 +139,7 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     # paged_context_attention's arguments as it passes them to its checks.
     metadata = pc._check_metadata(block_table, cu, seq_lens)
     args: tuple = (query, key_cache, value_cache, metadata, 1.0, new, new, None)
-    args += (*scales, query, None, None, None, ws[3:7])
+    args += (*scales, query, None, None, None, ws[pc._WORKSPACE_VALUES])
     launch = pc._paged_context_attention_launch(*args)
     # The tensors paged_context_attention hands the launches.
     scales = (scale, scale) if fp8 else (seq_lens, seq_lens)

@@ -66,8 +66,6 @@ logger = init_logger(__name__)
 __all__ = [
     "ENABLED",
     "KernelLaunch",
-    "OptionalTensors2",
-    "OptionalTensors3",
     "OptionalTensors4",
     "Tensors2",
     "Tensors3",
@@ -139,8 +137,6 @@ _BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype))
 Tensors2 = tuple[torch.Tensor, torch.Tensor]
 Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-OptionalTensors2 = tuple[Any, Any]
-OptionalTensors3 = tuple[Any, Any, Any]
 OptionalTensors4 = tuple[Any, Any, Any, Any]
 
 
@@ -150,14 +146,13 @@ def _union(hint) -> set:
     return set(typing.get_args(hint) if isinstance(hint, UnionType) else (hint,))
 
 
-def _key_source(check) -> tuple[str, str]:
+def _key_source(check, params) -> tuple[str, str]:
     """``check``'s parameters and the straight-line code of their key, from its
     annotations: a ``torch.Tensor``, ``torch.Tensor | None`` or a group of them
-    (``Tensors4``, ``OptionalTensors2`` ...; unpacked) by geometry, one of
+    (``Tensors4``, ``OptionalTensors4`` ...; unpacked) by geometry, one of
     ``_BY_VALUE`` (or a union of them) by type and value, a tuple of those as
     it is, a named tuple by its elements, another class by type and value,
     anything else through ``_key``."""
-    params = inspect.signature(check).parameters.values()
     if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
         return "*args", "_k_ = _key_(args)"
     hints = typing.get_type_hints(check)
@@ -216,9 +211,8 @@ def _key_source(check) -> tuple[str, str]:
     return ", ".join(names), "\n        ".join(lines)
 
 
-def _signature(check) -> str:
-    """``check``'s parameters with their defaults (``defaults[i]``)."""
-    params = inspect.signature(check).parameters.values()
+def _signature(params) -> str:
+    """The parameters with their defaults (``_defaults_[i]``)."""
     if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
         return "*args"
     return ", ".join(
@@ -256,14 +250,13 @@ def cached_launch(check):
     straight-line code, as Triton's own binder is: it runs on every layer.
     """
     cache = _LaunchCache()
-    params, key = _key_source(check)
-    signature = _signature(check)
+    parameters = list(inspect.signature(check).parameters.values())
+    params, key = _key_source(check, parameters)
+    signature = _signature(parameters)
     source = _CACHED_SOURCE.format(signature=signature, params=params, key=key)
     launcher = sys.modules[__name__]  # ENABLED as it is at the call
     namespace = dict(_check_=check, _cache_=cache, _key_=_key, _launcher_=launcher)
-    namespace["_defaults_"] = [
-        p.default for p in inspect.signature(check).parameters.values()
-    ]
+    namespace["_defaults_"] = [p.default for p in parameters]
     namespace["_compiling_"] = torch.compiler.is_compiling
     exec(source, namespace)
     cached = functools.wraps(check)(namespace["cached"])

@@ -721,6 +721,10 @@ def _split_count(num_tokens, num_reqs, num_kv_heads, tile, device, max_context, 
     return max(1, min(want, cap))
 
 
+# What of a workspace a call checks: num_splits, num_tokens, num_heads, head_size.
+_WORKSPACE_VALUES = slice(3, 7)
+
+
 class PagedContextWorkspace(NamedTuple):
     """One step's buffers for its ``paged_context_attention`` calls (made by
     ``paged_context_workspace``): ``lse`` ``[Hq, T]`` and, with
@@ -1069,7 +1073,7 @@ def paged_context_attention(
         lse,
         max_context_len,
         num_splits,
-        None if workspace is None else workspace[3:7],
+        None if workspace is None else workspace[_WORKSPACE_VALUES],
     )
     if lse is None:
         if workspace is None:

@@ -103,6 +103,10 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
         # the one that persists, so a cold run compiles everything it claims to.
         env["TRITON_CACHE_DIR"] = str(tmp / "triton")
         env["TRITON_ALWAYS_COMPILE"] = "1"  # ptxas -v runs (and logs) for every compile
+        # The workers' temporary files (ptxas inputs and logs) too: a worker
+        # stopped mid-compile cannot remove its own, the scratch folder goes.
+        (tmp / "tmp").mkdir()
+        env["TMPDIR"] = str(tmp / "tmp")
         for target in targets:
             out, log = tmp / f"{target}.json", open(tmp / f"{target}.log", "w")
             cmd = [sys.executable, "-m", "compile_tier.worker", "--target", target,

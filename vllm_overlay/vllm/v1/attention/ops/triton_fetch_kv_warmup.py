@@ -134,15 +134,13 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     dims = (num_tokens, num_reqs, g.num_heads, g.num_kv_heads, g.head_size)
     splits = 2 if case[1] else 1
     ws = pc.paged_context_workspace(*dims, g.model_dtype, device, num_splits=splits)
-    fp8 = g.cache_dtype in pc._FP8_DTYPES
-    scales = (scale, scale) if fp8 else (None, None)
     # paged_context_attention's arguments as it passes them to its checks.
     metadata = pc._check_metadata(block_table, cu, seq_lens)
     args: tuple = (query, key_cache, value_cache, metadata, 1.0, new, new, None)
-    args += (*scales, query, None, None, None, ws[pc._WORKSPACE_VALUES])
+    args += (query, None, None, None, ws.sizes)
     launch = pc._paged_context_attention_launch(*args)
     # The tensors paged_context_attention hands the launches.
-    scales = (scale, scale) if fp8 else (seq_lens, seq_lens)
+    scales = (scale, scale) if launch.fp8 else (seq_lens, seq_lens)
     head = (query, key_cache, value_cache, new, new, block_table, cu, seq_lens, *scales)
     attend = launch.attend
     assert attend is not None  # a call with requests and tokens attends

@@ -721,10 +721,6 @@ def _split_count(num_tokens, num_reqs, num_kv_heads, tile, device, max_context, 
     return max(1, min(want, cap))
 
 
-# What of a workspace a call checks: num_splits, num_tokens, num_heads, head_size.
-_WORKSPACE_VALUES = slice(3, 7)
-
-
 class PagedContextWorkspace(NamedTuple):
     """One step's buffers for its ``paged_context_attention`` calls (made by
     ``paged_context_workspace``): ``lse`` ``[Hq, T]`` and, with
@@ -734,12 +730,13 @@ class PagedContextWorkspace(NamedTuple):
     lse: torch.Tensor
     partial_out: torch.Tensor | None
     partial_lse: torch.Tensor | None
-    num_splits: int
-    num_tokens: int
-    num_heads: int
-    head_size: int
+    sizes: tuple[int, int, int, int]  # num_splits, num_tokens, num_heads, head_size
     metadata: tuple = (None,) * 3  # the step's (block_table, cu_seqlens_q, seq_lens)
     checked: object = None  # what their checks found
+
+    @property
+    def num_splits(self) -> int:
+        return self.sizes[0]
 
 
 def paged_context_workspace(
@@ -798,12 +795,11 @@ def paged_context_workspace(
                 )
             parts.append(buf[:n].view(shape))
     lse, part_out, part_lse = (*parts, None, None)[:3]
-    sizes = (num_tokens, num_heads, head_size)
+    sizes = (splits, num_tokens, num_heads, head_size)
     metadata, checked = (block_table, cu_seqlens_q, seq_lens), None
     if block_table is not None:
         checked = _check_metadata(*metadata)
-    ws = (lse, part_out, part_lse, splits, *sizes, metadata, checked)
-    return PagedContextWorkspace(*ws)
+    return PagedContextWorkspace(lse, part_out, part_lse, sizes, metadata, checked)
 
 
 def paged_context_workspace_size(
@@ -863,6 +859,7 @@ class _Launch(NamedTuple):
     attend: KernelLaunch | None  # None: no requests or no tokens
     combine: KernelLaunch | None  # None: one split
     part_shapes: tuple | None  # (partial out, partial lse) when split
+    fp8: bool  # an fp8 cache: the kernel reads the scales
 
 
 @cached_launch
@@ -875,17 +872,15 @@ def _paged_context_attention_launch(
     key: torch.Tensor | None,
     value: torch.Tensor | None,
     sliding_window: int | None,
-    k_scale: torch.Tensor | float | None,
-    v_scale: torch.Tensor | float | None,
     out: torch.Tensor,
     lse: torch.Tensor | None,
     max_context_len: int | None,
     num_splits: int | None,
-    workspace: tuple[int, ...] | None,
+    workspace: tuple[int, int, int, int] | None,
 ) -> _Launch:
     """paged_context_attention's checks and launches, cached by its arguments'
     geometry and values (``out`` given; ``lse`` None: the workspace's or a new
-    one; the scales None unless the cache is fp8)."""
+    one)."""
     fn = "paged_context_attention"
     num_tokens, num_heads, head_size = query.shape
     num_blocks, page_size, num_kv_heads, cache_head_size = key_cache.shape
@@ -909,14 +904,6 @@ def _paged_context_attention_launch(
     assert value_cache.shape == key_cache.shape, f"{fn}: K/V cache shapes differ"
     assert cache_head_size == head_size, f"{fn}: cache and query head sizes differ"
     assert q_strides[2] == kc_strides[3] == vc_strides[3] == 1, f"{fn}: last dims"
-    if fp8:
-        if k_scale is None or v_scale is None:
-            raise ValueError(f"{fn}: an fp8 cache needs k_scale and v_scale")
-        for s in (k_scale, v_scale):
-            if isinstance(s, torch.Tensor) and (
-                s.numel() != 1 or s.dtype != torch.float32
-            ):
-                raise ValueError(f"{fn}: scales must be one-element float32")
     with_new = key is not None
     if with_new != (value is not None):
         raise TypeError(f"{fn}: key and value come together")
@@ -932,7 +919,7 @@ def _paged_context_attention_launch(
     out_strides = out.stride()
     if out.shape != query.shape or out.dtype != q_dtype or out_strides[2] != 1:
         raise ValueError(f"{fn}: out must be like the query")
-    if workspace is not None:  # its values: splits, tokens, heads, head size
+    if workspace is not None:  # its sizes: splits, tokens, heads, head size
         if num_splits not in (None, workspace[0]):
             raise ValueError(f"{fn}: num_splits differs from the workspace's")
         if workspace[1:] != (num_tokens, num_heads, head_size):
@@ -942,7 +929,7 @@ def _paged_context_attention_launch(
     if lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32):
         raise ValueError(f"{fn}: lse must be ({num_heads}, {num_tokens}) float32")
     if num_reqs == 0 or num_tokens == 0:
-        return _Launch(lse_shape, None, None, None)
+        return _Launch(lse_shape, None, None, None, fp8)
 
     group = num_heads // num_kv_heads
     target = _gpu_target() if query.is_cuda else None
@@ -990,7 +977,7 @@ def _paged_context_attention_launch(
         num_stages=tile.num_stages,
     )
     if num_splits == 1:
-        return _Launch(lse_shape, attend, None, None)
+        return _Launch(lse_shape, attend, None, None, fp8)
     block_h, warps = _combine_config(num_heads)
     scalars = (num_reqs, num_splits, num_heads, *part_strides, *out_strides[:2])
     combine = KernelLaunch(
@@ -1000,13 +987,22 @@ def _paged_context_attention_launch(
         dict(HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h),
         num_warps=warps,
     )
-    return _Launch(lse_shape, attend, combine, part_shapes)
+    return _Launch(lse_shape, attend, combine, part_shapes, fp8)
 
 
 def _scale_tensor(scale, query) -> torch.Tensor:
-    """An fp8 scale as a one-element float32 tensor (a float: one per call)."""
+    """An fp8 cache's scale as a one-element float32 tensor (a float: one per
+    call); checked on every call, not cached with the launch."""
     if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(
+                "paged_context_attention: scales must be one-element float32"
+            )
         return scale
+    if scale is None:
+        raise ValueError(
+            "paged_context_attention: an fp8 cache needs k_scale and v_scale"
+        )
     return query.new_full((1,), scale, dtype=torch.float32)
 
 
@@ -1046,18 +1042,13 @@ def paged_context_attention(
     if workspace is not None:
         if type(workspace) is not PagedContextWorkspace:
             raise TypeError("paged_context_attention: workspace is not a workspace")
-        bound = workspace.metadata
-        if (
-            bound[0] is block_table
-            and bound[1] is cu_seqlens_q
-            and bound[2] is seq_lens
-        ):
+        table, cu, lens = workspace.metadata
+        if table is block_table and cu is cu_seqlens_q and lens is seq_lens:
             metadata = workspace.checked  # checked when the workspace was made
     if metadata is None:
         metadata = _check_metadata(block_table, cu_seqlens_q, seq_lens)
     if out is None:
         out = torch.empty_like(query)
-    fp8 = key_cache.dtype in _FP8_DTYPES  # only then are the scales checked
     launch = _paged_context_attention_launch(
         query,
         key_cache,
@@ -1067,26 +1058,24 @@ def paged_context_attention(
         key,
         value,
         sliding_window,
-        k_scale if fp8 else None,
-        v_scale if fp8 else None,
         out,
         lse,
         max_context_len,
         num_splits,
-        None if workspace is None else workspace[_WORKSPACE_VALUES],
+        None if workspace is None else workspace.sizes,
     )
     if lse is None:
         if workspace is None:
             lse = query.new_empty(launch.lse_shape, dtype=torch.float32)
         else:
             lse = workspace.lse
-    attend = launch.attend
-    if attend is None:
-        return out, lse
-    if fp8:
+    if launch.fp8:
         k_scale, v_scale = _scale_tensor(k_scale, query), _scale_tensor(v_scale, query)
     else:  # not read: a stand-in of fixed dtype
         k_scale = v_scale = seq_lens
+    attend = launch.attend
+    if attend is None:
+        return out, lse
     if key is None:  # not read
         key, value = key_cache, value_cache
     combine = launch.combine

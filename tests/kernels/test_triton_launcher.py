@@ -288,6 +288,13 @@ def test_fetch_kv_bad_input_after_a_good_call_raises_the_same_error(name, make_a
     before = _cache_sizes()
     with pytest.raises(exc, match=match):
         fetch_kv(**make_args())
+    if name.startswith("fp8_"):
+        # An fp8 cache's scales are checked on every call, after the cached
+        # launch checks: a launch of good geometry is kept, and the next call
+        # (a hit) raises again.
+        with pytest.raises(exc, match=match):
+            fetch_kv(**make_args())
+        return
     assert _cache_sizes() == before, "a rejected call must not be cached"
 
 
@@ -433,7 +440,7 @@ def test_cached_launch_keys_annotated_groups_and_values():
 
     @tl_launch.cached_launch
     def check(
-        kv: tl_launch.Tensors2,
+        kv: tuple[torch.Tensor, torch.Tensor],
         meta: tl_launch.Tensors3 | None,
         scale: tuple[Any, Any],
         layout: str,

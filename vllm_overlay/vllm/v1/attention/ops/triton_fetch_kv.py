@@ -24,7 +24,6 @@ from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.ops.triton_launcher import (
     KernelLaunch,
-    Tensors2,
     Tensors3,
     Tensors4,
     cached_launch,
@@ -498,17 +497,21 @@ def fetch_kv_plan(
     return FetchKVPlan(table, block_size, ppp, num_tokens, num_reqs, num_items)
 
 
+def _one_element(scale) -> bool:
+    return isinstance(scale, torch.Tensor) and scale.numel() == 1
+
+
 @cached_launch
 def _fetch_kv_launch(
     kv: Tensors4,
     meta: Tensors3 | None,
-    scales: Tensors2 | None,
     kv_cache_layout: str,
     max_num_tokens: int | None,
     plan: tuple[int, ...] | None,
 ):
-    """fetch_kv's checks; its launch (None: nothing to fetch).  With a plan (its
-    values but the table, and the batch size) there are no metadata (None)."""
+    """fetch_kv's checks; its launch (None: nothing to fetch) and whether it
+    dequantises.  With a plan (its values but the table, and the batch size)
+    there are no metadata (None)."""
     key_cache, value_cache, key_out, value_out = kv
     num_blocks, page, num_kv_heads, head_size = key_cache.shape
     num_tokens, out_heads, out_d = key_out.shape
@@ -526,10 +529,6 @@ def _fetch_kv_launch(
             f"fetch_kv: cannot fetch a {cache_dtype} cache into {out_dtype}: the "
             "dtypes must match, or the cache be fp8 (not uint8) and the outputs float"
         )
-    if dequant and not all(
-        isinstance(s, torch.Tensor) and s.numel() == 1 for s in scales or (None,)
-    ):
-        raise ValueError("fetch_kv: an fp8 cache needs one-element k_scale/v_scale")
     if page & (page - 1):
         raise ValueError(f"fetch_kv: block_size must be a power of two, got {page}")
     shuffle = kv_cache_layout == "SHUFFLE"
@@ -574,7 +573,7 @@ def _fetch_kv_launch(
         num_tokens = plan_tokens
         meta_strides = (0, 0, 0, 0)  # not read: the kernel reads the plan
     if num_tokens == 0 or num_reqs == 0:
-        return None
+        return None, dequant
     scalars = (num_reqs, num_kv_heads, *meta_strides, *kc_strides, *vc_strides)
     scalars += (*key_out.stride(), *value_out.stride())
     warp_size = _gpu_warp_size() if key_cache.is_cuda else 32
@@ -584,7 +583,9 @@ def _fetch_kv_launch(
     constexprs.update(PLAN_WIDTH=_plan_width(ppp), REQ_STEP=_req_step(num_reqs))
     warps = _num_warps(warp_size, ppp * page, head_size, cache_size, out_size)
     grid = (num_items * num_kv_heads,)
-    return KernelLaunch(_fetch_kv_kernel, grid, scalars, constexprs, num_warps=warps)
+    return KernelLaunch(
+        _fetch_kv_kernel, grid, scalars, constexprs, num_warps=warps
+    ), dequant
 
 
 def fetch_kv(
@@ -613,14 +614,14 @@ def fetch_kv(
     if plan is not None and type(plan) is not FetchKVPlan:
         raise TypeError("fetch_kv: plan must be a FetchKVPlan (fetch_kv_plan)")
     # What the kernel does not read is not checked; its pointers get stand-ins.
-    dequant = key_cache.dtype != key_out.dtype
     kv = (key_cache, value_cache, key_out, value_out)
-    scales: Tensors2 | None = (k_scale, v_scale) if dequant else None
     meta: Tensors3 | None = (block_table, cu_seqlens_kv, seq_starts)
-    values = None
+    sizes = None  # with a plan: its values but the table, and the batch size
     if plan is not None:
-        meta, values = None, plan[1:] + seq_starts.shape
-    launch = _fetch_kv_launch(kv, meta, scales, kv_cache_layout, max_num_tokens, values)
+        meta, sizes = None, plan[1:] + (seq_starts.numel(),)
+    launch, dequant = _fetch_kv_launch(kv, meta, kv_cache_layout, max_num_tokens, sizes)
+    if dequant and not (_one_element(k_scale) and _one_element(v_scale)):
+        raise ValueError("fetch_kv: an fp8 cache needs one-element k_scale/v_scale")
     if launch is None:
         return
     if plan is not None:

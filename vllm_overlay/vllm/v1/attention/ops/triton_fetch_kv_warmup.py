@@ -112,13 +112,11 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
         out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
         used = plan if case[1] else None
         # What fetch_kv checks and hands the launch (its stand-ins included).
-        dequant = g.cache_dtype != g.out_dtype
         kv = (key_cache, value_cache, out, out)
         checked = (block_table, cu, starts) if used is None else None
-        scales = (scale, scale) if dequant else None
-        plan_values = None if used is None else used[1:] + starts.shape
-        launch = fk._fetch_kv_launch(
-            kv, checked, scales, g.kv_cache_layout, num_tokens, plan_values
+        plan_values = None if used is None else used[1:] + (starts.numel(),)
+        launch, dequant = fk._fetch_kv_launch(
+            kv, checked, g.kv_cache_layout, num_tokens, plan_values
         )
         meta = (block_table, cu, starts) if used is None else (used.table,) * 3
         scales = (scale, scale) if dequant else meta[1:2] * 2

@@ -67,7 +67,6 @@ __all__ = [
     "ENABLED",
     "KernelLaunch",
     "OptionalTensors4",
-    "Tensors2",
     "Tensors3",
     "Tensors4",
     "cached_launch",
@@ -134,7 +133,6 @@ _BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype))
 
 # Groups of tensor arguments of a cached check, keyed by their geometry
 # (Optional...: each a tensor or None, e.g. for one it does not read).
-Tensors2 = tuple[torch.Tensor, torch.Tensor]
 Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 OptionalTensors4 = tuple[Any, Any, Any, Any]

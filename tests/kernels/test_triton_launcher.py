@@ -595,7 +595,7 @@ def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch)
         fetch_kv(kc, vc, ko, vo, table, cu, starts)
         outs.append((ko.clone(), vo.clone()))
         if enabled:
-            (launch,) = module._fetch_kv_launch.cache.values()
+            ((launch, _),) = module._fetch_kv_launch.cache.values()
             tensors = (kc, vc, ko, vo, table, cu, starts, cu, cu, cu)
             picked = launch.kernel.warmup(*tensors, *launch.scalars, grid=launch.grid,
                                           **launch.constexprs, **launch.options)

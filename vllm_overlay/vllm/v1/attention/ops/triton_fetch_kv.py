@@ -583,9 +583,8 @@ def _fetch_kv_launch(
     constexprs.update(PLAN_WIDTH=_plan_width(ppp), REQ_STEP=_req_step(num_reqs))
     warps = _num_warps(warp_size, ppp * page, head_size, cache_size, out_size)
     grid = (num_items * num_kv_heads,)
-    return KernelLaunch(
-        _fetch_kv_kernel, grid, scalars, constexprs, num_warps=warps
-    ), dequant
+    launch = KernelLaunch(_fetch_kv_kernel, grid, scalars, constexprs, num_warps=warps)
+    return launch, dequant
 
 
 def fetch_kv(

@@ -1,7 +1,7 @@
 """The kernel files' host side reads like upstream's wrappers (issue #24).
 
-For each Triton kernel file of the overlay: no line is kept out of the
-formatter (``# fmt: skip``), no wrapper writes a launch key by hand (the
+No line of the series is kept out of the formatter (``# fmt: skip``); for
+each Triton kernel file of the overlay: no wrapper writes a launch key by hand (the
 checks are cached by ``triton_launcher.cached_launch``, whose key is made from
 all of their arguments), and the host side (every non-blank line outside the
 ``@triton.jit`` functions, docstrings and comments included) is no longer than
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-OPS = Path(__file__).resolve().parents[2] / "vllm_overlay/vllm/v1/attention/ops"
+ROOT = Path(__file__).resolve().parents[2]
+OPS = ROOT / "vllm_overlay/vllm/v1/attention/ops"
 
 
 def _is_jit(decorator: ast.expr) -> bool:
@@ -34,11 +35,15 @@ def line_counts(source: str) -> tuple[int, int]:
     return len(counted) - kernel_lines, kernel_lines
 
 
-KERNEL_FILES = sorted(p for p in OPS.glob("triton_*.py") if line_counts(p.read_text())[1])
+KERNEL_FILES = sorted(
+    p for p in OPS.glob("triton_*.py") if line_counts(p.read_text())[1]
+)
 
 
 def test_line_counts_split_at_the_jit_functions():
-    source = "import x\n\n@triton.jit\ndef k(a):\n    pass\n\n\ndef host():\n    k[1](0)\n"
+    source = (
+        "import x\n\n@triton.jit\ndef k(a):\n    pass\n\n\ndef host():\n    k[1](0)\n"
+    )
     assert line_counts(source) == (3, 3)
 
 
@@ -54,6 +59,24 @@ def test_no_formatter_exemptions_and_no_hand_written_keys(path):
     assert "fmt: skip" not in source and "fmt: off" not in source
     for name in ("LaunchCache", "tensor_geometry", "fast_path"):
         assert name not in source, f"{path.name} uses {name}: use cached_launch"
+
+
+def test_no_formatter_exemptions_anywhere_in_the_series():
+    """No overlay file and no line a patch adds is kept out of ruff format."""
+    found = []
+    for path in sorted((ROOT / "vllm_overlay").rglob("*.py")):
+        found += [
+            f"{path.name}:{i}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if "fmt: skip" in line or "fmt: off" in line
+        ]
+    for path in sorted((ROOT / "patches").glob("*.patch")):
+        found += [
+            f"{path.name}:{i}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if line.startswith("+") and ("fmt: skip" in line or "fmt: off" in line)
+        ]
+    assert not found, f"formatter exemptions: {found}"
 
 
 @pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: p.name)

@@ -90,9 +90,23 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def _rope_concat_and_cache(
-    ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, positions, cos_sin_cache,
-    is_neox, kv_cache_dtype, k_scale, q_scale, use_aiter, all_q_rope, rows=None,
-) -> None:  # fmt: skip
+    ql_nope,
+    q_pe,
+    kv_c,
+    k_pe,
+    kv_cache,
+    q_out,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    kv_cache_dtype,
+    k_scale,
+    q_scale,
+    use_aiter,
+    all_q_rope,
+    rows=None,
+) -> None:
     """Decode form: q_out = [ql_nope | rope(q_pe)] (fp8 / q_scale when q_scale
     is given) and the cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched.
     The parameters of torch.ops.vllm.mla_rope_concat_and_cache (typed in
@@ -119,10 +133,21 @@ def _rope_concat_and_cache(
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_concat_and_cache
 
     mla_rope_concat_and_cache(
-        ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
-        is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, q_out=q_out,
-        q_scale=q_scale, rows=rows,
-    )  # fmt: skip
+        ql_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
+        q_out=q_out,
+        q_scale=q_scale,
+        rows=rows,
+    )
 
 
 def _rope_concat_and_cache_impl(
@@ -143,9 +168,22 @@ def _rope_concat_and_cache_impl(
     all_q_rope: bool,
 ) -> None:
     _rope_concat_and_cache(
-        ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, positions,
-        cos_sin_cache, is_neox, kv_cache_dtype, k_scale, q_scale, use_aiter, all_q_rope,
-    )  # fmt: skip
+        ql_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        q_out,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        kv_cache_dtype,
+        k_scale,
+        q_scale,
+        use_aiter,
+        all_q_rope,
+    )
 
 
 def _rope_concat_and_cache_fake(
@@ -169,18 +207,36 @@ def _rope_concat_and_cache_fake(
 
 
 def _rope_and_cache(
-    q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
-    kv_cache_dtype, k_scale, rows=None,
-) -> None:  # fmt: skip
+    q_pe,
+    kv_c,
+    k_pe,
+    kv_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    kv_cache_dtype,
+    k_scale,
+    rows=None,
+) -> None:
     """Prefill form: rotate q_pe and k_pe in place, write [kv_c | k_pe] rows
     (parameters as torch.ops.vllm.mla_rope_and_cache, and ``rows`` as for the
     decode form)."""
     from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_and_cache
 
     mla_rope_and_cache(
-        q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
-        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, rows=rows,
-    )  # fmt: skip
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
+        rows=rows,
+    )
 
 
 def _rope_and_cache_impl(
@@ -196,9 +252,17 @@ def _rope_and_cache_impl(
     k_scale: torch.Tensor,
 ) -> None:
     _rope_and_cache(
-        q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
-        kv_cache_dtype, k_scale,
-    )  # fmt: skip
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        kv_cache_dtype,
+        k_scale,
+    )
 
 
 def _rope_and_cache_fake(
@@ -399,16 +463,23 @@ class MLARopeKVFusion:
         model_dtype = vllm_config.model_config.dtype
         block_size = vllm_config.cache_config.block_size
         return MLAGeometry(
-            num_heads=h, lora_rank=L, rope_dim=R, model_dtype=model_dtype,
+            num_heads=h,
+            lora_rank=L,
+            rope_dim=R,
+            model_dtype=model_dtype,
             cache_dtype=torch.uint8 if fp8 else model_dtype,
-            kv_cache_dtype=self.kv_cache_dtype, block_size=block_size,
-            cache_strides=(block_size * (L + R), L + R), q_strides=(h * (p + R), p + R),
-            kv_stride=L + R, ql_nope_strides=(h * L, L),
+            kv_cache_dtype=self.kv_cache_dtype,
+            block_size=block_size,
+            cache_strides=(block_size * (L + R), L + R),
+            q_strides=(h * (p + R), p + R),
+            kv_stride=L + R,
+            ql_nope_strides=(h * L, L),
             cos_sin_stride=self.rotary_emb.cos_sin_cache.stride(0),
-            cos_sin_dtype=self.rotary_emb.cos_sin_cache.dtype, is_neox=self.is_neox,
+            cos_sin_dtype=self.rotary_emb.cos_sin_cache.dtype,
+            is_neox=self.is_neox,
             max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
             q_fp8=self._quant_q,
-        )  # fmt: skip
+        )
 
     def begin(
         self,
@@ -457,14 +528,31 @@ class _RopeKVStep:
         slots, positions, rows = self.shared.rows(start, start + q.shape[0])
         if torch.compiler.is_compiling():
             torch.ops.vllm.mla_rope_and_cache(
-                q[..., f.nope_dim :], kv_c, k_pe, self.kv_cache, slots, positions,
-                self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale,
-            )  # fmt: skip
+                q[..., f.nope_dim :],
+                kv_c,
+                k_pe,
+                self.kv_cache,
+                slots,
+                positions,
+                self.shared.cos_sin_cache,
+                f.is_neox,
+                f.kv_cache_dtype,
+                self.k_scale,
+            )
             return
         _rope_and_cache(
-            q[..., f.nope_dim :], kv_c, k_pe, self.kv_cache, slots, positions,
-            self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale, rows,
-        )  # fmt: skip
+            q[..., f.nope_dim :],
+            kv_c,
+            k_pe,
+            self.kv_cache,
+            slots,
+            positions,
+            self.shared.cos_sin_cache,
+            f.is_neox,
+            f.kv_cache_dtype,
+            self.k_scale,
+            rows,
+        )
 
     def decode(
         self,
@@ -485,10 +573,22 @@ class _RopeKVStep:
         )
         slots, positions, rows = self.shared.rows(0, num_tokens)
         args = (
-            ql_nope, q_pe, kv_c, k_pe, self.kv_cache, q_out, slots, positions,
-            self.shared.cos_sin_cache, f.is_neox, f.kv_cache_dtype, self.k_scale,
-            q_scale, f.use_aiter, f.decision.aiter_all_q_rope,
-        )  # fmt: skip
+            ql_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            self.kv_cache,
+            q_out,
+            slots,
+            positions,
+            self.shared.cos_sin_cache,
+            f.is_neox,
+            f.kv_cache_dtype,
+            self.k_scale,
+            q_scale,
+            f.use_aiter,
+            f.decision.aiter_all_q_rope,
+        )
         if torch.compiler.is_compiling():
             torch.ops.vllm.mla_rope_concat_and_cache(*args)
         else:

@@ -103,10 +103,16 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
     scale = torch.ones(1, dtype=torch.float32, device=device)
     if kind != "paged":
         plan = fk.fetch_kv_plan(
-            block_table, cu, starts, num_tokens=num_tokens, block_size=g.block_size,
-            head_size=g.head_size, cache_dtype=g.cache_dtype, out_dtype=g.out_dtype,
+            block_table,
+            cu,
+            starts,
+            num_tokens=num_tokens,
+            block_size=g.block_size,
+            head_size=g.head_size,
+            cache_dtype=g.cache_dtype,
+            out_dtype=g.out_dtype,
             kv_cache_layout=g.kv_cache_layout,
-        )  # fmt: skip
+        )
         if kind == "fetch_kv_plan":
             return
         out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)

@@ -1,6 +1,6 @@
 """The kernel files' host side reads like upstream's wrappers (issue #24).
 
-No line of the series is kept out of the formatter (``# fmt: skip``); for
+No line of the series is kept out of the formatter (``# fmt: skip``). For
 each Triton kernel file of the overlay: no wrapper writes a launch key by hand (the
 checks are cached by ``triton_launcher.cached_launch``, whose key is made from
 all of their arguments), and the host side (every non-blank line outside the
@@ -35,15 +35,11 @@ def line_counts(source: str) -> tuple[int, int]:
     return len(counted) - kernel_lines, kernel_lines
 
 
-KERNEL_FILES = sorted(
-    p for p in OPS.glob("triton_*.py") if line_counts(p.read_text())[1]
-)
+KERNEL_FILES = sorted(p for p in OPS.glob("triton_*.py") if line_counts(p.read_text())[1])
 
 
 def test_line_counts_split_at_the_jit_functions():
-    source = (
-        "import x\n\n@triton.jit\ndef k(a):\n    pass\n\n\ndef host():\n    k[1](0)\n"
-    )
+    source = "import x\n\n@triton.jit\ndef k(a):\n    pass\n\n\ndef host():\n    k[1](0)\n"
     assert line_counts(source) == (3, 3)
 
 
@@ -54,28 +50,26 @@ def test_there_are_kernel_files():
 
 
 @pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: p.name)
-def test_no_formatter_exemptions_and_no_hand_written_keys(path):
+def test_no_hand_written_keys(path):
     source = path.read_text()
-    assert "fmt: skip" not in source and "fmt: off" not in source
     for name in ("LaunchCache", "tensor_geometry", "fast_path"):
         assert name not in source, f"{path.name} uses {name}: use cached_launch"
 
 
+def _exemptions(path: Path, prefix: str = "") -> list[str]:
+    """``path:line`` of each line starting with ``prefix`` kept out of the formatter."""
+    return [
+        f"{path.name}:{i}"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if line.startswith(prefix) and ("fmt: skip" in line or "fmt: off" in line)
+    ]
+
+
 def test_no_formatter_exemptions_anywhere_in_the_series():
-    """No overlay file and no line a patch adds is kept out of ruff format."""
-    found = []
-    for path in sorted((ROOT / "vllm_overlay").rglob("*.py")):
-        found += [
-            f"{path.name}:{i}"
-            for i, line in enumerate(path.read_text().splitlines(), 1)
-            if "fmt: skip" in line or "fmt: off" in line
-        ]
-    for path in sorted((ROOT / "patches").glob("*.patch")):
-        found += [
-            f"{path.name}:{i}"
-            for i, line in enumerate(path.read_text().splitlines(), 1)
-            if line.startswith("+") and ("fmt: skip" in line or "fmt: off" in line)
-        ]
+    """No overlay file (the kernel files among them) and no line a patch adds
+    is kept out of ruff format."""
+    found = [e for p in sorted((ROOT / "vllm_overlay").rglob("*.py")) for e in _exemptions(p)]
+    found += [e for p in sorted((ROOT / "patches").glob("*.patch")) for e in _exemptions(p, "+")]
     assert not found, f"formatter exemptions: {found}"
 
 

@@ -35,7 +35,7 @@ line; ``mla_rope_kv_cache.py`` gathers the facts and runs the chosen path.
 """
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 __all__ = [
     "FUSABLE_KV_CACHE_DTYPES",
@@ -73,7 +73,7 @@ _FUSABLE_ROPE_CLASSES = (
 _ROPE_METHODS = ("forward", "forward_native", "forward_cuda", "forward_hip")
 
 
-class RopeKVPath(str, Enum):
+class RopeKVPath(StrEnum):
     UNFUSED = "unfused"
     TRITON = "triton"
     AITER = "aiter"
@@ -101,6 +101,7 @@ class RopeKVFacts:
     kv_cache_dtype: str  # vLLM's cache dtype string
     sparse: bool = False  # sparse MLA (top-k indexer)
     hisparse: bool = False  # HiSparse cache with its own write target
+    kv_sharing: bool = False  # reads another layer's KV cache, writes none
     dcp_world_size: int = 1
     dcp_q_replicate: bool = False  # the decode query spans the DCP group's heads
     pcp: bool = False  # prefill context parallelism
@@ -173,6 +174,8 @@ def _layer_problem(f: RopeKVFacts) -> str | None:
         return "sparse MLA (the top-k path writes and reads the cache its own way)"
     if f.hisparse:
         return "HiSparse MLA cache (its own write target)"
+    if f.kv_sharing:
+        return "KV sharing (the layer reads another layer's cache and writes none)"
     if f.kv_cache_dtype not in FUSABLE_KV_CACHE_DTYPES:
         return (
             f"kv_cache_dtype {f.kv_cache_dtype!r} (the fused kernels write "

@@ -314,6 +314,7 @@ def rope_kv_facts(layer, rotary_emb) -> RopeKVFacts:
         kv_cache_dtype=layer.kv_cache_dtype,
         sparse=bool(layer.use_sparse or getattr(impl, "is_sparse", False)),
         hisparse=layer.hisparse_cache is not None,
+        kv_sharing=layer.kv_sharing_target_layer_name is not None,
         dcp_world_size=impl.dcp_world_size,
         dcp_q_replicate=bool(layer.dcp_q_replicate),
         pcp=bool(layer.use_pcp),
@@ -489,7 +490,7 @@ class MLARopeKVFusion:
         kv_cache: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor | None,
-    ) -> "tuple[_RopeKVStep | None, torch.Tensor]":
+    ) -> "tuple[MLARopeKVStep | None, torch.Tensor]":
         """Start one forward over ``q.shape[0]`` tokens: (step, k_pe).
 
         The step is None when there is no cache to write this time (no slot
@@ -505,10 +506,10 @@ class MLARopeKVFusion:
         rows = self._step_rows(
             positions, slot_mapping, num_tokens, self.cos_sin_cache(kv_cache.device)
         )
-        return _RopeKVStep(self, layer, kv_cache, rows), k_pe
+        return MLARopeKVStep(self, layer, kv_cache, rows), k_pe
 
 
-class _RopeKVStep:
+class MLARopeKVStep:
     """One forward of a fused layer: its cache and scale, and the rows."""
 
     __slots__ = ("fusion", "kv_cache", "k_scale", "shared")

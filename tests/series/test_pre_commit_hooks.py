@@ -7,14 +7,13 @@ The fake upstream carries the pinned tree's own ``tools/pre_commit/`` hook scrip
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from fake_upstream import REPO, UPSTREAM, write_sdist
+from fake_upstream import REPO, UPSTREAM
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -61,11 +60,7 @@ def _with_upstream_hooks(fs, hooks: str = IMPORT_HOOKS) -> None:
     files = {**UPSTREAM, ".pre-commit-config.yaml": CONFIG + hooks}
     for name in HOOKS:
         files[f"tools/pre_commit/{name}"] = (TREE / "tools/pre_commit" / name).read_text()
-    write_sdist(fs.sdist, files)
-    sha = hashlib.sha256(fs.sdist.read_bytes()).hexdigest()
-    pins = fs.root / "pins.env"
-    pins.write_text("".join(f"VLLM_SDIST_SHA256={sha}\n" if ln.startswith("VLLM_SDIST_SHA256=") else ln + "\n"
-                            for ln in pins.read_text().splitlines()))
+    fs.upstream(files)
 
 
 def test_a_forbidden_import_in_an_overlay_file_fails_make_check(fake_series):

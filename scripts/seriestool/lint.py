@@ -24,6 +24,10 @@ Findings, each one line naming the file:
   * upstream's pre-commit hooks, at the pinned tree's versions, failing on a
     Python file the series adds or changes (precommit.run_hooks, on that
     scratch tree).
+
+Every check runs, whatever the others found.  One that cannot (the scratch tree
+needs every listed patch file and an overlay that only adds, the hooks a series
+that applies) is the finding "not run: ... because ...".
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from . import (
     SeriesError, doclinks, export, figures, gitrepo, patchfile, precommit, progress, sdist, stack,
     topics,
 )
-from .buildtree import Layout, build_tree, overlay_files, series_patches
+from .buildtree import Layout, PatchFailed, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
 
@@ -138,14 +142,17 @@ def lint(layout: Layout) -> list[str]:
             findings.append(f"vllm_overlay/{rel}: shadows a file upstream has (use a patch)")
     findings += topics.lint_overlay_topics(layout.patches, overlay_files(layout))
     findings += topics.lint_pr_tests(layout.root, layout.patches, pristine)
-    if any("does not exist" in f or "shadows" in f for f in findings):
-        return findings  # applying would only repeat these
     with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:
         scratch = Layout(root=layout.root, build=Path(tmp) / "vllm")
+        not_applied = None
         try:
             build_tree(scratch, sdist_file, pins, record_state=False, verb="check")
-        except SeriesError as exc:
-            findings.append(str(exc).splitlines()[0])
+        except PatchFailed as exc:
+            not_applied = str(exc).splitlines()[0]
+            findings.append(not_applied)
+        except SeriesError as exc:  # a missing patch file, an overlay file shadowing upstream
+            findings.append("not run: the zero-fuzz apply, topic-alone, target-stack and pre-commit hook "
+                            f"checks, because {str(exc).splitlines()[0].rstrip(':')}")
             return findings
         findings += stack.lint_target_stack(pins, stack.tree_reader(scratch.build))
         patches = series_patches(layout)
@@ -155,6 +162,9 @@ def lint(layout: Layout) -> list[str]:
                 problem = export.topic_alone_problem(scratch.build, root, patches, topic)
             if problem:
                 findings.append(problem)
+        if not_applied:
+            findings.append(f"not run: the pre-commit hooks, because {not_applied}")
+            return findings
         hook_findings, notes = precommit.run_hooks(scratch.build, root)
         findings += hook_findings
         for note in notes:

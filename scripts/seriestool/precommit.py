@@ -12,11 +12,13 @@ pre-commit would do on the series' Python files, from the pinned tree's own
   virtual environment holding exactly their ``additional_dependencies``, so
   ``python`` and ``mypy`` there are the hook's own, as under pre-commit;
 * the remote hooks that check Python files (ruff-check, ruff-format, typos) run the
-  PyPI package of the same version as the config's ``rev``, with the entry their
+  PyPI package of the same version as the config's ``rev`` (a rev frozen to a commit
+  SHA names its tag in a ``# frozen: vX.Y.Z`` comment), with the entry their
   repository's ``.pre-commit-hooks.yaml`` gives (REMOTE_HOOKS);
 * a hook fails when it exits non-zero or changes a file (pre-commit's rule): hooks
   run on a scratch tree, so a fixing hook (``ruff check --fix``, the SPDX hook)
-  only shows what it would change.
+  only shows what it would change; a hook whose environment cannot be made is a
+  finding too, and the other hooks still run.
 
 Hook environments are cached outside the tree (SERIES_HOOK_ENVS, default
 ``~/.cache/vllm-aiter-series/pre-commit-envs/``), one per requirement set, like
@@ -83,6 +85,7 @@ class Hook:
     pass_filenames: bool = True
     always_run: bool = False
     stages: list[str] = field(default_factory=list)
+    problem: str = ""  # why its environment cannot be made (a finding when it is selected)
 
 
 def file_tags(path: str) -> set[str]:
@@ -91,15 +94,27 @@ def file_tags(path: str) -> set[str]:
     return {"file", "text", PYTHON_SUFFIXES[suffix]} if suffix in PYTHON_SUFFIXES else {"file"}
 
 
+def rev_version(config_text: str, rev: str) -> str | None:
+    """The version a remote hook's rev names: its tag (v0.14.0), or for a rev frozen to a
+    commit SHA (``pre-commit autoupdate --freeze``) the tag of the ``# frozen: v0.17.2``
+    comment on its line (YAML drops comments, so the raw text is read); None without one."""
+    if not re.fullmatch(r"[0-9a-f]{40}", rev):
+        return rev.removeprefix("v")
+    frozen = re.search(rf"^\s*rev:\s*['\"]?{rev}['\"]?\s+#\s*frozen:\s*v?(\S+)", config_text, re.MULTILINE)
+    return frozen.group(1) if frozen else None
+
+
 def load_hooks(tree: Path) -> tuple[list[Hook], list[str], str]:
     """(hooks to run, notes on remote hooks that cannot run here, global exclude)."""
     import yaml
 
-    config = yaml.safe_load((tree / CONFIG).read_text())
+    text = (tree / CONFIG).read_text()
+    config = yaml.safe_load(text)
     default_stages = config.get("default_stages") or [STAGE]
     hooks, skipped = [], []
     for repo in config.get("repos", []):
         for raw in repo.get("hooks", []):
+            problem = ""
             if repo["repo"] == "local":
                 language = raw["language"]
                 entry = shlex.split(raw["entry"])
@@ -112,7 +127,11 @@ def load_hooks(tree: Path) -> tuple[list[Hook], list[str], str]:
                     continue
                 language = "python"
                 entry = shlex.split(remote.entry)
-                requirements = [f"{remote.package}=={str(repo['rev']).removeprefix('v')}"]
+                version = rev_version(text, str(repo["rev"]))
+                requirements = [f"{remote.package}=={version}"] if version else []
+                if not version:
+                    problem = (f"its rev {repo['rev']} is a commit SHA with no '# frozen: vX.Y.Z' "
+                               "comment naming the version to install")
                 types = tuple(raw.get("types", remote.types or ("file",)))
                 types_or = tuple(raw.get("types_or", remote.types_or))
                 raw = {"args": list(remote.args), **raw}
@@ -121,7 +140,7 @@ def load_hooks(tree: Path) -> tuple[list[Hook], list[str], str]:
                 requirements=requirements, files=raw.get("files", ""), exclude=raw.get("exclude", "^$"),
                 types=types, types_or=types_or, exclude_types=tuple(raw.get("exclude_types", [])),
                 pass_filenames=raw.get("pass_filenames", True), always_run=raw.get("always_run", False),
-                stages=raw.get("stages", default_stages)))
+                stages=raw.get("stages", default_stages), problem=problem))
     return hooks, skipped, config.get("exclude", "^$")
 
 
@@ -177,6 +196,8 @@ def _changes(tree: Path) -> str:
 
 def run_hook(tree: Path, hook: Hook, files: list[str]) -> list[str]:
     """Run one hook as pre-commit would; its failure as finding lines (none when it passes)."""
+    if hook.problem:
+        raise SeriesError(hook.problem)
     env = dict(os.environ)
     command = list(hook.entry)
     if hook.language == "python":
@@ -227,7 +248,11 @@ def run_hooks(tree: Path, base: str) -> tuple[list[str], list[str]]:
         if not chosen and not hook.always_run:
             continue
         with progress.stage("check", f"pre-commit hook {hook.id} on {len(chosen)} file(s)"):
-            findings += run_hook(tree, hook, chosen)
+            try:
+                findings += run_hook(tree, hook, chosen)
+            except SeriesError as exc:  # its environment could not be made
+                findings.append(f"pre-commit hook {hook.id} not run: {exc}")
+                continue
         ran.append(hook.id)
     notes = [f"note: pre-commit hooks run on {len(files)} Python file(s) of the series: {', '.join(ran)}"]
     if skipped:

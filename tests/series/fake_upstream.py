@@ -97,6 +97,14 @@ class FakeSeries:
     def tree(self) -> str:
         return self.git("rev-parse", "HEAD^{tree}")
 
+    def upstream(self, files: dict[str, str]) -> None:
+        """Make the fake sdist hold these files instead, and pin its new sha256."""
+        write_sdist(self.sdist, files)
+        sha = hashlib.sha256(self.sdist.read_bytes()).hexdigest()
+        pins = self.root / "pins.env"
+        pins.write_text("".join(f"VLLM_SDIST_SHA256={sha}\n" if ln.startswith("VLLM_SDIST_SHA256=") else ln + "\n"
+                                for ln in pins.read_text().splitlines()))
+
 
 def write_sdist(path: Path, files: dict[str, str], version: str = FAKE_VERSION) -> None:
     with tarfile.open(path, "w:gz") as tar:

@@ -286,6 +286,12 @@ def test_check_reports_every_finding(fake_series):
     assert "unknown Topic 'misc'" in out
     assert "0001-add-series-flag.patch: has 'index' lines" in out
     assert "vllm_overlay/vllm/utils.py: shadows a file upstream has" in out
+    assert ("not run: the zero-fuzz apply, topic-alone, target-stack and pre-commit hook checks, because "
+            "vllm_overlay/ must only add files") in out
+    (fs.root / "vllm_overlay/vllm/utils.py").unlink()
+    assert ("not run: the zero-fuzz apply, topic-alone, target-stack and pre-commit hook checks, because "
+            "patches/series lists 0009-missing.patch, but patches/0009-missing.patch does not exist"
+            in fs.run("check").stdout)
 
 
 def test_check_reports_a_patch_that_does_not_apply(fake_series):
@@ -295,6 +301,37 @@ def test_check_reports_a_patch_that_does_not_apply(fake_series):
     proc = fs.run("check")
     assert proc.returncode == 1
     assert "patches/0002-check-sub.patch does not apply: hunk #1 of vllm/utils.py" in proc.stdout
+    assert "topic fetch-kv: patches/0002-check-sub.patch does not apply on pristine upstream" in proc.stdout
+    assert ("not run: the pre-commit hooks, because patches/0002-check-sub.patch does not apply"
+            in proc.stdout)
+
+
+FAILING_HOOK = """\
+repos:
+- repo: local
+  hooks:
+  - id: always-fails
+    name: fails on any Python file
+    entry: "false"
+    language: system
+    types: [python]
+"""
+
+
+def test_a_broken_doc_link_does_not_stop_the_other_checks(fake_series):
+    """Every check runs: past a doc-link finding the series is still applied, each topic
+    alone, and upstream's hooks run (this config's one hook fails on any file)."""
+    fs = fake_series
+    fs.upstream({**UPSTREAM, ".pre-commit-config.yaml": FAILING_HOOK})
+    (fs.root / "docs").mkdir()
+    (fs.root / "docs/topics.md").write_text("[the design](missing.md)\n")
+    fs.git("add", "docs/topics.md", cwd=fs.root)
+    proc = fs.run("check")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "docs/topics.md:1: link 'missing.md': docs/missing.md does not exist" in proc.stdout
+    assert "check: topic fetch-kv alone on pristine upstream" in proc.stderr
+    assert "pre-commit hook always-fails failed (exit 1):" in proc.stdout
+    assert "make check: 2 finding(s)" in proc.stdout
 
 
 def test_overlay_shadowing_stops_apply(fake_series):

@@ -21,9 +21,10 @@ rewritten from the rebased commits (make refresh's code; a patch whose hunks
 moved or merged is regenerated, an untouched one kept byte for byte, one that
 became empty is dropped), pins.env gets the new VLLM_VERSION,
 VLLM_SDIST_SHA256, VLLM_COMMIT (the sdist's vllm/_version.py) and AITER_REF
-(its docker/Dockerfile.rocm_base), ``make check`` runs on the result, and the
-per-patch table (clean / moved / merged / resolved by hand / dropped) is
-printed and written to ``build/rebase-<X>.md``.  build/vllm is never touched:
+(its docker/Dockerfile.rocm_base), README.md's series table is regenerated
+(make readme's code), ``make check`` runs on the result, and the per-patch
+table (clean / moved / merged / resolved by hand / dropped) is printed and
+written to ``build/rebase-<X>.md``.  build/vllm is never touched:
 ``make apply`` rebuilds it from the new pin afterwards.
 """
 
@@ -38,7 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import Interrupted, SeriesError, buildtree, gitrepo, lint, patchfile, progress, sdist
+from . import Interrupted, SeriesError, buildtree, gitrepo, lint, patchfile, progress, readme, sdist
 from .buildtree import Layout
 from .pins import load_pins, update_pins
 
@@ -503,6 +504,8 @@ def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
         report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
     to = state["to"]
     changed_pins = update_pins(layout.root, {k: v for k, v in to.items() if v and v != "unknown"})
+    if (layout.root / "README.md").is_file() and readme.update(layout.root):
+        report.append("README.md: series table rewritten")
     findings = lint.lint(layout)
     check_line = (f"series OK ({len(buildtree.series_patches(layout))} patches, "
                   f"{len(buildtree.overlay_files(layout))} overlay files)") if not findings else \
@@ -520,6 +523,6 @@ def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
            f"wrote {table_file}; {paths.dir} removed. build/vllm is still the old tree: "
            "`make apply` rebuilds it on the new pin."]
     if findings:
-        out.append("make check failed on the rebased series (above): fix the patches (make apply, edit in "
-                   "build/vllm, make refresh) before committing the port.")
+        out.append(f"The port is written; `make check` found {len(findings)} finding(s), listed in the table "
+                   "above: fix them, and `make check` again, before committing the port.")
     return (1 if findings else 0), "\n".join(out)

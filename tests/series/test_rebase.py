@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 
-from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_2, make_patch, write_sdist
+from fake_upstream import ENVS_PY, REPO, UPSTREAM, envs_edit_2, make_patch, write_sdist
+
+sys.path.insert(0, str(REPO / "scripts"))
+from seriestool import readme  # noqa: E402
 
 NEXT = "9.10.0"
 # The next fake release. envs.py gains 5 lines at the top (0001's hunk moves) and edits the
@@ -43,6 +47,8 @@ def _prepare(fs) -> str:
          make_patch("Mark the package", "vllm/__init__.py", init, init + "SERIES = True\n"))
     _add(fs, "0005-readme.patch",
          make_patch("README note", "README.md", UPSTREAM["README.md"], "fake upstream, patched\n"))
+    (fs.root / "README.md").write_text(f"# Fake series\n\n{readme.BEGIN}\n{readme.END}\n")
+    _ok(fs.run("readme"))
     fs.git("add", "-A", cwd=fs.root)
     fs.git("commit", "-qm", "the series", cwd=fs.root)
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
@@ -111,6 +117,10 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
         "#", "The", "fake", "series.", "0001-add-series-flag.patch", "#", "utils", "0002-check-sub.patch",
         "0003-other-flag.patch", "0004-init-marker.patch"]
     assert not (fs.patches / "0005-readme.patch").exists()
+    # README's series table follows: no link to the dropped patch, nothing left to remedy.
+    text = (fs.root / "README.md").read_text()
+    assert readme.render(fs.root, text) == text and "0005-readme.patch" not in text
+    assert "README.md: series table rewritten" in out and "make refresh" not in out
     assert (fs.patches / "0004-init-marker.patch").read_bytes() == kept        # clean: byte for byte
     assert "@@ -9,6 +9,7 @@" in (fs.patches / "0001-add-series-flag.patch").read_text()  # moved: renumbered
     assert f"+    {RESOLVED}" in (fs.patches / "0002-check-sub.patch").read_text()
@@ -160,3 +170,4 @@ def test_rebase_resolving_to_no_change_drops_the_patch(fake_series):
     out = _ok(_rebase(fs, "--continue")).stdout
     assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
     assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
+

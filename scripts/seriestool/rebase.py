@@ -2,7 +2,7 @@
 
     make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y   start; finishes at once when nothing conflicts
     make rebase CONTINUE=1                            after resolving a conflict
-    make rebase ABORT=1                               drop the rebase (patches/ and pins.env untouched)
+    make rebase ABORT=1                               drop the rebase (it wrote nothing to the checkout yet)
 
 In ``build/rebase/vllm``, a git repository of its own, the current series is
 built as ``make apply`` builds it (pristine vLLM of pins.env, the overlay
@@ -24,8 +24,10 @@ VLLM_SDIST_SHA256, VLLM_COMMIT (the sdist's vllm/_version.py) and AITER_REF
 (its docker/Dockerfile.rocm_base), README.md's series table is regenerated
 (make readme's code), ``make check`` runs on the result, and the per-patch
 table (clean / moved / merged / resolved by hand / dropped) is printed and
-written to ``build/rebase-<X>.md``.  build/vllm is never touched:
-``make apply`` rebuilds it from the new pin afterwards.
+written to ``build/rebase-<X>.md``.  All or nothing: what finish writes is
+copied to build/rebase/backup first and put back if anything fails (check's
+findings are not a failure: the port is written, and reported with them).
+build/vllm is never touched: ``make apply`` rebuilds it from the new pin afterwards.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from .pins import load_pins, update_pins
 CLEAN, MOVED, MERGED, HAND = "clean", "moved", "merged", "resolved by hand"
 EMPTY, HAND_DROPPED = "dropped: upstream has it", "dropped by hand"
 OVERLAY = "overlay"
+WRITTEN_PATHS = ("patches", "vllm_overlay", "pins.env", "README.md")   # what finish writes
+WRITTEN = "patches/, vllm_overlay/, pins.env and README.md"
 _MARKER_RE = re.compile(r"^(<{7}|>{7}|\|{7})(?: |$)", re.M)
 _SHOW_LINES = 14           # upstream lines shown per hunk in a conflict report
 _SHOW_HUNKS = 4            # patch hunks shown per conflicted file
@@ -56,11 +60,12 @@ class Paths:
     dir: Path                  # build/rebase
     repo: Path                 # build/rebase/vllm: where the rebase runs and conflicts are resolved
     state: Path                # build/rebase/state.json: written once the repository is ready
+    backup: Path               # build/rebase/backup: WRITTEN_PATHS while finish writes them
 
     @classmethod
     def of(cls, layout: Layout) -> Paths:
         d = layout.build.parent / "rebase"
-        return cls(dir=d, repo=d / "vllm", state=d / "state.json")
+        return cls(dir=d, repo=d / "vllm", state=d / "state.json", backup=d / "backup")
 
     @property
     def dropping(self) -> Path:
@@ -416,7 +421,7 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
             "from": {k: old_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
             "to": {k: new_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
             "old_pristine": old_pristine, "old_tip": old_tip, "new_pristine": new_pristine,
-            "stops": [], "finishing": False,
+            "stops": [],
         }
         _save(paths, state)     # from here on the rebase exists: CONTINUE=1 / ABORT=1
     except KeyboardInterrupt:
@@ -452,7 +457,8 @@ def resume(layout: Layout) -> tuple[int, str]:
     if not state:
         raise SeriesError("no rebase in progress: start one with "
                           "`make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y`")
-    if not state["finishing"] and buildtree.inputs_hash(layout) != state["inputs"]:
+    _restore(layout, paths)     # a finish killed while it wrote
+    if buildtree.inputs_hash(layout) != state["inputs"]:
         raise SeriesError("patches/, vllm_overlay/ or pins.env changed since the rebase started; finishing "
                           "would overwrite them. Restore them, or `make rebase ABORT=1` and start again.")
     if not _in_progress(paths):
@@ -486,27 +492,72 @@ def abort(layout: Layout) -> str:
     state = _load(paths)
     if not paths.dir.exists() and not paths.dropping.exists():
         return "rebase: none in progress; nothing to drop"
+    restored = _restore(layout, paths)
     _drop(paths)
     target = f" to vLLM {state['to']['VLLM_VERSION']}" if state else ""
-    return f"rebase{target} dropped: {paths.dir} removed; patches/, vllm_overlay/ and pins.env untouched"
+    what = ("restored to what they were before an interrupted finish wrote them" if restored
+            else "hold nothing of it")
+    return f"rebase{target} dropped: {paths.dir} removed; {WRITTEN} {what}"
+
+
+def _backup(layout: Layout, paths: Paths) -> None:
+    """Copy what finish writes to build/rebase/backup (complete, or absent: built under another name)."""
+    tmp = paths.backup.with_name("backup.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for name in WRITTEN_PATHS:
+        src = layout.root / name
+        if src.is_dir():
+            shutil.copytree(src, tmp / name)
+        elif src.exists():
+            shutil.copy2(src, tmp / name)
+    os.rename(tmp, paths.backup)
+
+
+def _restore(layout: Layout, paths: Paths) -> bool:
+    """Put back what a finish had begun to write (its backup); False if there is no backup."""
+    if not paths.backup.is_dir():
+        return False
+    for name in WRITTEN_PATHS:
+        dest, saved = layout.root / name, paths.backup / name
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        elif dest.exists():
+            dest.unlink()
+        if saved.is_dir():
+            shutil.copytree(saved, dest)
+        elif saved.exists():
+            shutil.copy2(saved, dest)
+    shutil.rmtree(paths.backup)
+    return True
 
 
 def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
-    if not state["finishing"]:
-        state["finishing"] = True
-        _save(paths, state)
+    """Write the port (patches/, vllm_overlay/, pins.env, README.md) and check it: all of it, or nothing."""
     if gitrepo.dirty(paths.repo):
         raise SeriesError(f"{paths.repo} has changes made after git finished the rebase; undo them "
                           f"(git -C {paths.repo} stash) and `make rebase CONTINUE=1` again")
     rows = classify(paths, state)
     regenerate = {r["key"] for r in rows if r["status"] in (MOVED, MERGED, HAND)}
-    with progress.stage("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits"):
-        report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
     to = state["to"]
-    changed_pins = update_pins(layout.root, {k: v for k, v in to.items() if v and v != "unknown"})
-    if (layout.root / "README.md").is_file() and readme.update(layout.root):
-        report.append("README.md: series table rewritten")
-    findings = lint.lint(layout)
+    _backup(layout, paths)
+    try:
+        with progress.stage("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits"):
+            report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
+        changed_pins = update_pins(layout.root, {k: v for k, v in to.items() if v and v != "unknown"})
+        if (layout.root / "README.md").is_file() and readme.update(layout.root):
+            report.append("README.md: series table rewritten")
+        findings = lint.lint(layout)
+    except BaseException as exc:
+        _restore(layout, paths)
+        kept = f"{WRITTEN} restored as they were; {paths.dir} kept"
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted(f"{kept}: `make rebase CONTINUE=1` finishes again, ABORT=1 drops it") from None
+        if isinstance(exc, SeriesError):
+            raise SeriesError(f"finishing the rebase failed; {kept}:\n{exc}\nFix that, then "
+                              "`make rebase CONTINUE=1` (or ABORT=1)") from None
+        raise
     check_line = (f"series OK ({len(buildtree.series_patches(layout))} patches, "
                   f"{len(buildtree.overlay_files(layout))} overlay files)") if not findings else \
         f"{len(findings)} finding(s): " + "; ".join(findings)
@@ -523,6 +574,6 @@ def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
            f"wrote {table_file}; {paths.dir} removed. build/vllm is still the old tree: "
            "`make apply` rebuilds it on the new pin."]
     if findings:
-        out.append(f"The port is written; `make check` found {len(findings)} finding(s), listed in the table "
-                   "above: fix them, and `make check` again, before committing the port.")
+        out.append(f"The port is written ({WRITTEN}); `make check` found {len(findings)} finding(s), "
+                   "listed in the table above: fix them, and `make check` again, before committing the port.")
     return (1 if findings else 0), "\n".join(out)

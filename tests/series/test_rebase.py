@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import sys
 
+import pytest
 from fake_upstream import ENVS_PY, REPO, UPSTREAM, envs_edit_2, make_patch, write_sdist
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -154,7 +155,7 @@ def test_rebase_abort_and_guards(fake_series):
     fs.git("checkout", "--", "patches", cwd=fs.root)
 
     proc = _ok(_rebase(fs, "--abort"))
-    assert "rebase to vLLM 9.10.0 dropped" in proc.stdout and "untouched" in proc.stdout
+    assert "rebase to vLLM 9.10.0 dropped" in proc.stdout and "hold nothing of it" in proc.stdout
     assert not (fs.root / "build" / "rebase").exists()
     assert fs.git("status", "--porcelain", cwd=fs.root) == ""
     assert "no rebase in progress" in _rebase(fs, "--continue").stderr
@@ -171,3 +172,32 @@ def test_rebase_resolving_to_no_change_drops_the_patch(fake_series):
     assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
     assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
 
+
+@pytest.mark.parametrize("then", ["continue", "abort"])
+def test_rebase_finish_that_fails_restores_the_checkout_and_keeps_the_rebase(fake_series, then):
+    fs = fake_series
+    sha = _prepare(fs)
+    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
+    tree = fs.root / "build" / "rebase" / "vllm"
+    (tree / "vllm/utils.py").write_text(UPSTREAM["vllm/utils.py"].replace("return a - b", RESOLVED))
+    # make check cannot run at finish: the new sdist in the cache is damaged.
+    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
+    good = sdist.read_bytes()
+    sdist.write_bytes(b"damaged")
+    for _ in range(2):      # CONTINUE=1 again fails the same way, from the same checkout
+        proc = _rebase(fs, "--continue")
+        assert proc.returncode == 2 and "sha256 mismatch" in proc.stderr, proc.stdout + proc.stderr
+        assert ("patches/, vllm_overlay/, pins.env and README.md restored as they were; "
+                f"{fs.root / 'build' / 'rebase'} kept") in proc.stderr
+        assert fs.git("status", "--porcelain", cwd=fs.root) == ""      # all of it as committed
+        assert (tree / ".git").is_dir() and not (fs.root / "build" / "rebase" / "backup").exists()
+    if then == "abort":
+        out = _ok(_rebase(fs, "--abort")).stdout
+        assert out.endswith("removed; patches/, vllm_overlay/, pins.env and README.md hold nothing of it\n")
+        assert fs.git("status", "--porcelain", cwd=fs.root) == ""
+        return
+    sdist.write_bytes(good)
+    out = _ok(_rebase(fs, "--continue")).stdout
+    assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
+    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
+    assert not (fs.root / "build" / "rebase").exists()

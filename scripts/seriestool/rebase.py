@@ -500,18 +500,24 @@ def abort(layout: Layout) -> str:
     return f"rebase{target} dropped: {paths.dir} removed; {WRITTEN} {what}"
 
 
-def _backup(layout: Layout, paths: Paths) -> None:
-    """Copy what finish writes to build/rebase/backup (complete, or absent: built under another name)."""
-    tmp = paths.backup.with_name("backup.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+def _copy_written(src: Path, dst: Path) -> None:
+    """Make dst's WRITTEN_PATHS what src has (absent where src lacks one)."""
     for name in WRITTEN_PATHS:
-        src = layout.root / name
-        if src.is_dir():
-            shutil.copytree(src, tmp / name)
-        elif src.exists():
-            shutil.copy2(src, tmp / name)
+        if (dst / name).is_dir():
+            shutil.rmtree(dst / name)
+        (dst / name).unlink(missing_ok=True)
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
+        elif (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def _backup(layout: Layout, paths: Paths) -> None:
+    """Copy what finish writes to build/rebase/backup: made under another name, so complete or absent."""
+    tmp = paths.backup.with_name("backup.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _copy_written(layout.root, tmp)
     os.rename(tmp, paths.backup)
 
 
@@ -519,16 +525,7 @@ def _restore(layout: Layout, paths: Paths) -> bool:
     """Put back what a finish had begun to write (its backup); False if there is no backup."""
     if not paths.backup.is_dir():
         return False
-    for name in WRITTEN_PATHS:
-        dest, saved = layout.root / name, paths.backup / name
-        if dest.is_dir():
-            shutil.rmtree(dest)
-        elif dest.exists():
-            dest.unlink()
-        if saved.is_dir():
-            shutil.copytree(saved, dest)
-        elif saved.exists():
-            shutil.copy2(saved, dest)
+    _copy_written(paths.backup, layout.root)
     shutil.rmtree(paths.backup)
     return True
 

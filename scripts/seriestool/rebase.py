@@ -51,7 +51,7 @@ OVERLAY = "overlay"
 WRITTEN_PATHS = ("patches", "vllm_overlay", "pins.env", "README.md")   # what finish writes
 WRITTEN = "patches/, vllm_overlay/, pins.env and README.md"
 _MARKER_RE = re.compile(r"^(<{7}|>{7}|\|{7})(?: |$)", re.M)
-_SHOW_LINES = 14           # upstream lines shown per hunk in a conflict report
+_SHOW_LINES = 14           # changed lines shown per hunk in a conflict report
 _SHOW_HUNKS = 4            # patch hunks shown per conflicted file
 
 
@@ -248,14 +248,17 @@ def _overlaps(patch_hunk: patchfile.Hunk, up: patchfile.Hunk) -> bool:
     return ulo < hi and lo < uhi
 
 
-def _marker_lines(path: Path) -> list[int]:
-    if not path.is_file():
-        return []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    return [i for i, line in enumerate(text.splitlines(), 1) if line.startswith("<<<<<<< ")]
+def _marker_spans(path: Path) -> list[str]:
+    """"a-b" for each <<<<<<< ... >>>>>>> block of the file as it stands in the rebase tree."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    spans, begin = [], None
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.startswith("<<<<<<< "):
+            begin = i
+        elif line.startswith(">>>>>>> ") and begin:
+            spans.append(f"{begin}-{i}")
+            begin = None
+    return spans
 
 
 def _status_codes(paths: Paths) -> dict[str, str]:
@@ -265,27 +268,37 @@ def _status_codes(paths: Paths) -> dict[str, str]:
     return codes
 
 
-_KINDS = {"UU": "both changed it", "AA": "both added it", "DU": "upstream deleted or renamed it",
+def _changed(hunks: list[patchfile.Hunk]) -> list[str]:
+    """The - and + lines of hunks, without their positions (the report numbers lines one way only)."""
+    body = [f"      {ln}" for h in hunks for ln in h.lines if ln[:1] in "-+"]
+    more = [f"      ... {len(body) - _SHOW_LINES} more lines"] if len(body) > _SHOW_LINES else []
+    return body[:_SHOW_LINES] + more
+
+
+_KINDS = {"UU": "both changed it", "AA": "both added it",
+          "DU": "upstream deleted it (or moved it where git could not follow)",
           "UD": "the patch deletes it, upstream changed it", "AU": "added by upstream", "UA": "added by the patch",
           "DD": "both deleted it"}
 
 
-def conflict_report(layout: Layout, paths: Paths, state: dict, git_output: str) -> str:
+def conflict_report(paths: Paths, state: dict, git_output: str) -> str:
     picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
     if not picked:
         return "git rebase stopped without a conflicting commit:\n" + git_output.strip()
     key = _key(paths, picked)
-    old = _commits(paths, state["old_pristine"], state["old_tip"])
-    position = next((i for i, (k, _) in enumerate(old) if k == key), 0)
+    patches = [k for k, _ in _commits(paths, state["old_pristine"], state["old_tip"]) if k != OVERLAY]
     frm, to = state["from"]["VLLM_VERSION"], state["to"]["VLLM_VERSION"]
-    what = "the overlay commit" if key == OVERLAY else f"patches/{key}"
+    if key == OVERLAY:
+        lines = [f"rebase: conflict in the overlay commit (vllm_overlay/, before the {len(patches)} patches; "
+                 f"vLLM {frm} -> {to})"]
+    else:
+        header, _ = patchfile.header_from_commit_message(_git(paths, "log", "-1", "--format=%B", picked).stdout)
+        drop_when = patchfile.Patch(Path(key), header, "").fields().get("Drop when", "(no Drop when: line)")
+        position = patches.index(key) + 1 if key in patches else "?"
+        lines = [f"rebase: conflict in patches/{key} (patch {position} of {len(patches)}, "
+                 f"vLLM {frm} -> {to})", f"  Drop when: {drop_when}"]
     unmerged = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
     codes = _status_codes(paths)
-    patch_file = None
-    if key != OVERLAY:
-        candidate = layout.patches / key
-        patch_file = patchfile.parse(candidate) if candidate.is_file() else None
-    lines = [f"rebase: conflict in {what} (commit {position + 1} of {len(old)}, vLLM {frm} -> {to})"]
     touched = _git(paths, "diff-tree", "--no-commit-id", "--name-only", "-r", "--no-renames", picked).stdout.split()
     upstream_diff = paths.dir / f"{key}.upstream.diff"
     upstream_diff.write_text(_git(paths, "diff", "-M", state["old_pristine"], state["new_pristine"], "--",
@@ -294,19 +307,23 @@ def conflict_report(layout: Layout, paths: Paths, state: dict, git_output: str) 
                                  state["new_pristine"]).stdout.splitlines()
                if ln.startswith("R") and ln.split("\t")[1] in touched]
     for path in unmerged:
-        kind = _KINDS.get(codes.get(path, ""), "conflict")
-        lines.append(f"  {path}: {kind}")
-        markers = _marker_lines(paths.repo / path)
-        if markers:
-            lines.append(f"    conflict markers at line(s) {', '.join(map(str, markers))} of "
-                         f"{paths.repo / path}")
-        if key == OVERLAY and codes.get(path) == "AA":
+        code = codes.get(path, "")
+        spans = _marker_spans(paths.repo / path)
+        where = f"; conflict markers at lines {', '.join(spans)} of {paths.repo / path}" if spans else ""
+        lines.append(f"  {path}: {_KINDS.get(code, 'conflict')}{where}")
+        theirs = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
+        if key == OVERLAY and code == "AA":
             lines.append(f"    vLLM {to} now has {path}: the overlay may only add files. Keep upstream's file "
                          "(and move our changes to it into a patch), or keep ours under another name.")
             continue
-        theirs = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
+        if code == "DU":
+            lines += ["    the patch changes it:", *_changed(theirs),
+                      "    to drop the patch's change to it (upstream's deletion stands): "
+                      f"git -C {paths.repo} rm {path}",
+                      "    to restore it (as the patch leaves it; git left that in the tree): leave it, "
+                      "CONTINUE=1 stages it"]
+            continue
         ups = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", "HEAD", [path], context=0))
-        named = {i: header for f, i, header in patch_file.hunks() if f == path} if patch_file else {}
         shown = 0
         for hunk in theirs:
             near = [u for u in ups if _overlaps(hunk, u)]
@@ -316,13 +333,9 @@ def conflict_report(layout: Layout, paths: Paths, state: dict, git_output: str) 
             if shown > _SHOW_HUNKS:
                 lines.append("    ... more hunks conflict")
                 break
-            lines.append(f"    patch hunk #{hunk.index}: {named.get(hunk.index, hunk.header)}")
-            lines.append(f"    upstream changed there ({frm} -> {to}, lines of the patch's old base):")
-            body = [ln for u in near for ln in [u.header, *u.lines]]
-            lines += [f"      {ln}" for ln in body[:_SHOW_LINES]]
-            if len(body) > _SHOW_LINES:
-                lines.append(f"      ... {len(body) - _SHOW_LINES} more lines")
-        if not shown and codes.get(path) == "UU":
+            lines += [f"    patch hunk #{hunk.index} changes:", *_changed([hunk]),
+                      f"    upstream ({frm} -> {to}) changed there:", *_changed(near)]
+        if not shown and code == "UU":
             lines.append("    (no upstream change overlaps a hunk of the patch: see the markers)")
     for rename in renames:
         _, src, dst = rename.split("\t")
@@ -364,7 +377,7 @@ def _run_rebase(layout: Layout, paths: Paths, state: dict, args: list[str]) -> t
             stops = [s for s in state.get("stops", []) if s["key"] != key]
             state["stops"] = stops + [{"key": key, "files": files}]
             _save(paths, state)
-        return 1, conflict_report(layout, paths, state, output)
+        return 1, conflict_report(paths, state, output)
     if proc.returncode:
         raise SeriesError(f"git {' '.join(args)} failed in {paths.repo}:\n{output.strip()}")
     return finish(layout, paths, state)

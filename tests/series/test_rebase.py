@@ -72,14 +72,23 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "rebase: conflict in patches/0002-check-sub.patch (commit 3 of 6, vLLM 9.9.9 -> 9.10.0)" in out
-    assert "  vllm/utils.py: both changed it" in out
-    assert "patch hunk #1: @@ -3,4 +3,4 @@" in out
-    assert "upstream changed there (9.9.9 -> 9.10.0" in out
-    assert "-    return a - b\n" in out and "+    return a - b  # upstream\n" in out
+    rebase_tree = fs.root / "build" / "rebase" / "vllm"
+    # Patches are counted without the overlay commit; the only line numbers are the file's own.
+    assert out.startswith("rebase: conflict in patches/0002-check-sub.patch (patch 2 of 5, vLLM 9.9.9 -> 9.10.0)\n"
+                          "  Drop when: never\n"
+                          "  vllm/utils.py: both changed it; conflict markers at lines 6-12 of "
+                          f"{rebase_tree / 'vllm/utils.py'}\n"
+                          "    patch hunk #1 changes:\n"
+                          "      -    return a - b\n"
+                          "      +    return a - b  # checked\n"
+                          "    upstream (9.9.9 -> 9.10.0) changed there:\n"
+                          "      -    return a - b\n"
+                          "      +    return a - b  # upstream\n"), out
+    assert "@@" not in out
+    lines = (rebase_tree / "vllm/utils.py").read_text().splitlines()
+    assert lines[5].startswith("<<<<<<< ") and lines[11].startswith(">>>>>>> ")
     assert "make rebase CONTINUE=1" in out and "make rebase ABORT=1" in out
     assert "Traceback" not in proc.stderr
-    rebase_tree = fs.root / "build" / "rebase" / "vllm"
     conflicted = (rebase_tree / "vllm/utils.py").read_text()
     assert "<<<<<<< " in conflicted and "||||||| " in conflicted   # diff3 markers: ours, base, theirs
     upstream_diff = (fs.root / "build" / "rebase" / "0002-check-sub.patch.upstream.diff").read_text()
@@ -201,3 +210,45 @@ def test_rebase_finish_that_fails_restores_the_checkout_and_keeps_the_rebase(fak
     assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
     assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
     assert not (fs.root / "build" / "rebase").exists()
+
+
+def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
+    fs = fake_series
+    _prepare(fs)
+    patch = fs.patches / "0002-check-sub.patch"
+    patch.write_text(patch.read_text().replace("Drop when: never", "Drop when: upstream drops vllm/utils.py"))
+    fs.git("commit", "-qam", "0002's drop condition", cwd=fs.root)
+    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
+    write_sdist(sdist, {k: v for k, v in NEXT_UPSTREAM.items() if k != "vllm/utils.py"}, version=NEXT)
+    sha = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    tree = fs.root / "build" / "rebase" / "vllm"
+    assert proc.stdout.startswith(
+        "rebase: conflict in patches/0002-check-sub.patch (patch 2 of 5, vLLM 9.9.9 -> 9.10.0)\n"
+        "  Drop when: upstream drops vllm/utils.py\n"
+        "  vllm/utils.py: upstream deleted it (or moved it where git could not follow)\n"
+        "    the patch changes it:\n"
+        "      -    return a - b\n"
+        "      +    return a - b  # checked\n"
+        "    to drop the patch's change to it (upstream's deletion stands): "
+        f"git -C {tree} rm vllm/utils.py\n"
+        "    to restore it (as the patch leaves it; git left that in the tree): leave it, CONTINUE=1 stages it\n"
+    ), proc.stdout
+    fs.git("rm", "-q", "vllm/utils.py", cwd=tree)
+    out = _ok(_rebase(fs, "--continue")).stdout
+    assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
+    assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
+
+
+def test_rebase_conflict_in_the_overlay_is_not_counted_as_a_patch(fake_series):
+    fs = fake_series
+    _prepare(fs)
+    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
+    write_sdist(sdist, {**NEXT_UPSTREAM, "vllm/ops/new_kernel.py": "def kernel():\n    return 0\n"}, version=NEXT)
+    proc = _rebase(fs, "--version", NEXT, "--sha256", hashlib.sha256(sdist.read_bytes()).hexdigest())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(
+        "rebase: conflict in the overlay commit (vllm_overlay/, before the 5 patches; vLLM 9.9.9 -> 9.10.0)\n"
+        "  vllm/ops/new_kernel.py: both added it; conflict markers at lines "), proc.stdout
+    assert "vLLM 9.10.0 now has vllm/ops/new_kernel.py: the overlay may only add files." in proc.stdout

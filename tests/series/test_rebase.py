@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
 
 import pytest
@@ -143,6 +144,17 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     assert "OTHER_FLAG = 1" in (fs.build / "vllm/envs.py").read_text()
 
 
+def _as_if_finish_was_killed_while_writing(fs) -> None:
+    """What a SIGKILL between finish's backup and its end leaves: the backup, a half-written checkout."""
+    backup = fs.root / "build" / "rebase" / "backup"
+    for name in ("patches", "vllm_overlay"):
+        shutil.copytree(fs.root / name, backup / name)
+    for name in ("pins.env", "README.md"):
+        shutil.copy2(fs.root / name, backup / name)
+    (fs.root / "pins.env").write_text("half written\n")
+    (fs.patches / "0005-readme.patch").unlink()
+
+
 def test_rebase_abort_and_guards(fake_series):
     fs = fake_series
     sha = _prepare(fs)
@@ -163,8 +175,11 @@ def test_rebase_abort_and_guards(fake_series):
     assert changed.returncode == 2 and "changed since the rebase started" in changed.stderr
     fs.git("checkout", "--", "patches", cwd=fs.root)
 
+    _as_if_finish_was_killed_while_writing(fs)
     proc = _ok(_rebase(fs, "--abort"))
-    assert "rebase to vLLM 9.10.0 dropped" in proc.stdout and "hold nothing of it" in proc.stdout
+    assert proc.stdout.startswith("rebase to vLLM 9.10.0 dropped") and proc.stdout.endswith(
+        "patches/, vllm_overlay/, pins.env and README.md restored to what they were before an interrupted "
+        "finish wrote them\n")
     assert not (fs.root / "build" / "rebase").exists()
     assert fs.git("status", "--porcelain", cwd=fs.root) == ""
     assert "no rebase in progress" in _rebase(fs, "--continue").stderr
@@ -205,8 +220,9 @@ def test_rebase_finish_that_fails_restores_the_checkout_and_keeps_the_rebase(fak
         assert out.endswith("removed; patches/, vllm_overlay/, pins.env and README.md hold nothing of it\n")
         assert fs.git("status", "--porcelain", cwd=fs.root) == ""
         return
+    _as_if_finish_was_killed_while_writing(fs)
     sdist.write_bytes(good)
-    out = _ok(_rebase(fs, "--continue")).stdout
+    out = _ok(_rebase(fs, "--continue")).stdout       # puts the backup back, then finishes
     assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
     assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
     assert not (fs.root / "build" / "rebase").exists()

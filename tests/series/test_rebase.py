@@ -189,13 +189,24 @@ def test_rebase_abort_and_guards(fake_series):
 def test_rebase_resolving_to_no_change_drops_the_patch(fake_series):
     fs = fake_series
     sha = _prepare(fs)
+    (fs.root / "notes.md").write_text("See [the utils patch](patches/0002-check-sub.patch).\n")
+    fs.git("add", "notes.md", cwd=fs.root)
+    fs.git("commit", "-qm", "a note", cwd=fs.root)
     assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
     tree = fs.root / "build" / "rebase" / "vllm"
     (tree / "vllm/utils.py").write_text(NEXT_UPSTREAM["vllm/utils.py"])   # keep upstream's line only
-    out = _ok(_rebase(fs, "--continue")).stdout
+    proc = _rebase(fs, "--continue")
+    out = proc.stdout
     assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
     assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
-
+    # make check's finding (the note's link to the dropped patch) does not undo the port; it is said so.
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "`make check` on the result: 1 finding(s): notes.md:1: link 'patches/0002-check-sub.patch'" in out
+    assert out.endswith("The port is written (patches/, vllm_overlay/, pins.env and README.md); `make check` "
+                        "found 1 finding(s), listed in the table above: fix them, and `make check` again, "
+                        "before committing the port.\n")
+    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
+    assert not (fs.root / "build" / "rebase").exists()
 
 @pytest.mark.parametrize("then", ["continue", "abort"])
 def test_rebase_finish_that_fails_restores_the_checkout_and_keeps_the_rebase(fake_series, then):

@@ -2,7 +2,7 @@
 
     make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y   start; finishes at once when nothing conflicts
     make rebase CONTINUE=1                            after resolving a conflict
-    make rebase ABORT=1                               drop the rebase (patches/ and pins.env untouched)
+    make rebase ABORT=1                               drop the rebase (it wrote nothing to the checkout yet)
 
 In ``build/rebase/vllm``, a git repository of its own, the current series is
 built as ``make apply`` builds it (pristine vLLM of pins.env, the overlay
@@ -21,10 +21,13 @@ rewritten from the rebased commits (make refresh's code; a patch whose hunks
 moved or merged is regenerated, an untouched one kept byte for byte, one that
 became empty is dropped), pins.env gets the new VLLM_VERSION,
 VLLM_SDIST_SHA256, VLLM_COMMIT (the sdist's vllm/_version.py) and AITER_REF
-(its docker/Dockerfile.rocm_base), ``make check`` runs on the result, and the
-per-patch table (clean / moved / merged / resolved by hand / dropped) is
-printed and written to ``build/rebase-<X>.md``.  build/vllm is never touched:
-``make apply`` rebuilds it from the new pin afterwards.
+(its docker/Dockerfile.rocm_base), README.md's series table is regenerated
+(make readme's code), ``make check`` runs on the result, and the per-patch
+table (clean / moved / merged / resolved by hand / dropped) is printed and
+written to ``build/rebase-<X>.md``.  All or nothing: what finish writes is
+copied to build/rebase/backup first and put back if anything fails (check's
+findings are not a failure: the port is written, and reported with them).
+build/vllm is never touched: ``make apply`` rebuilds it from the new pin afterwards.
 """
 
 from __future__ import annotations
@@ -38,15 +41,17 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import Interrupted, SeriesError, buildtree, gitrepo, lint, patchfile, progress, sdist
+from . import Interrupted, SeriesError, buildtree, gitrepo, lint, patchfile, progress, readme, sdist
 from .buildtree import Layout
 from .pins import load_pins, update_pins
 
 CLEAN, MOVED, MERGED, HAND = "clean", "moved", "merged", "resolved by hand"
 EMPTY, HAND_DROPPED = "dropped: upstream has it", "dropped by hand"
 OVERLAY = "overlay"
+WRITTEN_PATHS = ("patches", "vllm_overlay", "pins.env", "README.md")   # what finish writes
+WRITTEN = "patches/, vllm_overlay/, pins.env and README.md"
 _MARKER_RE = re.compile(r"^(<{7}|>{7}|\|{7})(?: |$)", re.M)
-_SHOW_LINES = 14           # upstream lines shown per hunk in a conflict report
+_SHOW_LINES = 14           # changed lines shown per hunk in a conflict report
 _SHOW_HUNKS = 4            # patch hunks shown per conflicted file
 
 
@@ -55,11 +60,12 @@ class Paths:
     dir: Path                  # build/rebase
     repo: Path                 # build/rebase/vllm: where the rebase runs and conflicts are resolved
     state: Path                # build/rebase/state.json: written once the repository is ready
+    backup: Path               # build/rebase/backup: WRITTEN_PATHS while finish writes them
 
     @classmethod
     def of(cls, layout: Layout) -> Paths:
         d = layout.build.parent / "rebase"
-        return cls(dir=d, repo=d / "vllm", state=d / "state.json")
+        return cls(dir=d, repo=d / "vllm", state=d / "state.json", backup=d / "backup")
 
     @property
     def dropping(self) -> Path:
@@ -242,14 +248,17 @@ def _overlaps(patch_hunk: patchfile.Hunk, up: patchfile.Hunk) -> bool:
     return ulo < hi and lo < uhi
 
 
-def _marker_lines(path: Path) -> list[int]:
-    if not path.is_file():
-        return []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    return [i for i, line in enumerate(text.splitlines(), 1) if line.startswith("<<<<<<< ")]
+def _marker_spans(path: Path) -> list[str]:
+    """"a-b" for each <<<<<<< ... >>>>>>> block of the file as it stands in the rebase tree."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    spans, begin = [], None
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.startswith("<<<<<<< "):
+            begin = i
+        elif line.startswith(">>>>>>> ") and begin:
+            spans.append(f"{begin}-{i}")
+            begin = None
+    return spans
 
 
 def _status_codes(paths: Paths) -> dict[str, str]:
@@ -259,27 +268,37 @@ def _status_codes(paths: Paths) -> dict[str, str]:
     return codes
 
 
-_KINDS = {"UU": "both changed it", "AA": "both added it", "DU": "upstream deleted or renamed it",
+def _changed(hunks: list[patchfile.Hunk]) -> list[str]:
+    """The - and + lines of hunks, without their positions (the report numbers lines one way only)."""
+    body = [f"      {ln}" for h in hunks for ln in h.lines if ln[:1] in "-+"]
+    more = [f"      ... {len(body) - _SHOW_LINES} more lines"] if len(body) > _SHOW_LINES else []
+    return body[:_SHOW_LINES] + more
+
+
+_KINDS = {"UU": "both changed it", "AA": "both added it",
+          "DU": "upstream deleted it (or moved it where git could not follow)",
           "UD": "the patch deletes it, upstream changed it", "AU": "added by upstream", "UA": "added by the patch",
           "DD": "both deleted it"}
 
 
-def conflict_report(layout: Layout, paths: Paths, state: dict, git_output: str) -> str:
+def conflict_report(paths: Paths, state: dict, git_output: str) -> str:
     picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
     if not picked:
         return "git rebase stopped without a conflicting commit:\n" + git_output.strip()
     key = _key(paths, picked)
-    old = _commits(paths, state["old_pristine"], state["old_tip"])
-    position = next((i for i, (k, _) in enumerate(old) if k == key), 0)
+    patches = [k for k, _ in _commits(paths, state["old_pristine"], state["old_tip"]) if k != OVERLAY]
     frm, to = state["from"]["VLLM_VERSION"], state["to"]["VLLM_VERSION"]
-    what = "the overlay commit" if key == OVERLAY else f"patches/{key}"
+    if key == OVERLAY:
+        lines = [f"rebase: conflict in the overlay commit (vllm_overlay/, before the {len(patches)} patches; "
+                 f"vLLM {frm} -> {to})"]
+    else:
+        header, _ = patchfile.header_from_commit_message(_git(paths, "log", "-1", "--format=%B", picked).stdout)
+        drop_when = patchfile.Patch(Path(key), header, "").fields().get("Drop when", "(no Drop when: line)")
+        position = patches.index(key) + 1 if key in patches else "?"
+        lines = [f"rebase: conflict in patches/{key} (patch {position} of {len(patches)}, "
+                 f"vLLM {frm} -> {to})", f"  Drop when: {drop_when}"]
     unmerged = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
     codes = _status_codes(paths)
-    patch_file = None
-    if key != OVERLAY:
-        candidate = layout.patches / key
-        patch_file = patchfile.parse(candidate) if candidate.is_file() else None
-    lines = [f"rebase: conflict in {what} (commit {position + 1} of {len(old)}, vLLM {frm} -> {to})"]
     touched = _git(paths, "diff-tree", "--no-commit-id", "--name-only", "-r", "--no-renames", picked).stdout.split()
     upstream_diff = paths.dir / f"{key}.upstream.diff"
     upstream_diff.write_text(_git(paths, "diff", "-M", state["old_pristine"], state["new_pristine"], "--",
@@ -288,19 +307,23 @@ def conflict_report(layout: Layout, paths: Paths, state: dict, git_output: str) 
                                  state["new_pristine"]).stdout.splitlines()
                if ln.startswith("R") and ln.split("\t")[1] in touched]
     for path in unmerged:
-        kind = _KINDS.get(codes.get(path, ""), "conflict")
-        lines.append(f"  {path}: {kind}")
-        markers = _marker_lines(paths.repo / path)
-        if markers:
-            lines.append(f"    conflict markers at line(s) {', '.join(map(str, markers))} of "
-                         f"{paths.repo / path}")
-        if key == OVERLAY and codes.get(path) == "AA":
+        code = codes.get(path, "")
+        spans = _marker_spans(paths.repo / path)
+        where = f"; conflict markers at lines {', '.join(spans)} of {paths.repo / path}" if spans else ""
+        lines.append(f"  {path}: {_KINDS.get(code, 'conflict')}{where}")
+        theirs = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
+        if key == OVERLAY and code == "AA":
             lines.append(f"    vLLM {to} now has {path}: the overlay may only add files. Keep upstream's file "
                          "(and move our changes to it into a patch), or keep ours under another name.")
             continue
-        theirs = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
+        if code == "DU":
+            lines += ["    the patch changes it:", *_changed(theirs),
+                      "    to drop the patch's change to it (upstream's deletion stands): "
+                      f"git -C {paths.repo} rm {path}",
+                      "    to restore it (as the patch leaves it; git left that in the tree): leave it, "
+                      "CONTINUE=1 stages it"]
+            continue
         ups = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", "HEAD", [path], context=0))
-        named = {i: header for f, i, header in patch_file.hunks() if f == path} if patch_file else {}
         shown = 0
         for hunk in theirs:
             near = [u for u in ups if _overlaps(hunk, u)]
@@ -310,13 +333,9 @@ def conflict_report(layout: Layout, paths: Paths, state: dict, git_output: str) 
             if shown > _SHOW_HUNKS:
                 lines.append("    ... more hunks conflict")
                 break
-            lines.append(f"    patch hunk #{hunk.index}: {named.get(hunk.index, hunk.header)}")
-            lines.append(f"    upstream changed there ({frm} -> {to}, lines of the patch's old base):")
-            body = [ln for u in near for ln in [u.header, *u.lines]]
-            lines += [f"      {ln}" for ln in body[:_SHOW_LINES]]
-            if len(body) > _SHOW_LINES:
-                lines.append(f"      ... {len(body) - _SHOW_LINES} more lines")
-        if not shown and codes.get(path) == "UU":
+            lines += [f"    patch hunk #{hunk.index} changes:", *_changed([hunk]),
+                      f"    upstream ({frm} -> {to}) changed there:", *_changed(near)]
+        if not shown and code == "UU":
             lines.append("    (no upstream change overlaps a hunk of the patch: see the markers)")
     for rename in renames:
         _, src, dst = rename.split("\t")
@@ -358,7 +377,7 @@ def _run_rebase(layout: Layout, paths: Paths, state: dict, args: list[str]) -> t
             stops = [s for s in state.get("stops", []) if s["key"] != key]
             state["stops"] = stops + [{"key": key, "files": files}]
             _save(paths, state)
-        return 1, conflict_report(layout, paths, state, output)
+        return 1, conflict_report(paths, state, output)
     if proc.returncode:
         raise SeriesError(f"git {' '.join(args)} failed in {paths.repo}:\n{output.strip()}")
     return finish(layout, paths, state)
@@ -415,7 +434,7 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
             "from": {k: old_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
             "to": {k: new_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
             "old_pristine": old_pristine, "old_tip": old_tip, "new_pristine": new_pristine,
-            "stops": [], "finishing": False,
+            "stops": [],
         }
         _save(paths, state)     # from here on the rebase exists: CONTINUE=1 / ABORT=1
     except KeyboardInterrupt:
@@ -451,7 +470,8 @@ def resume(layout: Layout) -> tuple[int, str]:
     if not state:
         raise SeriesError("no rebase in progress: start one with "
                           "`make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y`")
-    if not state["finishing"] and buildtree.inputs_hash(layout) != state["inputs"]:
+    _restore(layout, paths)     # a finish killed while it wrote
+    if buildtree.inputs_hash(layout) != state["inputs"]:
         raise SeriesError("patches/, vllm_overlay/ or pins.env changed since the rebase started; finishing "
                           "would overwrite them. Restore them, or `make rebase ABORT=1` and start again.")
     if not _in_progress(paths):
@@ -485,25 +505,69 @@ def abort(layout: Layout) -> str:
     state = _load(paths)
     if not paths.dir.exists() and not paths.dropping.exists():
         return "rebase: none in progress; nothing to drop"
+    restored = _restore(layout, paths)
     _drop(paths)
     target = f" to vLLM {state['to']['VLLM_VERSION']}" if state else ""
-    return f"rebase{target} dropped: {paths.dir} removed; patches/, vllm_overlay/ and pins.env untouched"
+    what = ("restored to what they were before an interrupted finish wrote them" if restored
+            else "hold nothing of it")
+    return f"rebase{target} dropped: {paths.dir} removed; {WRITTEN} {what}"
+
+
+def _copy_written(src: Path, dst: Path) -> None:
+    """Make dst's WRITTEN_PATHS what src has (absent where src lacks one)."""
+    for name in WRITTEN_PATHS:
+        if (dst / name).is_dir():
+            shutil.rmtree(dst / name)
+        (dst / name).unlink(missing_ok=True)
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
+        elif (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def _backup(layout: Layout, paths: Paths) -> None:
+    """Copy what finish writes to build/rebase/backup: made under another name, so complete or absent."""
+    tmp = paths.backup.with_name("backup.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _copy_written(layout.root, tmp)
+    os.rename(tmp, paths.backup)
+
+
+def _restore(layout: Layout, paths: Paths) -> bool:
+    """Put back what a finish had begun to write (its backup); False if there is no backup."""
+    if not paths.backup.is_dir():
+        return False
+    _copy_written(paths.backup, layout.root)
+    shutil.rmtree(paths.backup)
+    return True
 
 
 def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
-    if not state["finishing"]:
-        state["finishing"] = True
-        _save(paths, state)
+    """Write the port (patches/, vllm_overlay/, pins.env, README.md) and check it: all of it, or nothing."""
     if gitrepo.dirty(paths.repo):
         raise SeriesError(f"{paths.repo} has changes made after git finished the rebase; undo them "
                           f"(git -C {paths.repo} stash) and `make rebase CONTINUE=1` again")
     rows = classify(paths, state)
     regenerate = {r["key"] for r in rows if r["status"] in (MOVED, MERGED, HAND)}
-    with progress.stage("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits"):
-        report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
     to = state["to"]
-    changed_pins = update_pins(layout.root, {k: v for k, v in to.items() if v and v != "unknown"})
-    findings = lint.lint(layout)
+    _backup(layout, paths)
+    try:
+        with progress.stage("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits"):
+            report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
+        changed_pins = update_pins(layout.root, {k: v for k, v in to.items() if v and v != "unknown"})
+        if (layout.root / "README.md").is_file() and readme.update(layout.root):
+            report.append("README.md: series table rewritten")
+        findings = lint.lint(layout)
+    except BaseException as exc:
+        _restore(layout, paths)
+        kept = f"{WRITTEN} restored as they were; {paths.dir} kept"
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted(f"{kept}: `make rebase CONTINUE=1` finishes again, ABORT=1 drops it") from None
+        if isinstance(exc, SeriesError):
+            raise SeriesError(f"finishing the rebase failed; {kept}:\n{exc}\nFix that, then "
+                              "`make rebase CONTINUE=1` (or ABORT=1)") from None
+        raise
     check_line = (f"series OK ({len(buildtree.series_patches(layout))} patches, "
                   f"{len(buildtree.overlay_files(layout))} overlay files)") if not findings else \
         f"{len(findings)} finding(s): " + "; ".join(findings)
@@ -520,6 +584,6 @@ def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
            f"wrote {table_file}; {paths.dir} removed. build/vllm is still the old tree: "
            "`make apply` rebuilds it on the new pin."]
     if findings:
-        out.append("make check failed on the rebased series (above): fix the patches (make apply, edit in "
-                   "build/vllm, make refresh) before committing the port.")
+        out.append(f"The port is written ({WRITTEN}); `make check` found {len(findings)} finding(s), "
+                   "listed in the table above: fix them, and `make check` again, before committing the port.")
     return (1 if findings else 0), "\n".join(out)

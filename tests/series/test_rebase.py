@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
+import sys
 
-from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_2, make_patch, write_sdist
+import pytest
+from fake_upstream import ENVS_PY, REPO, UPSTREAM, envs_edit_2, make_patch, write_sdist
+
+sys.path.insert(0, str(REPO / "scripts"))
+from seriestool import readme  # noqa: E402
 
 NEXT = "9.10.0"
 # The next fake release. envs.py gains 5 lines at the top (0001's hunk moves) and edits the
@@ -43,6 +49,8 @@ def _prepare(fs) -> str:
          make_patch("Mark the package", "vllm/__init__.py", init, init + "SERIES = True\n"))
     _add(fs, "0005-readme.patch",
          make_patch("README note", "README.md", UPSTREAM["README.md"], "fake upstream, patched\n"))
+    (fs.root / "README.md").write_text(f"# Fake series\n\n{readme.BEGIN}\n{readme.END}\n")
+    _ok(fs.run("readme"))
     fs.git("add", "-A", cwd=fs.root)
     fs.git("commit", "-qm", "the series", cwd=fs.root)
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
@@ -65,14 +73,23 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "rebase: conflict in patches/0002-check-sub.patch (commit 3 of 6, vLLM 9.9.9 -> 9.10.0)" in out
-    assert "  vllm/utils.py: both changed it" in out
-    assert "patch hunk #1: @@ -3,4 +3,4 @@" in out
-    assert "upstream changed there (9.9.9 -> 9.10.0" in out
-    assert "-    return a - b\n" in out and "+    return a - b  # upstream\n" in out
+    rebase_tree = fs.root / "build" / "rebase" / "vllm"
+    # Patches are counted without the overlay commit; the only line numbers are the file's own.
+    assert out.startswith("rebase: conflict in patches/0002-check-sub.patch (patch 2 of 5, vLLM 9.9.9 -> 9.10.0)\n"
+                          "  Drop when: never\n"
+                          "  vllm/utils.py: both changed it; conflict markers at lines 6-12 of "
+                          f"{rebase_tree / 'vllm/utils.py'}\n"
+                          "    patch hunk #1 changes:\n"
+                          "      -    return a - b\n"
+                          "      +    return a - b  # checked\n"
+                          "    upstream (9.9.9 -> 9.10.0) changed there:\n"
+                          "      -    return a - b\n"
+                          "      +    return a - b  # upstream\n"), out
+    assert "@@" not in out
+    lines = (rebase_tree / "vllm/utils.py").read_text().splitlines()
+    assert lines[5].startswith("<<<<<<< ") and lines[11].startswith(">>>>>>> ")
     assert "make rebase CONTINUE=1" in out and "make rebase ABORT=1" in out
     assert "Traceback" not in proc.stderr
-    rebase_tree = fs.root / "build" / "rebase" / "vllm"
     conflicted = (rebase_tree / "vllm/utils.py").read_text()
     assert "<<<<<<< " in conflicted and "||||||| " in conflicted   # diff3 markers: ours, base, theirs
     upstream_diff = (fs.root / "build" / "rebase" / "0002-check-sub.patch.upstream.diff").read_text()
@@ -111,6 +128,10 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
         "#", "The", "fake", "series.", "0001-add-series-flag.patch", "#", "utils", "0002-check-sub.patch",
         "0003-other-flag.patch", "0004-init-marker.patch"]
     assert not (fs.patches / "0005-readme.patch").exists()
+    # README's series table follows: no link to the dropped patch, nothing left to remedy.
+    text = (fs.root / "README.md").read_text()
+    assert readme.render(fs.root, text) == text and "0005-readme.patch" not in text
+    assert "README.md: series table rewritten" in out and "make refresh" not in out
     assert (fs.patches / "0004-init-marker.patch").read_bytes() == kept        # clean: byte for byte
     assert "@@ -9,6 +9,7 @@" in (fs.patches / "0001-add-series-flag.patch").read_text()  # moved: renumbered
     assert f"+    {RESOLVED}" in (fs.patches / "0002-check-sub.patch").read_text()
@@ -121,6 +142,17 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     assert fs.git("log", "--reverse", "--format=%s").splitlines()[0] == f"vLLM {NEXT} pristine (upstream gnext1234)"
     assert RESOLVED in (fs.build / "vllm/utils.py").read_text()
     assert "OTHER_FLAG = 1" in (fs.build / "vllm/envs.py").read_text()
+
+
+def _as_if_finish_was_killed_while_writing(fs) -> None:
+    """What a SIGKILL between finish's backup and its end leaves: the backup, a half-written checkout."""
+    backup = fs.root / "build" / "rebase" / "backup"
+    for name in ("patches", "vllm_overlay"):
+        shutil.copytree(fs.root / name, backup / name)
+    for name in ("pins.env", "README.md"):
+        shutil.copy2(fs.root / name, backup / name)
+    (fs.root / "pins.env").write_text("half written\n")
+    (fs.patches / "0005-readme.patch").unlink()
 
 
 def test_rebase_abort_and_guards(fake_series):
@@ -143,8 +175,11 @@ def test_rebase_abort_and_guards(fake_series):
     assert changed.returncode == 2 and "changed since the rebase started" in changed.stderr
     fs.git("checkout", "--", "patches", cwd=fs.root)
 
+    _as_if_finish_was_killed_while_writing(fs)
     proc = _ok(_rebase(fs, "--abort"))
-    assert "rebase to vLLM 9.10.0 dropped" in proc.stdout and "untouched" in proc.stdout
+    assert proc.stdout.startswith("rebase to vLLM 9.10.0 dropped") and proc.stdout.endswith(
+        "patches/, vllm_overlay/, pins.env and README.md restored to what they were before an interrupted "
+        "finish wrote them\n")
     assert not (fs.root / "build" / "rebase").exists()
     assert fs.git("status", "--porcelain", cwd=fs.root) == ""
     assert "no rebase in progress" in _rebase(fs, "--continue").stderr
@@ -154,9 +189,93 @@ def test_rebase_abort_and_guards(fake_series):
 def test_rebase_resolving_to_no_change_drops_the_patch(fake_series):
     fs = fake_series
     sha = _prepare(fs)
+    (fs.root / "notes.md").write_text("See [the utils patch](patches/0002-check-sub.patch).\n")
+    fs.git("add", "notes.md", cwd=fs.root)
+    fs.git("commit", "-qm", "a note", cwd=fs.root)
     assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
     tree = fs.root / "build" / "rebase" / "vllm"
     (tree / "vllm/utils.py").write_text(NEXT_UPSTREAM["vllm/utils.py"])   # keep upstream's line only
+    proc = _rebase(fs, "--continue")
+    out = proc.stdout
+    assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
+    assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
+    # make check's finding (the note's link to the dropped patch) does not undo the port; it is said so.
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "`make check` on the result: 1 finding(s): notes.md:1: link 'patches/0002-check-sub.patch'" in out
+    assert out.endswith("The port is written (patches/, vllm_overlay/, pins.env and README.md); `make check` "
+                        "found 1 finding(s), listed in the table above: fix them, and `make check` again, "
+                        "before committing the port.\n")
+    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
+    assert not (fs.root / "build" / "rebase").exists()
+
+@pytest.mark.parametrize("then", ["continue", "abort"])
+def test_rebase_finish_that_fails_restores_the_checkout_and_keeps_the_rebase(fake_series, then):
+    fs = fake_series
+    sha = _prepare(fs)
+    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
+    tree = fs.root / "build" / "rebase" / "vllm"
+    (tree / "vllm/utils.py").write_text(UPSTREAM["vllm/utils.py"].replace("return a - b", RESOLVED))
+    # make check cannot run at finish: the new sdist in the cache is damaged.
+    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
+    good = sdist.read_bytes()
+    sdist.write_bytes(b"damaged")
+    for _ in range(2):      # CONTINUE=1 again fails the same way, from the same checkout
+        proc = _rebase(fs, "--continue")
+        assert proc.returncode == 2 and "sha256 mismatch" in proc.stderr, proc.stdout + proc.stderr
+        assert ("patches/, vllm_overlay/, pins.env and README.md restored as they were; "
+                f"{fs.root / 'build' / 'rebase'} kept") in proc.stderr
+        assert fs.git("status", "--porcelain", cwd=fs.root) == ""      # all of it as committed
+        assert (tree / ".git").is_dir() and not (fs.root / "build" / "rebase" / "backup").exists()
+    if then == "abort":
+        out = _ok(_rebase(fs, "--abort")).stdout
+        assert out.endswith("removed; patches/, vllm_overlay/, pins.env and README.md hold nothing of it\n")
+        assert fs.git("status", "--porcelain", cwd=fs.root) == ""
+        return
+    _as_if_finish_was_killed_while_writing(fs)
+    sdist.write_bytes(good)
+    out = _ok(_rebase(fs, "--continue")).stdout       # puts the backup back, then finishes
+    assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
+    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
+    assert not (fs.root / "build" / "rebase").exists()
+
+
+def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
+    fs = fake_series
+    _prepare(fs)
+    patch = fs.patches / "0002-check-sub.patch"
+    patch.write_text(patch.read_text().replace("Drop when: never", "Drop when: upstream drops vllm/utils.py"))
+    fs.git("commit", "-qam", "0002's drop condition", cwd=fs.root)
+    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
+    write_sdist(sdist, {k: v for k, v in NEXT_UPSTREAM.items() if k != "vllm/utils.py"}, version=NEXT)
+    sha = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    tree = fs.root / "build" / "rebase" / "vllm"
+    assert proc.stdout.startswith(
+        "rebase: conflict in patches/0002-check-sub.patch (patch 2 of 5, vLLM 9.9.9 -> 9.10.0)\n"
+        "  Drop when: upstream drops vllm/utils.py\n"
+        "  vllm/utils.py: upstream deleted it (or moved it where git could not follow)\n"
+        "    the patch changes it:\n"
+        "      -    return a - b\n"
+        "      +    return a - b  # checked\n"
+        "    to drop the patch's change to it (upstream's deletion stands): "
+        f"git -C {tree} rm vllm/utils.py\n"
+        "    to restore it (as the patch leaves it; git left that in the tree): leave it, CONTINUE=1 stages it\n"
+    ), proc.stdout
+    fs.git("rm", "-q", "vllm/utils.py", cwd=tree)
     out = _ok(_rebase(fs, "--continue")).stdout
     assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
     assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
+
+
+def test_rebase_conflict_in_the_overlay_is_not_counted_as_a_patch(fake_series):
+    fs = fake_series
+    _prepare(fs)
+    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
+    write_sdist(sdist, {**NEXT_UPSTREAM, "vllm/ops/new_kernel.py": "def kernel():\n    return 0\n"}, version=NEXT)
+    proc = _rebase(fs, "--version", NEXT, "--sha256", hashlib.sha256(sdist.read_bytes()).hexdigest())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(
+        "rebase: conflict in the overlay commit (vllm_overlay/, before the 5 patches; vLLM 9.9.9 -> 9.10.0)\n"
+        "  vllm/ops/new_kernel.py: both added it; conflict markers at lines "), proc.stdout
+    assert "vLLM 9.10.0 now has vllm/ops/new_kernel.py: the overlay may only add files." in proc.stdout

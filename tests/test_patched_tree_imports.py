@@ -29,7 +29,7 @@ ENTRY_POINTS = [
     "vllm.model_executor.layers.attention.mla_attention",
     "vllm.model_executor.layers.mla",
     "vllm.v1.core.sched.scheduler",
-    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.cpu.standalone_model_runner",
     "vllm.v1.worker.gpu.model_runner",
 ]
 

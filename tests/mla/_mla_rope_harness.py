@@ -218,6 +218,7 @@ def make_layer(case: Case, dtype: torch.dtype = torch.float32):
     layer.use_pcp = False
     layer.pcp_shard_decode_requests = False
     layer.hisparse_cache = None
+    layer.kv_sharing_target_layer_name = None
     layer.q_pad_num_heads = None
     layer.dcp_q_replicate = False
     layer.dcp_manager = None
@@ -232,6 +233,7 @@ def make_layer(case: Case, dtype: torch.dtype = torch.float32):
         # With a one-hot q_nope, ql_nope is an fp8 value times Q_SCALE.
         layer.W_UK_T = _fp8_values((N, P, L), g, Q_SCALE).to(dtype)
     layer.W_UK_T_dcp_qrep = None
+    layer.W_UV_dcp = None
     layer.W_UV = (torch.randn(N, L, V, generator=g) / 2).to(dtype)
     layer.W_UK_T, layer.W_UV = layer.W_UK_T.to(DEVICE), layer.W_UV.to(DEVICE)
     layer._k_scale = torch.tensor(K_SCALE, device=DEVICE)

@@ -120,6 +120,7 @@ DECISIONS = [
      RopeKVPath.UNFUSED, "no rotary embedding"),
     ("sparse", replace(AITER_ON, sparse=True), RopeKVPath.UNFUSED, "sparse MLA"),
     ("hisparse", replace(TRITON_ON, hisparse=True), RopeKVPath.UNFUSED, "HiSparse"),
+    ("kv_sharing", replace(AITER_ON, kv_sharing=True), RopeKVPath.UNFUSED, "KV sharing"),
     ("fp8_ds_mla", replace(AITER_ON, kv_cache_dtype="fp8_ds_mla"), RopeKVPath.UNFUSED,
      "'fp8_ds_mla'"),
     ("fp8_e5m2", replace(TRITON_ON, kv_cache_dtype="fp8_e5m2"), RopeKVPath.UNFUSED, "'fp8_e5m2'"),
@@ -235,6 +236,18 @@ def test_for_layer_falls_back_with_one_line(flags, monkeypatch, log_records):
     assert len(log_records) == 1
     assert log_records[0].startswith("MLA RoPE + KV-cache write: unfused path (kv_cache_dtype "
                                      "'fp8_ds_mla'")
+
+
+def test_for_layer_declines_a_kv_sharing_layer(flags, monkeypatch):
+    """A layer reading another layer's cache writes none: its RoPE stays in the
+    wrapper (upstream's path), whatever the flags."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    flags(**{FLAG_TRITON: "1"})
+    layer = h.make_layer(h.CASES[0])
+    layer.kv_sharing_target_layer_name = "model.layers.0.self_attn.attn"
+    assert mla_rope_kv_cache.MLARopeKVFusion.for_layer(layer, h.make_rope("deepseek_yarn")) is None
 
 
 def test_every_decision_logs_at_info_once():

@@ -136,6 +136,24 @@ def test_positions_without_a_fusing_layer_are_refused():
                       positions=inputs["positions"])
 
 
+def test_positions_with_a_prepared_mqa_query_are_refused():
+    """A prepared MQA query (0.34.0's early cache write for indexer models) has
+    its cache rows written and its RoPE applied already; with positions the
+    fused layer would rotate and write them a second time."""
+    case = h.CASES_BY_NAME["decode_only"]
+    rope = h.make_rope(case.rope)
+    layer = _fuse(h.make_layer(case), rope)
+    inputs = h.make_inputs(case)
+    cache = inputs["kv_cache"].clone()
+    layer.kv_cache = cache
+    with pytest.raises(AssertionError, match="mqa_q_prepared"):
+        layer.forward(inputs["q"], inputs["kv_c"], inputs["kv_lora"][:, h.L:].unsqueeze(1),
+                      output_shape=(inputs["q"].shape[0], h.N * h.V),
+                      positions=inputs["positions"],
+                      mqa_q_prepared=torch.zeros_like(inputs["q"]))
+    assert torch.equal(layer.kv_cache, inputs["kv_cache"])
+
+
 def test_no_slot_mapping_applies_plain_rope():
     """No cache to write this step: RoPE only, then upstream's path."""
     case = h.CASES_BY_NAME["mixed_decode_first"]

@@ -31,8 +31,9 @@ PROBE = Path(__file__).resolve().parent / "_mla_quant_pass_probe.py"
 PASS_SOURCE = (Path(vllm.__file__).resolve().parent / "compilation" / "passes" / "fusion"
                / "mla_attn_quant_fusion.py")
 # Inputs upstream's patterns have never listed: a matched layer with a
-# replicated DCP query would lose it (upstream's behaviour, not changed here).
-NOT_IN_UPSTREAMS_PATTERNS = {"q_dcp_replicated"}
+# replicated DCP query or a prepared MQA query would lose it (upstream's
+# behaviour, not changed here).
+NOT_IN_UPSTREAMS_PATTERNS = {"q_dcp_replicated", "mqa_q_prepared"}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """Export fakes the way AITER exports its ops, so that the series' probes see
 what they would see on a ROCm machine.
 
-Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``):
+Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``, the newest readable snapshot;
+the pinned v0.1.28.post1, pins.env ``AITER_REF``, is not readable here, so
+the lines below were not re-checked at it):
 
 * ``aiter/jit/core.py`` ``compile_ops(...)``: the pybind op is wrapped by
   ``torch_compile_guard(device="cuda", calling_func_=func)``;

@@ -1,8 +1,13 @@
 """Fakes of the AITER functions vLLM's AITER FA backend calls, written from AITER's source.
 
-Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``; the pinned v0.1.26 is not
-readable here).  ``install_fa_fakes(export)`` registers, on an
-``aiter_export.AiterExport``, what ``rocm_aiter_fa.py`` reaches:
+Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``, the newest readable snapshot).
+The pinned AITER is v0.1.28.post1 (pins.env ``AITER_REF``; v0.1.26 before the
+vLLM 0.34.0 port); neither tag is readable here, so every file:line below is at
+e4048607 and was not re-checked at v0.1.28.post1 (``conformance.py`` compares
+these fakes with the installed AITER on ROCm).
+
+``install_fa_fakes(export)`` registers, on an ``aiter_export.AiterExport``,
+what ``rocm_aiter_fa.py`` reaches:
 
 ==============================================  =====================================
 ``aiter.flash_attn_varlen_func``                 plain Python (aiter/ops/mha.py), also
@@ -54,7 +59,7 @@ from aiter_export import AiterExport
 
 __all__ = ["ARCHS", "FakeAiterFA", "KernelMisread", "install_fa_fakes"]
 
-AITER_COMMIT = "e4048607"
+AITER_COMMIT = "e4048607"  # the source read; the pinned AITER_REF (v0.1.28.post1) is not readable
 # aiter/utility/dtypes.py l.12-13 (fp8 per gfx) and a CU count per arch
 # (aiter.ops.triton.utils.device_info.get_num_sms on MI300X / MI355X).
 ARCHS = {

@@ -1,7 +1,11 @@
 """Fake of AITER's ``fused_qk_rope_concat_and_cache_mla``, as strict as its kernel.
 
-Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``; the pinned v0.1.26 is not
-readable here):
+Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``, the newest readable snapshot).
+The pinned AITER is v0.1.28.post1 (pins.env ``AITER_REF``; v0.1.26 before the
+vLLM 0.34.0 port); neither tag is readable here, so every file:line below is at
+e4048607 and was not re-checked at v0.1.28.post1 (the op's schema is re-checked
+at layer build, and ``conformance.py`` compares this fake with the installed
+AITER on ROCm):
 
 * export: ``aiter/ops/cache.py`` ``fused_qk_rope_concat_and_cache_mla`` (the
   stub, l.156-176), ``@compile_ops("module_cache", develop=True)``

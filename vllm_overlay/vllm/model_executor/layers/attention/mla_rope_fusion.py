@@ -210,7 +210,8 @@ def _layer_problem(f: RopeKVFacts) -> str | None:
 
 # AITER's launcher honours compute_all_q_rope only in its per-head and "opt"
 # decode kernels, and refuses every other case with an AITER_CHECK (csrc/kernels/
-# cache_kernels.cu, fused_qk_rope_concat_and_cache_mla, at v0.1.20-46).  The
+# cache_kernels.cu, fused_qk_rope_concat_and_cache_mla, read at v0.1.20-46 =
+# e4048607; the pinned v0.1.28.post1 was not readable, so not re-checked).  The
 # per-head kernel also needs block size 1 and < 256 tokens per call, which a
 # step does not guarantee, so DCP takes the AITER path only where "opt" runs.
 _AITER_OPT_KV_LORA_RANK = 512

@@ -100,7 +100,7 @@ def test_problems_of_a_rocm_install_without_aiter_or_gpus():
     assert problems == ["import aiter failed: ModuleNotFoundError: No module named 'aiter'",
                         "sees 1 GPU(s), the run needs 8 (HIP_VISIBLE_DEVICES?)",
                         "lm_eval is not installed (pip install 'lm_eval[api]' in that install)"]
-    ready = {**info, "aiter": "0.1.26", "gpu_count": 8, "lm_eval": {"path": "/y"}}
+    ready = {**info, "aiter": "0.1.28.post1", "gpu_count": 8, "lm_eval": {"path": "/y"}}
     del ready["aiter_error"]
     assert preflight.install_problems(ready, tp=8, need_lm_eval=True) == []
 

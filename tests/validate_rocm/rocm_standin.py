@@ -15,7 +15,7 @@ MI300X = {
     "python": sys.executable, "python_version": "3.12.3", "host": "mi300x-node",
     "torch": "2.9.0+rocm7.0", "torch_error": None, "hip": "7.0.51831", "cuda": None,
     "gpu_count": 8, "device": "AMD Instinct MI300X", "arch": "gfx942",
-    "triton": "3.8.0", "triton_error": None, "aiter": "0.1.26", "aiter_error": None,
+    "triton": "3.8.0", "triton_error": None, "aiter": "0.1.28.post1", "aiter_error": None,
     "pytest": "8.4.2", "pytest_error": None, "pytest_benchmark": "5.2.0",
     "pytest_benchmark_error": None, "tree": True, "rocm_smi": "amd-smi",
     "commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False,

@@ -33,10 +33,13 @@ def test_the_pinned_stack_runs_every_part(model):
      ["no GPU visible to torch 2.9.0+rocm7.0", "--device /dev/kfd"]),
     ({"arch": None}, "conformance", ["reports no gfx arch"]),
     ({"aiter": None, "aiter_error": "ModuleNotFoundError: No module named 'aiter'"},
-     "conformance", ["AITER does not import (ModuleNotFoundError", "AITER v0.1.26 (pins.env AITER_REF)",
-                     "make image", "https://github.com/ROCm/aiter.git at v0.1.26"]),
-    ({"aiter": "0.1.20.dev46+ge4048607"}, "rocm-tests", ["AITER 0.1.20.dev46+ge4048607 is not the pinned v0.1.26"]),
-    ({"aiter": "0.1.260"}, "rocm-tests", ["is not the pinned v0.1.26"]),
+     "conformance", ["AITER does not import (ModuleNotFoundError",
+                     "AITER v0.1.28.post1 (pins.env AITER_REF)", "make image",
+                     "https://github.com/ROCm/aiter.git at v0.1.28.post1"]),
+    ({"aiter": "0.1.20.dev46+ge4048607"}, "rocm-tests",
+     ["AITER 0.1.20.dev46+ge4048607 is not the pinned v0.1.28.post1"]),
+    ({"aiter": "0.1.26"}, "rocm-tests", ["AITER 0.1.26 is not the pinned v0.1.28.post1"]),
+    ({"aiter": "0.1.280"}, "rocm-tests", ["is not the pinned v0.1.28.post1"]),
     ({"triton": "3.6.0"}, "kernels", ["Triton 3.6.0 is not the pinned 3.8.x (pins.env TRITON_VERSION=3.8.0)"]),
     ({"tree": False}, "conformance", ["build/vllm (the patched tree) is missing: run `make apply`"]),
     ({"pytest": None, "pytest_error": "ModuleNotFoundError"}, "kernels", ["pip install pytest"]),
@@ -51,7 +54,7 @@ def test_each_missing_thing_is_one_line_saying_how_to_get_it(change, part, words
 
 
 def test_accepted_pins_with_local_build_suffixes():
-    env = {**MI300X, "aiter": "0.1.26+rocm7.0", "triton": "3.8.1+rocm"}
+    env = {**MI300X, "aiter": "0.1.28.post1+rocm7.0", "triton": "3.8.1+rocm"}
     assert prereqs.plan(["rocm-tests"], env, opts())[2] == []
 
 
@@ -89,3 +92,26 @@ def test_allow_cuda_without_a_gpu_still_refuses():
     run, skipped, missing = prereqs.plan(["kernels", "rocm-tests"], cpu, opts(allow_cuda=True))
     assert run == [] and skipped == {}
     assert any(m.startswith("no GPU visible") for m in missing)
+
+
+# Where the series cites AITER's source: each names the ref it was read at and
+# the pinned AITER_REF, so a pin bump fails here until the citations are re-checked.
+AITER_SOURCE_READ = "e4048607"
+AITER_CITATIONS = ["docs/aiter-calls.md", "docs/aiter-calls-fa.md", "docs/rocm.md",
+                   "tests/fakes/aiter_fa.py", "tests/fakes/aiter_mla.py",
+                   "tests/fakes/aiter_export.py", "benchmarks/notes/paged_context.md"]
+
+
+@pytest.mark.parametrize("path", AITER_CITATIONS)
+def test_aiter_citations_name_the_ref_read_and_the_pinned_ref(path):
+    text = " ".join((ROOT / path).read_text(encoding="utf-8").split())
+    pin = load_pins(ROOT)["AITER_REF"]
+    assert AITER_SOURCE_READ in text, f"{path} does not say which AITER ref it was read at"
+    assert pin in text, f"{path} does not name the pinned AITER {pin} (re-check its citations)"
+
+
+def test_the_fakes_claim_names_the_pinned_aiter():
+    from validate_rocm import claims
+
+    claim = next(c for c in claims.load() if c["id"] == "fakes-read-memory-as-aiter")
+    assert load_pins(ROOT)["AITER_REF"] in claim["claim"]

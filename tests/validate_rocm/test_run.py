@@ -95,9 +95,9 @@ def test_a_rocm_run_reports_every_claim(tmp_path, model, monkeypatch):
     results = json.loads((out / "results.json").read_text())
     env = results["environment"]
     assert (env["device"], env["arch"], env["hip"], env["torch"], env["triton"], env["aiter"]) == (
-        "AMD Instinct MI300X", "gfx942", "7.0.51831", "2.9.0+rocm7.0", "3.8.0", "0.1.26")
+        "AMD Instinct MI300X", "gfx942", "7.0.51831", "2.9.0+rocm7.0", "3.8.0", "0.1.28.post1")
     assert env["commit"] == MI300X["commit"]
-    assert results["pins"]["AITER_REF"] == "v0.1.26"
+    assert results["pins"]["AITER_REF"] == "v0.1.28.post1"
     status = {n: p["status"] for n, p in results["parts"].items()}
     assert status == {"rocm-tests": "passed", "conformance": "failed", "kernels": "failed",
                       "facts": "passed", "bench": "passed", "e2e": "passed"}  # a fact differs: the claim fails
@@ -119,7 +119,7 @@ def test_a_rocm_run_reports_every_claim(tmp_path, model, monkeypatch):
 
     page = (out / "REPORT.md").read_text()
     assert page.startswith("# make validate-rocm\n\nAMD Instinct MI300X (gfx942); ROCm (HIP) "
-                           "7.0.51831; torch 2.9.0+rocm7.0; Triton 3.8.0; AITER 0.1.26; commit "
+                           "7.0.51831; torch 2.9.0+rocm7.0; Triton 3.8.0; AITER 0.1.28.post1; commit "
                            "0123456789")
     assert "| **FAILED** | each fake accepts and refuses what real AITER does" in page
     assert "## Fakes that disagree with AITER" in page

@@ -12,7 +12,7 @@ The exact paths of a row: decode needs q <= t, extend needs c > 0, prefill
 needs c == 0.
 
 The unpatched functions come from the build tree's root commit (pristine vLLM
-0.33.0), read with ``git show`` and executed as a module of their own. Tree:
+0.34.0), read with ``git show`` and executed as a module of their own. Tree:
 ``$VLLM_BUILD_TREE``, default ``build/vllm`` under the repository.
 """
 
@@ -140,35 +140,45 @@ def mrv2_order(sort_batch_req_ids, rows: list[Row], decode_query_len: int, thres
     return ordered
 
 
-class V1Batch:
-    """Model Runner V1's persistent batch as reorder_batch_to_split_... sees it."""
+def cpu_req_states(rows: list[Row]) -> SimpleNamespace:
+    """The parts of the standalone CPU runner's CPURequestState its sort reads.
 
-    def __init__(self, rows: list[Row]):
-        self.rows = list(rows)
-        self.swaps = 0
-
-    @property
-    def req_ids(self) -> list[str]:
-        return [r.name for r in self.rows]
-
-    @property
-    def num_computed_tokens_cpu(self) -> np.ndarray:
-        return np.array([r.ctx for r in self.rows], dtype=np.int32)
-
-    @property
-    def num_prompt_tokens(self) -> np.ndarray:
-        return np.array([r.prompt for r in self.rows], dtype=np.int32)
-
-    def swap_states(self, i: int, j: int) -> None:
-        self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
-        self.swaps += 1
+    State indices are deliberately not the emission order (reversed).
+    """
+    states = mrv2_req_states(rows)
+    return SimpleNamespace(
+        req_id_to_index=states.req_id_to_index,
+        num_computed_prefill_tokens=states.num_computed_prefill_tokens,
+        prefill_len_np=states.prefill_len.np,
+    )
 
 
-def v1_order(reorder, rows: list[Row], threshold: int) -> tuple[list[Row], int]:
-    batch = V1Batch(rows)
-    output = SimpleNamespace(num_scheduled_tokens={r.name: r.q for r in rows})
-    reorder(batch, output, decode_threshold=threshold)
-    return batch.rows, batch.swaps
+def cpu_order(sort_batch_req_ids, rows: list[Row], threshold=None) -> list[Row]:
+    """Batch order from the standalone CPU runner's ``sort_batch_req_ids``
+    (patched signature; the runner supports decode_query_len 1 only)."""
+    by_name = {r.name: r for r in rows}
+    states = cpu_req_states(rows)
+    req_ids, num_tokens, idx = sort_batch_req_ids(
+        {r.name: r.q for r in rows}, 1, states, threshold
+    )
+    ordered = [by_name[r] for r in req_ids]
+    assert num_tokens.tolist() == [r.q for r in ordered]
+    assert idx.tolist() == [states.req_id_to_index[r] for r in req_ids]
+    return ordered
+
+
+def cpu_sort_as_patched(pristine_sort):
+    """Pristine 0.34.0's CPU ``sort_batch_req_ids(num_tokens_per_req,
+    decode_query_len) -> req_ids`` behind the patched signature, gathering
+    token counts and state indices as the pristine runner does after it."""
+
+    def sort(num_tokens_per_req, decode_query_len, req_states, decode_threshold=None):
+        req_ids = pristine_sort(num_tokens_per_req, decode_query_len)
+        num_tokens = np.array([num_tokens_per_req[r] for r in req_ids], np.int32)
+        index = req_states.req_id_to_index
+        return req_ids, num_tokens, np.array([index[r] for r in req_ids], np.intp)
+
+    return sort
 
 
 def build_tree() -> Path:

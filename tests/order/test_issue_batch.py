@@ -1,16 +1,27 @@
-"""The batch from issue 3, before (pristine 0.33.0 functions) and after.
+"""The batch from issue 3, before (pristine 0.34.0 functions) and after.
 
 {decode: 1 token on 500 cached; fresh prefill: 100 tokens; extend: 2,048 tokens
-on 8,192 cached}. Upstream Model Runner V2 sorts it [decode, prefill, extend]
-and the split then reports 0 extends and 2 prefills: the extend would be
-attended as a pure prefill, without its 8,192 cached tokens.
+on 8,192 cached}. Upstream Model Runner V2 and the standalone CPU model runner
+both sort it [decode, prefill, extend] (decodes, then ascending token count) and
+the split then reports 0 extends and 2 prefills: the extend would be attended
+as a pure prefill, without its 8,192 cached tokens.
 """
 
 from types import SimpleNamespace
 
 import pytest
 import torch
-from order_support import Row, make_cam, mrv2_order, mrv2_req_states, truth_counts
+from order_support import (
+    Row,
+    cpu_order,
+    cpu_req_states,
+    cpu_sort_as_patched,
+    honours_contract,
+    make_cam,
+    mrv2_order,
+    mrv2_req_states,
+    truth_counts,
+)
 
 DECODE = Row("dec", q=1, ctx=500, prompt=480)
 PREFILL = Row("pre", q=100, ctx=0, prompt=100)
@@ -18,9 +29,11 @@ EXTEND = Row("ext", q=2048, ctx=8192, prompt=16384)
 # The scheduler's emission: running (decode, chunked prefill), then the arrival.
 EMITTED = [DECODE, EXTEND, PREFILL]
 UPSTREAM_MRV2_ORDER = [DECODE, PREFILL, EXTEND]
+UPSTREAM_CPU_ORDER = [DECODE, PREFILL, EXTEND]
 
 UTILS = "vllm/v1/attention/backends/utils.py"
 RUNNER = "vllm/v1/worker/gpu/model_runner.py"
+CPU_RUNNER = "vllm/v1/worker/cpu/standalone_model_runner.py"
 
 
 def test_issue_batch_misclassified_by_pristine_functions(pristine):
@@ -58,6 +71,50 @@ def test_issue_batch_through_mrv2_gather_batch_req_state():
         num_scheduled_tokens={r.name: r.q for r in EMITTED},
         total_num_scheduled_tokens=sum(r.q for r in EMITTED),
         scheduled_spec_decode_tokens={},
+    )
+    state, uniform_token_count = runner.gather_batch_req_state(scheduler_output, False)
+    assert state.req_ids == ["dec", "ext", "pre"]
+    assert state.num_scheduled_tokens.tolist() == [1, 2048, 100]
+    index = runner.req_states.req_id_to_index
+    assert state.idx_mapping_np.tolist() == [index[r] for r in state.req_ids]
+    assert state.is_prefilling_np.tolist() == [False, True, True]
+    assert uniform_token_count is None
+
+
+@pytest.mark.parametrize("threshold", [None, 1], ids=["no_builder", "t1"])
+def test_issue_batch_cpu_runner_before_and_after(threshold, pristine):
+    """Standalone CPU runner: pristine misorders the batch, patched orders it
+    decode -> extend -> prefill and the split finds one of each."""
+    from vllm.v1.attention.backends.utils import split_decodes_prefills_and_extends
+    from vllm.v1.worker.cpu.standalone_model_runner import sort_batch_req_ids
+
+    pristine_sort = pristine(CPU_RUNNER, only=("sort_batch_req_ids",))
+    order = pristine_sort.sort_batch_req_ids({r.name: r.q for r in EMITTED}, 1)
+    assert order == [r.name for r in UPSTREAM_CPU_ORDER]
+    before = cpu_order(
+        cpu_sort_as_patched(pristine_sort.sort_batch_req_ids), EMITTED, threshold
+    )
+    assert before == UPSTREAM_CPU_ORDER
+    assert not honours_contract(before, 1)
+    pristine_split = pristine(UTILS).split_decodes_prefills_and_extends
+    assert pristine_split(make_cam(before), 1) == (1, 0, 2, 1, 0, 2148)
+
+    ordered = cpu_order(sort_batch_req_ids, EMITTED, threshold)
+    assert ordered == [DECODE, EXTEND, PREFILL]
+    split = split_decodes_prefills_and_extends(make_cam(ordered), 1)
+    assert split == truth_counts(ordered, 1) == (1, 1, 1, 1, 2048, 100)
+
+
+def test_issue_batch_through_cpu_runner_gather_batch_req_state():
+    """The CPU runner's own gather: batch order, token counts, state indices."""
+    from vllm.v1.worker.cpu.standalone_model_runner import StandaloneCPUModelRunner
+
+    runner = StandaloneCPUModelRunner.__new__(StandaloneCPUModelRunner)
+    runner.__dict__.update(decode_query_len=1, use_pp=False)
+    runner.req_states = cpu_req_states(EMITTED)
+    scheduler_output = SimpleNamespace(
+        num_scheduled_tokens={r.name: r.q for r in EMITTED},
+        total_num_scheduled_tokens=sum(r.q for r in EMITTED),
     )
     state, uniform_token_count = runner.gather_batch_req_state(scheduler_output, False)
     assert state.req_ids == ["dec", "ext", "pre"]

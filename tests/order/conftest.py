@@ -68,7 +68,6 @@ def make_scheduler(stub_model_dir, monkeypatch):
         long_prefill_token_threshold: int = 0,
         block_size: int = 16,
         num_blocks: int = 10000,
-        use_v2_model_runner: bool = True,
     ):
         import torch
 
@@ -137,7 +136,6 @@ def make_scheduler(stub_model_dir, monkeypatch):
             log_stats=False,
             structured_output_manager=StructuredOutputManager(vllm_config),
         )
-        scheduler.use_v2_model_runner = use_v2_model_runner
         return scheduler
 
     return make

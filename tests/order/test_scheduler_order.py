@@ -3,20 +3,28 @@
 A synthetic steady-state trace (running decodes, a long prompt chunked over
 several steps, new arrivals: fresh prompts, prefix-cache hits, one-token
 prompts) drives the real Scheduler on CPU, pristine (root commit) and patched,
-with the same arrivals. Each step is fed to the runners' reorders:
-  * Model Runner V2: moves = rows whose position the runner's sort changes,
-  * Model Runner V1: swap_states calls of the real reorder on a model of its
-    persistent batch (removals leave holes, additions fill the lowest hole,
-    condense moves the last row into holes), as in _update_states.
+with the same arrivals. Each step is fed to both runners' real sorts (pristine
+runners to the pristine scheduler's steps, patched to patched); moves = rows
+whose position the sort changes:
+  * Model Runner V2: vllm/v1/worker/gpu/model_runner.py::sort_batch_req_ids,
+  * the standalone CPU model runner:
+    vllm/v1/worker/cpu/standalone_model_runner.py::sort_batch_req_ids.
 """
 
 import pytest
-from order_support import Row, honours_contract, mrv2_req_states, truth
+from order_support import (
+    Row,
+    cpu_order,
+    cpu_sort_as_patched,
+    honours_contract,
+    mrv2_req_states,
+    truth,
+)
 
 STEPS = 60
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
-UTILS = "vllm/v1/attention/backends/utils.py"
 RUNNER = "vllm/v1/worker/gpu/model_runner.py"
+CPU_RUNNER = "vllm/v1/worker/cpu/standalone_model_runner.py"
 
 
 def arrivals(step: int) -> list[tuple[str, list[int], int]]:
@@ -37,7 +45,13 @@ def arrivals(step: int) -> list[tuple[str, list[int], int]]:
     return new
 
 
-def run_trace(scheduler, sort_ids, reorder, patched: bool):
+def moves(ordered: list, rows: list[Row]) -> int:
+    """Rows whose position the sort changed (ordered: Rows or request ids)."""
+    names = [r if isinstance(r, str) else r.name for r in ordered]
+    return sum(a != b.name for a, b in zip(names, rows, strict=True))
+
+
+def run_trace(scheduler, sort_ids, cpu_sort, patched: bool):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -46,7 +60,6 @@ def run_trace(scheduler, sort_ids, reorder, patched: bool):
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(16, sha256)
-    v1 = V1PersistentBatch()
     steps = []
     for step in range(STEPS):
         for req_id, prompt, max_tokens in arrivals(step):
@@ -71,10 +84,9 @@ def run_trace(scheduler, sort_ids, reorder, patched: bool):
             )
         else:
             ordered = sort_ids(out.num_scheduled_tokens, {}, 1)
-        mrv2_moves = sum(a != b.name for a, b in zip(ordered, rows, strict=True))
-        new_ids = [r.req_id for r in out.scheduled_new_reqs]
-        v1_swaps = v1.step(out.finished_req_ids, new_ids, rows, reorder)
-        steps.append((rows, mrv2_moves, v1_swaps))
+        steps.append(
+            (rows, moves(ordered, rows), moves(cpu_order(cpu_sort, rows, 1), rows))
+        )
 
         sampled = [
             [7] if scheduler.requests[r.name].num_computed_tokens >= r.prompt else []
@@ -84,7 +96,6 @@ def run_trace(scheduler, sort_ids, reorder, patched: bool):
             out,
             ModelRunnerOutput(
                 req_ids=[r.name for r in rows],
-                req_id_to_index={r.name: i for i, r in enumerate(rows)},
                 sampled_token_ids=sampled,
                 logprobs=None,
                 prompt_logprobs_dict={},
@@ -94,92 +105,34 @@ def run_trace(scheduler, sort_ids, reorder, patched: bool):
     return steps
 
 
-class V1PersistentBatch:
-    """Model Runner V1's slot policy, driving the real reorder function."""
-
-    def __init__(self):
-        self.slots: list[str | None] = []
-        self.rows: dict[str, Row] = {}
-        self.swaps = 0
-
-    # What reorder_batch_to_split_decodes_and_prefills reads and calls.
-    @property
-    def req_ids(self):
-        return list(self.slots)
-
-    @property
-    def num_computed_tokens_cpu(self):
-        import numpy as np
-
-        return np.array([self.rows[r].ctx for r in self.slots], dtype=np.int64)
-
-    @property
-    def num_prompt_tokens(self):
-        import numpy as np
-
-        return np.array([self.rows[r].prompt for r in self.slots], dtype=np.int64)
-
-    def swap_states(self, i: int, j: int) -> None:
-        self.slots[i], self.slots[j] = self.slots[j], self.slots[i]
-        self.swaps += 1
-
-    def step(self, finished, new_ids, rows, reorder) -> int:
-        from types import SimpleNamespace
-
-        scheduled = {r.name for r in rows}
-        holes = []
-        for i, req_id in enumerate(self.slots):
-            if req_id in finished or req_id not in scheduled:
-                self.slots[i] = None
-                holes.append(i)
-        for req_id in new_ids + [r.name for r in rows if r.name not in self.slots]:
-            if req_id in self.slots:
-                continue
-            if holes:
-                self.slots[holes.pop(0)] = req_id
-            else:
-                self.slots.append(req_id)
-        # condense(): move the last row into the lowest hole.
-        while None in self.slots:
-            hole = self.slots.index(None)
-            while self.slots and self.slots[-1] is None:
-                self.slots.pop()
-            if hole < len(self.slots):
-                self.slots[hole] = self.slots.pop()
-        self.rows = {r.name: r for r in rows}
-        self.swaps = 0
-        output = SimpleNamespace(num_scheduled_tokens={r.name: r.q for r in rows})
-        reorder(self, output, decode_threshold=1)
-        return self.swaps
-
-
 @pytest.mark.parametrize(
     "long_prefill_token_threshold", [0, 256], ids=["budget_chunking", "capped_chunks"]
 )
 def test_steady_state_trace_needs_no_reorder(
     long_prefill_token_threshold, make_scheduler, pristine
 ):
-    from vllm.v1.attention.backends.utils import (
-        reorder_batch_to_split_decodes_and_prefills,
-    )
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.cpu import standalone_model_runner as cpu_runner
     from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
     def sort_ids_patched(rows):
         num_tokens = {r.name: r.q for r in rows}
         return sort_batch_req_ids(num_tokens, {}, 1, mrv2_req_states(rows))[0]
 
+    pristine_cpu_sort = cpu_sort_as_patched(
+        pristine(CPU_RUNNER, only=("sort_batch_req_ids",)).sort_batch_req_ids
+    )
     kwargs = dict(long_prefill_token_threshold=long_prefill_token_threshold)
     before = run_trace(
         make_scheduler(pristine(SCHEDULER).Scheduler, **kwargs),
         pristine(RUNNER, only=("sort_batch_req_ids",)).sort_batch_req_ids,
-        pristine(UTILS).reorder_batch_to_split_decodes_and_prefills,
+        pristine_cpu_sort,
         patched=False,
     )
     after = run_trace(
         make_scheduler(Scheduler, **kwargs),
         sort_batch_req_ids,
-        reorder_batch_to_split_decodes_and_prefills,
+        cpu_runner.sort_batch_req_ids,
         patched=True,
     )
 
@@ -191,28 +144,39 @@ def test_steady_state_trace_needs_no_reorder(
     assert kinds == {"decode", "extend", "prefill"}
     assert any(r.q > 1 and r.ctx > 0 for s in after for r in s[0])  # chunks, hits
 
-    for rows, mrv2_moves, _ in after:
+    for rows, mrv2_moves, cpu_moves in after:
         assert honours_contract(rows, 1), [(r.name, r.q, r.ctx) for r in rows]
         assert mrv2_moves == 0
+        assert cpu_moves == 0
     moves_before = sum(s[1] for s in before)
-    # The patched runner alone, fed the pristine scheduler's emission order.
-    moves_runner_only = sum(
-        sum(a != b.name for a, b in zip(sort_ids_patched(rows), rows, strict=True))
-        for rows, _, _ in before
+    cpu_moves_before = sum(s[2] for s in before)
+    # The patched runners alone, fed the pristine scheduler's emission order.
+    moves_runner_only = sum(moves(sort_ids_patched(rows), rows) for rows, *_ in before)
+    cpu_moves_runner_only = sum(
+        moves(cpu_order(cpu_runner.sort_batch_req_ids, rows, 1), rows)
+        for rows, *_ in before
     )
     out_of_order_before = sum(not honours_contract(s[0], 1) for s in before)
-    swaps_before, swaps_after = sum(s[2] for s in before), sum(s[2] for s in after)
+    # Pristine CPU runner: steps its sort left out of order.
+    sorted_out_of_order_before = sum(
+        not honours_contract(cpu_order(pristine_cpu_sort, rows, 1), 1)
+        for rows, *_ in before
+    )
     print(
         f"\n{long_prefill_token_threshold=}: {STEPS} steps, "
         f"{sum(len(s[0]) for s in after)} request-steps; before: "
         f"{out_of_order_before} steps emitted out of order, MRv2 moves "
-        f"{moves_before}, V1 swaps {swaps_before}; patched runner alone: MRv2 "
-        f"moves {moves_runner_only}; after: 0 out of order, MRv2 moves 0, V1 "
-        f"swaps {swaps_after}"
+        f"{moves_before}, CPU runner moves {cpu_moves_before} (its sort left "
+        f"{sorted_out_of_order_before} steps out of order); patched runners "
+        f"alone: MRv2 moves {moves_runner_only}, CPU runner moves "
+        f"{cpu_moves_runner_only}; after: 0 out of order, MRv2 moves 0, CPU "
+        "runner moves 0"
     )
     assert moves_before > 0
+    assert cpu_moves_before > 0
     assert moves_runner_only > 0  # the scheduler part is needed too
-    assert swaps_after <= swaps_before
+    assert cpu_moves_runner_only > 0
+    assert sorted_out_of_order_before > 0  # pristine CPU sort breaks the contract
 
 
 # Rows: running (id, q, is_prefill_chunk) then admitted (id, q, computed,

@@ -46,7 +46,8 @@ CASES = {
         (1, 0, 2, 1, 0, 32),
         (1, 0, 2, 1, 0, 32),
     ),
-    # Tolerated (exact, logged): V1 ordered by a smaller threshold than ours.
+    # Tolerated (exact, logged): a runner ordered by a smaller threshold than
+    # this backend's (runners order by the smallest builder threshold).
     "spec_row_behind_extend_runs_as_extend": (
         rows((1, 9), (64, 100), (3, 50), (32, 0)),
         4,

@@ -6,7 +6,7 @@ In vLLM the attention custom op runs eagerly, once per layer, between the
 pieces of a piecewise CUDA graph for every prefill, extend and mixed step, so
 each call's host time is paid 48-61 times a step whenever the GPU is not
 busier.  Each case runs the calls the patched backend issues for one step over
-all layers of a model, launched eagerly, and the calls upstream vLLM 0.33.0
+all layers of a model, launched eagerly, and the calls upstream vLLM 0.34.0
 issues for the same step, on the same buffers (``eager_ops.py`` says exactly
 which calls, and what stands in for AITER and for vLLM's compiled ops on a
 CUDA machine):
@@ -44,7 +44,7 @@ from benchmarks import eager_ops, graphs  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 BASELINE = (
-    "upstream 0.33.0's calls for the same step on the same buffers: AITER FA = varlen over "
+    "upstream 0.34.0's calls for the same step on the same buffers: AITER FA = varlen over "
     "the new tokens + cp_mha_gather_cache + varlen over the context + merge_attn_states "
     "(FlashAttention-2 standing in for AITER's varlen, in both); MLA = RoPE inside the "
     "CUDA-graph piece + the cache write (CUDA stand-in for concat_and_cache_mla) + the "

@@ -1,4 +1,4 @@
-"""One step's attention calls as the patched backends and upstream 0.33.0 issue them.
+"""One step's attention calls as the patched backends and upstream 0.34.0 issue them.
 
 Shared by ``bench_eager_step.py`` (whole steps over every layer, eager wall
 clock vs GPU-only time) and ``bench_host_cost.py`` (host time per call).  No
@@ -76,7 +76,7 @@ QWEN3_30B = dict(name="qwen3-30b-a3b", layers=48, num_heads=32, num_kv_heads=4,
                  head_size=128, block_size=16, dtype=torch.bfloat16)
 DEEPSEEK_V3 = dict(name="deepseek-v3", layers=61, num_heads=128, kv_lora_rank=512,
                    rope_dim=64, nope_dim=128, block_size=64, dtype=torch.bfloat16)
-# 0250's default VLLM_ROCM_AITER_FA_PAGED_CONTEXT_MAX_TOKENS and 0.33.0's
+# 0250's default VLLM_ROCM_AITER_FA_PAGED_CONTEXT_MAX_TOKENS and 0.34.0's
 # _CP_TOKENS_PER_ITER_ROCM.
 PAGED_CONTEXT_MAX_TOKENS = 512
 CP_TOKENS_PER_ITER = 32 * 1024
@@ -178,7 +178,7 @@ def upstream_ops() -> UpstreamOps:
 
 
 def fa_caches(model: dict, max_tokens: int, device="cuda") -> list[torch.Tensor]:
-    """One packed cache ``(num_blocks, Hkv, bs, 2D)`` per layer (0.33.0's layout)."""
+    """One packed cache ``(num_blocks, Hkv, bs, 2D)`` per layer (0.34.0's layout)."""
     num_blocks = max_tokens // model["block_size"] + 64
     shape = (num_blocks, model["num_kv_heads"], model["block_size"], 2 * model["head_size"])
     return [torch.randn(shape, device=device, dtype=model["dtype"])
@@ -234,7 +234,7 @@ def fa_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, reqs: int
     # Per-layer views the backend passes (its forward slices these every layer).
     views = [_split_kv_cache(c, d) for c in caches[:layers]]
 
-    # Context chunks as the builder makes them (0.33.0 and 0200 alike).
+    # Context chunks as the builder makes them (0.34.0 and 0200 alike).
     max_chunk = CP_TOKENS_PER_ITER // reqs
     num_chunks = -(-context // max_chunk)
     chunk_starts = torch.arange(num_chunks, dtype=torch.int32)[:, None] * max_chunk
@@ -249,7 +249,7 @@ def fa_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, reqs: int
     varlen, merge, gather = ops.varlen, ops.merge, ops.gather
 
     def upstream_builder():
-        # The builder's token_to_batch maps (0.33.0; 0200 removed them).
+        # The builder's token_to_batch maps (0.34.0; 0200 removed them).
         max_cum = max(totals + [0])
         rng = torch.arange(max_cum, dtype=torch.int32)[None, None, :]
         idx = (rng == cu_kv_cpu[:, 1:][:, :, None]).sum(dim=1)

@@ -65,7 +65,7 @@ def load_defs(relpath: str, names: tuple[str, ...], extra: dict | None = None) -
     path = pinned_tree() / relpath
     if not path.is_file():
         raise UpstreamUnavailable(
-            f"upstream baseline needs {path} (set VLLM_PINNED_TREE to the pinned vLLM 0.33.0 "
+            f"upstream baseline needs {path} (set VLLM_PINNED_TREE to the pinned vLLM 0.34.0 "
             "tree, or build it under build/vllm)"
         )
     defs = _collect_defs(ast.parse(path.read_text(), filename=str(path)), names, relpath)

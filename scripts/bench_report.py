@@ -150,7 +150,7 @@ class Report:
         s = h.result.series
         cases = h.result.cases(h.kernel)
         host = benchmeta.host_cases(h.result.data, h.kernel) if not cases else []
-        baseline = ("the unpatched (pristine 0.33.0) functions, host code timed by pytest-benchmark"
+        baseline = ("the unpatched (pristine vLLM) functions, host code timed by pytest-benchmark"
                     if host else benchmeta.baseline_of(self.root, h.kernel, cases))
         out = [f"{level} {_section_title(h.kernel, h.device)}", ""]
         if h.sentence:

@@ -3,7 +3,7 @@
 
 Builds engine steps that hold, together, a **decode**, an **extend** (a long
 prompt's later chunked-prefill chunk, attending to the chunks already cached)
-and **fresh prefills**: the batch vLLM 0.33.0's Model Runner V2 orders
+and **fresh prefills**: the batch vLLM 0.34.0's Model Runner V2 orders
 [decode | prefill | extend] while AITER FA's split assumes [decode | extend |
 prefill] (BRIEF §3).  How:
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler = engine.engine_core.engine_core.scheduler
         except AttributeError as exc:
             raise SystemExit("mixed_batch: cannot reach the in-process scheduler "
-                             f"({exc}); this vLLM's engine layout differs from 0.33.0") from exc
+                             f"({exc}); this vLLM's engine layout differs from 0.34.0") from exc
         original = scheduler.schedule
 
         def schedule(*a, **k):

@@ -9,7 +9,8 @@ from pathlib import Path
 from . import SeriesError
 
 # Fixed identity and dates make `make apply` reproduce the same commit ids,
-# not only the same trees. The date is vLLM 0.33.0's release day.
+# not only the same trees. The date (vLLM 0.33.0's release day) stays fixed
+# across pins, so the overlay and patch commits keep their ids.
 SERIES_IDENTITY = {
     "GIT_AUTHOR_NAME": "vllm-aiter-series",
     "GIT_AUTHOR_EMAIL": "series@localhost",

@@ -40,7 +40,7 @@ from pathlib import Path
 from . import SeriesError, progress
 
 CONFIG = ".pre-commit-config.yaml"
-STAGE = "manual"  # what upstream's CI runs; default_stages of 0.33.0 include it
+STAGE = "manual"  # what upstream's CI runs; default_stages of 0.34.0 include it
 PYTHON_SUFFIXES = {".py": "python", ".pyi": "pyi"}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_OUTPUT_LINES = 40

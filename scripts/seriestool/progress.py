@@ -1,7 +1,7 @@
 """Progress lines for the slow steps, and interrupts that end in one line.
 
-``with stage("apply", "unpacking vllm-0.33.0.tar.gz"):`` prints
-``apply: unpacking vllm-0.33.0.tar.gz ...`` on stderr when the stage starts and,
+``with stage("apply", "unpacking vllm-0.34.0.tar.gz"):`` prints
+``apply: unpacking vllm-0.34.0.tar.gz ...`` on stderr when the stage starts and,
 while it runs, ``apply: unpacking ... (still running, 10 s)`` every
 ``TICK_S`` seconds, so no step is silent for long.  stdout stays for results.
 

@@ -1,7 +1,7 @@
 """Recipe plumbing on CPU: commands, parsers, gates, the results JSON.
 
 vLLM's tools are replaced by a stand-in ``vllm`` package on the install's PYTHONPATH that
-writes files in vLLM 0.33.0's formats; the numbers are test fixtures, not measurements.
+writes files in vLLM 0.34.0's formats; the numbers are test fixtures, not measurements.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def test_mixed_batch_helpers_need_no_vllm():
 
 
 class _StandInScheduler:
-    """Chunked prefill as vLLM 0.33.0's scheduler does it: running requests first (prefills
+    """Chunked prefill as vLLM 0.34.0's scheduler does it: running requests first (prefills
     capped at the long-prefill threshold), then waiting ones, within the token budget."""
 
     def __init__(self, budget: int, threshold: int):

@@ -43,7 +43,7 @@ class Engine:
         self.cache_dtype = cache_dtype = cache_dtype or model_dtype
         fp8 = cache_dtype.itemsize == 1
         d = HEAD_SIZE
-        # vLLM 0.33.0's packed (blocks, Hkv, bs, 2D) cache viewed as K / V.
+        # vLLM 0.34.0's packed (blocks, Hkv, bs, 2D) cache viewed as K / V.
         packed = torch.zeros((NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * d),
                              dtype=cache_dtype, device=device)  # fmt: skip
         self.key_cache = packed[..., :d].permute(0, 2, 1, 3)

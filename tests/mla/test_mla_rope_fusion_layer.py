@@ -202,14 +202,11 @@ def test_layers_of_one_forward_share_their_rows():
 # --- flags off: byte-for-byte upstream --------------------------------------
 
 def _pristine_tree(tmp_path_factory) -> Path | None:
-    """A pristine vLLM 0.33.0 tree: $VLLM_PRISTINE_TREE, the unpacked reference,
-    or the root commit (upstream) of the patched tree's git history."""
+    """A pristine tree of the pinned vLLM: $VLLM_PRISTINE_TREE, or the root
+    commit (upstream) of the patched tree's git history."""
     env = os.environ.get("VLLM_PRISTINE_TREE")
     if env:
         return Path(env)
-    known = Path("/tmp/pristine/vllm-0.33.0")
-    if (known / "vllm" / "__init__.py").exists():
-        return known
     import vllm
 
     tree = Path(vllm.__file__).resolve().parents[1]

@@ -162,7 +162,7 @@ def test_e2e_cell_off_rocm_is_recorded_with_the_preflight_message(tmp_path):
 
 def test_e2e_cell_records_the_recipe_results(tmp_path, monkeypatch):
     """The e2e kind end to end with the preflight passed and a stand-in `vllm bench throughput`
-    (writes vLLM 0.33.0's --output-json format; its numbers are fixtures)."""
+    (writes vLLM 0.34.0's --output-json format; its numbers are fixtures)."""
     from e2e import preflight
 
     cli = tmp_path / "site" / "vllm" / "entrypoints" / "cli"

@@ -481,8 +481,8 @@ def _tile_config(
 
 
 def _check_scale(fn: str, name: str, scale: torch.Tensor | None) -> None:
-    if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
-        dtype = None if scale is None else scale.dtype
+    dtype = getattr(scale, "dtype", type(scale).__name__)
+    if dtype != torch.float32 or scale.numel() != 1:  # type: ignore[union-attr]
         raise TypeError(f"{fn}: {name} must be a one-element float32 tensor: {dtype}")
 
 
@@ -532,17 +532,19 @@ def _check_and_launch(
     kv_cache_dtype: str,
     k_scale: torch.Tensor | None,
     q_scale: torch.Tensor | None,
-) -> None:
+) -> torch.Tensor | None:
     """Check one layer's tensors and launch either form (decode: ``ql_nope``
-    and ``q_out`` given).  Everything that would make the kernel read or
-    write out of bounds is checked before the launch."""
+    given; returns ``q_out``, new when None).  Everything that would make the
+    kernel read or write out of bounds is checked before the launch."""
     decode = ql_nope is not None
     model_dtype = q_pe.dtype
-    if model_dtype not in _MODEL_DTYPES:
-        raise TypeError(f"{fn}: q_pe must be one of {_MODEL_DTYPES}: {model_dtype}")
-    for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("ql_nope", ql_nope)):
-        if t is not None and t.dtype != model_dtype:
-            raise TypeError(f"{fn}: {name} is {t.dtype}, q_pe {model_dtype}")
+    same = kv_c.dtype == k_pe.dtype == model_dtype
+    if model_dtype not in _MODEL_DTYPES or not same or (
+        ql_nope is not None and ql_nope.dtype != model_dtype
+    ):
+        raise TypeError(
+            f"{fn}: q_pe, kv_c, k_pe, ql_nope need one of {_MODEL_DTYPES}, all alike"
+        )
     if cos_sin_cache.dtype not in _MODEL_DTYPES:
         raise TypeError(f"{fn}: cos_sin_cache must be one of {_MODEL_DTYPES}")
     stored = _stored_cache_dtype(fn, kv_cache, kv_cache_dtype, model_dtype, k_scale)
@@ -555,7 +557,7 @@ def _check_and_launch(
     assert kv_c.dim() == 2 and kv_c.shape[0] == num_tokens, f"{fn}: kv_c: [T, L]"
     lora_rank = kv_c.shape[1]
     width = lora_rank + rot_dim
-    assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, f"{fn}: odd rope dim"
+    assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, f"{fn}: rotary dim must be even"
     assert k_pe.shape in ((num_tokens, rot_dim), (num_tokens, 1, rot_dim)), (
         f"{fn}: k_pe must be [T, R] or [T, 1, R]"
     )
@@ -567,14 +569,19 @@ def _check_and_launch(
     )
     assert positions.shape == (num_tokens,), f"{fn}: positions must be [T]"
     assert slot_mapping.dim() == 1 and slot_mapping.shape[0] <= num_tokens, (
-        f"{fn}: slot_mapping must be [S <= T]"
+        f"{fn}: slot_mapping: [S <= T]"
     )
     q_fp8_max = 0.0
     if decode:
         assert ql_nope.shape == (num_tokens, num_heads, lora_rank), (
             f"{fn}: ql_nope must be [T, H, L]"
         )
-        assert q_out is not None and q_out.shape == (num_tokens, num_heads, width), (
+        if q_out is None:
+            q_out = ql_nope.new_empty(
+                (num_tokens, num_heads, width),
+                dtype=decode_q_out_dtype(ql_nope, q_scale),
+            )
+        assert q_out.shape == (num_tokens, num_heads, width), (
             f"{fn}: q_out must be [T, H, L + R]"
         )
         if q_scale is not None:
@@ -588,9 +595,9 @@ def _check_and_launch(
     for t in (ql_nope, q_out, kv_c, k_pe, kv_cache, cos_sin_cache, k_scale, q_scale):
         assert t is None or t.device == device, f"{fn}: tensors on two devices"
     for t in (ql_nope, q_pe, q_out, kv_c, k_pe, kv_cache, cos_sin_cache):
-        assert t is None or t.stride(-1) == 1, f"{fn}: a last stride is not 1"
+        assert t is None or t.stride(-1) == 1, f"{fn}: unit last stride"
     if num_tokens == 0 or num_heads == 0:
-        return
+        return q_out
 
     block_l, block_half, block_t, block_h, num_warps = _tile_config(
         num_tokens, num_heads, lora_rank, rot_dim, decode
@@ -640,6 +647,7 @@ def _check_and_launch(
         # RoPE, and both forms (compiled separately) write identical bytes.
         enable_fp_fusion=False,
     )
+    return q_out
 
 
 def mla_rope_concat_and_cache(
@@ -664,11 +672,7 @@ def mla_rope_concat_and_cache(
     with ``q_scale`` it is fp8, divided by ``q_scale``.  Inputs are not
     modified; rows of padded tokens in ``q_out`` are computed all the same.
     """
-    if q_out is None:
-        q_out = ql_nope.new_empty(
-            decode_q_out_shape(ql_nope, q_pe), dtype=decode_q_out_dtype(ql_nope, q_scale)
-        )
-    _check_and_launch(
+    q_out = _check_and_launch(
         "mla_rope_concat_and_cache",
         ql_nope=ql_nope,
         q_pe=q_pe,
@@ -684,6 +688,7 @@ def mla_rope_concat_and_cache(
         k_scale=k_scale,
         q_scale=q_scale,
     )
+    assert q_out is not None
     return q_out
 
 

@@ -539,8 +539,10 @@ def _check_and_launch(
     decode = ql_nope is not None
     model_dtype = q_pe.dtype
     same = kv_c.dtype == k_pe.dtype == model_dtype
-    if model_dtype not in _MODEL_DTYPES or not same or (
-        ql_nope is not None and ql_nope.dtype != model_dtype
+    if (
+        model_dtype not in _MODEL_DTYPES
+        or not same
+        or (ql_nope is not None and ql_nope.dtype != model_dtype)
     ):
         raise TypeError(
             f"{fn}: q_pe, kv_c, k_pe, ql_nope need one of {_MODEL_DTYPES}, all alike"
@@ -557,7 +559,9 @@ def _check_and_launch(
     assert kv_c.dim() == 2 and kv_c.shape[0] == num_tokens, f"{fn}: kv_c: [T, L]"
     lora_rank = kv_c.shape[1]
     width = lora_rank + rot_dim
-    assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, f"{fn}: rotary dim must be even"
+    assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, (
+        f"{fn}: rotary dim must be even"
+    )
     assert k_pe.shape in ((num_tokens, rot_dim), (num_tokens, 1, rot_dim)), (
         f"{fn}: k_pe must be [T, R] or [T, 1, R]"
     )
@@ -572,7 +576,9 @@ def _check_and_launch(
         f"{fn}: slot_mapping: [S <= T]"
     )
     q_fp8_max = 0.0
-    if decode:
+    # Strides of the decode form's ql_nope and q_out (the prefill form reads neither).
+    stride_qn = stride_qo = (0, 0, 1)
+    if ql_nope is not None:
         assert ql_nope.shape == (num_tokens, num_heads, lora_rank), (
             f"{fn}: ql_nope must be [T, H, L]"
         )
@@ -591,6 +597,7 @@ def _check_and_launch(
                 raise TypeError(f"{fn}: q_scale is given, so q_out must be fp8")
         elif q_out.dtype != model_dtype:
             raise TypeError(f"{fn}: q_out must be {model_dtype} (or fp8 with q_scale)")
+        stride_qn, stride_qo = ql_nope.stride(), q_out.stride()
     device = q_pe.device
     for t in (ql_nope, q_out, kv_c, k_pe, kv_cache, cos_sin_cache, k_scale, q_scale):
         assert t is None or t.device == device, f"{fn}: tensors on two devices"
@@ -621,12 +628,12 @@ def _check_and_launch(
         num_slots=slot_mapping.shape[0],
         num_heads=num_heads,
         block_size=kv_cache.shape[1],
-        stride_qn_t=ql_nope.stride(0) if decode else 0,
-        stride_qn_h=ql_nope.stride(1) if decode else 0,
+        stride_qn_t=stride_qn[0],
+        stride_qn_h=stride_qn[1],
         stride_qp_t=q_pe.stride(0),
         stride_qp_h=q_pe.stride(1),
-        stride_qo_t=q_out.stride(0) if decode else 0,
-        stride_qo_h=q_out.stride(1) if decode else 0,
+        stride_qo_t=stride_qo[0],
+        stride_qo_h=stride_qo[1],
         stride_kvc_t=kv_c.stride(0),
         stride_kpe_t=k_pe.stride(0),
         stride_cache_b=kv_cache.stride(0),

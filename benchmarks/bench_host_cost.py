@@ -257,26 +257,23 @@ def mla_calls(dev, ops=None, decodes=4, prefill=16):
     cos_sin = torch.randn(4096, r, device=dev, dtype=dtype)
     k_scale = torch.tensor(1.0, dtype=torch.float32, device=dev)
 
-    # The rows of each kind, as _RopeKVStep has them when it calls: the
-    # step's slots / positions (and their MLARopeRows, made once per step and
-    # shared by every layer), the layer's own q / kv views.
+    # The rows of each kind, as MLARopeKVStep has them when it calls: the
+    # step's slots / positions (split once per step by the metadata builder),
+    # the layer's own q / kv views.
     d_args = (q[:decodes, :, p:], kv_c[:decodes], k_pe[:decodes], slots[:decodes],
               positions[:decodes])
     p_args = (q[decodes:, :, p:], kv_c[decodes:], k_pe[decodes:], slots[decodes:t],
               positions[decodes:t])
-    d_rows = mla.mla_rope_rows(d_args[3], d_args[4], cos_sin)
-    p_rows = mla.mla_rope_rows(p_args[3], p_args[4], cos_sin)
 
     def decode_call():
         q_pe, c, kp, sl, pos = d_args
         mla.mla_rope_concat_and_cache(ql_nope, q_pe, c, kp, cache, sl, pos, cos_sin, False,
-                                      kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
-                                      rows=d_rows)
+                                      kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out)
 
     def prefill_call():
         q_pe, c, kp, sl, pos = p_args
         mla.mla_rope_and_cache(q_pe, c, kp, cache, sl, pos, cos_sin, False,
-                               kv_cache_dtype="auto", k_scale=k_scale, rows=p_rows)
+                               kv_cache_dtype="auto", k_scale=k_scale)
 
     up_decode = up_prefill = None
     if ops is not None and ops.cache_mla is not None:
@@ -536,18 +533,18 @@ def _mla_trace(dev):
         positions = torch.randint(0, 8192, (t,), generator=gen).to(dev)
         ql_nope = torch.randn(h, dec, lr, device=dev, dtype=dtype).transpose(0, 1)
         q_out = torch.empty(dec, h, lr + r, device=dev, dtype=dtype)
-        d_rows = mla.mla_rope_rows(slots[:dec], positions[:dec], cos_sin)
-        p_rows = mla.mla_rope_rows(slots[dec:], positions[dec:], cos_sin)
-        steps["mla_decode"].append(lambda q=q, kv_c=kv_c, k_pe=k_pe, slots=slots, pos=positions,
-                                   ql=ql_nope, q_out=q_out, rows=d_rows, dec=dec:
+        # The step's rows, split once per step (as the metadata builder does).
+        d_slots, d_pos, p_slots, p_pos = slots[:dec], positions[:dec], slots[dec:], positions[dec:]
+        steps["mla_decode"].append(lambda q=q, kv_c=kv_c, k_pe=k_pe, slots=d_slots, pos=d_pos,
+                                   ql=ql_nope, q_out=q_out, dec=dec:
                                    mla.mla_rope_concat_and_cache(
-            ql, q[:dec, :, p:], kv_c[:dec], k_pe[:dec], cache, slots[:dec], pos[:dec], cos_sin,
-            False, kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out, rows=rows))
-        steps["mla_prefill"].append(lambda q=q, kv_c=kv_c, k_pe=k_pe, slots=slots,
-                                    pos=positions, rows=p_rows, dec=dec:
+            ql, q[:dec, :, p:], kv_c[:dec], k_pe[:dec], cache, slots, pos, cos_sin,
+            False, kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out))
+        steps["mla_prefill"].append(lambda q=q, kv_c=kv_c, k_pe=k_pe, slots=p_slots,
+                                    pos=p_pos, dec=dec:
                                     mla.mla_rope_and_cache(
-            q[dec:, :, p:], kv_c[dec:], k_pe[dec:], cache, slots[dec:], pos[dec:], cos_sin,
-            False, kv_cache_dtype="auto", k_scale=k_scale, rows=rows))
+            q[dec:, :, p:], kv_c[dec:], k_pe[dec:], cache, slots, pos, cos_sin,
+            False, kv_cache_dtype="auto", k_scale=k_scale))
     return steps, dict(model=model["name"], steps=16, layers=TRACE_LAYERS,
                        decode_tokens="1-64", prefill_tokens="16-512")
 

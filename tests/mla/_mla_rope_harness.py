@@ -284,9 +284,22 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float32) -> dict:
         num_prefills=1 if case.num_prefill else 0,
         decode=decode,
         prefill=None,
+        mla_rope_rows=step_rows(positions, slot_mapping, case.num_decode, real),
     )
     return {"q": q, "kv_lora": kv_lora, "kv_c": kv_c, "positions": positions, "slot_mapping": slot_mapping,
                 "kv_cache": cache, "metadata": metadata}
+
+
+def step_rows(positions, slot_mapping, num_decode_tokens, num_tokens):
+    """The step's rows as MLACommonMetadataBuilder.build() makes them (None
+    on a pristine tree, which has no fusion)."""
+    try:
+        from vllm.model_executor.layers.attention.mla_rope_kv_cache import (
+            build_mla_rope_step_rows,
+        )
+    except ImportError:
+        return None
+    return build_mla_rope_step_rows(positions, slot_mapping, num_decode_tokens, num_tokens)
 
 
 @contextlib.contextmanager

@@ -163,7 +163,7 @@ def test_no_slot_mapping_applies_plain_rope():
     q = inputs["q"].clone()
     k_pe = inputs["kv_lora"].clone()[:, h.L:].unsqueeze(1)
     step, k_pe_out = layer.rope_kv_fusion.begin(layer, q, k_pe, inputs["kv_cache"],
-                                                inputs["positions"], None)
+                                                inputs["positions"], None, None)
     assert step is None
     q_ref, k_ref = rope.forward_native(inputs["positions"], inputs["q"][..., h.P:].clone(),
                                        inputs["kv_lora"][:, h.L:].unsqueeze(1).clone())
@@ -171,32 +171,109 @@ def test_no_slot_mapping_applies_plain_rope():
     assert torch.equal(q[..., : h.P], inputs["q"][..., : h.P])
 
 
-def test_layers_of_one_forward_share_their_rows():
-    """Every layer of a forward passes the same positions and slot mapping:
-    the second layer reuses the first one's row slices and their checked
-    geometry (mla_rope_step_rows); other tensors, or another length, make new ones
-    (the outputs are views of the same tensors: the forward tests above
-    compare whole forwards)."""
+def test_two_layers_of_one_step_read_the_rows_the_builder_made(monkeypatch):
+    """The step's rows are built once, with the metadata: two fused layers of
+    one step build none and launch on the metadata's decode / prefill rows."""
+    from vllm.model_executor.layers.attention import mla_attention, mla_rope_kv_cache
+    from vllm.v1.attention.ops import triton_mla_rope_cache
+
+    case = h.CASES_BY_NAME["mixed_decode_first"]
+    rope = h.make_rope(case.rope)
+    inputs = h.make_inputs(case)  # the builder's work: the rows, once
+    rows = inputs["metadata"].mla_rope_rows
+    built = []
+
+    def no_rows(*args):
+        built.append(args)
+        raise AssertionError("rows built per layer")
+
+    monkeypatch.setattr(mla_attention, "build_mla_rope_step_rows", no_rows)
+    monkeypatch.setattr(mla_rope_kv_cache, "build_mla_rope_step_rows", no_rows)
+    launched = []
+    for name in ("mla_rope_concat_and_cache", "mla_rope_and_cache"):
+        kernel_fn = getattr(triton_mla_rope_cache, name)
+
+        def spy(*args, _fn=kernel_fn, _name=name, **kwargs):
+            launched.append((_name, args[-4], args[-3]))  # slot_mapping, positions
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(triton_mla_rope_cache, name, spy)
+    for _ in range(2):
+        h.run(_fuse(h.make_layer(case), rope), rope, inputs, via="impl", fused=True)
+    assert not built
+    want = [("mla_rope_and_cache", rows.prefill), ("mla_rope_concat_and_cache", rows.decode)]
+    assert len(launched) == 2 * len(want)
+    for (name, slots, positions), (want_name, want_rows) in zip(launched, want * 2):
+        assert name == want_name
+        assert slots is want_rows.slot_mapping and positions is want_rows.positions
+
+
+def test_builder_makes_the_rows_once_per_step(monkeypatch):
+    """MLACommonMetadataBuilder.build() splits the step's positions and slot
+    mapping at num_decode_tokens, once, into the metadata."""
+    import types
+
+    from vllm.model_executor.layers.attention import mla_attention
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    calls = []
+    real = mla_attention.build_mla_rope_step_rows
+    monkeypatch.setattr(mla_attention, "build_mla_rope_step_rows",
+                        lambda *a: calls.append(a) or real(*a))
+    num_reqs = 3
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+    seq_lens = torch.tensor([5, 9, 2], dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens,
+        num_reqs=num_reqs, num_actual_tokens=num_reqs, max_query_len=1, max_seq_len=9,
+        block_table_tensor=torch.zeros(num_reqs, 1, dtype=torch.int32),
+        slot_mapping=torch.tensor([4, 8, 1, -1]), positions=torch.tensor([4, 8, 1, 0]),
+        seq_lens_cpu_upper_bound=seq_lens,
+    )
+    builder = types.SimpleNamespace(
+        metadata_cls=mla_attention.MLACommonMetadata, device=torch.device("cpu"),
+        reorder_batch_threshold=1, query_len_support=mla_attention.QueryLenSupport.SINGLE_ONLY,
+        use_pcp=False, dcp_world_size=1, build_mla_rope_rows=True,
+        model_config=types.SimpleNamespace(get_head_size=lambda: 576),
+        _build_decode=lambda **kwargs: None,
+    )
+    md = mla_attention.MLACommonMetadataBuilder.build(builder, 0, cm)
+    assert len(calls) == 1 and md.num_decode_tokens == num_reqs
+    rows = md.mla_rope_rows
+    assert rows.decode.positions.tolist() == [4, 8, 1]
+    assert rows.decode.slot_mapping.tolist() == [4, 8, 1]
+    assert rows.prefill.positions.numel() == rows.prefill.slot_mapping.numel() == 0
+    builder.build_mla_rope_rows = False  # no fused layer can be on: no rows
+    assert mla_attention.MLACommonMetadataBuilder.build(builder, 0, cm).mla_rope_rows is None
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(positions=torch.zeros(6)), "positions must be int32 or int64"),
+    (dict(slot_mapping=torch.zeros(6, 2, dtype=torch.int64)), "slot_mapping must be a contig"),
+    (dict(slot_mapping=torch.zeros(4, dtype=torch.int64)), "slot_mapping has 4 rows"),
+])
+def test_step_rows_refuse_bad_indices(bad, error):
+    from vllm.model_executor.layers.attention.mla_rope_kv_cache import (
+        build_mla_rope_step_rows,
+    )
+
+    args = {"positions": torch.zeros(6, dtype=torch.int64),
+            "slot_mapping": torch.zeros(6, dtype=torch.int32), **bad}
+    with pytest.raises((TypeError, ValueError), match=error):
+        build_mla_rope_step_rows(args["positions"], args["slot_mapping"], 2, 5)
+
+
+def test_cache_without_rows_is_refused():
+    """A runner that gave the builder no positions: the fused layer refuses
+    to run rather than skip its cache write."""
     case = h.CASES_BY_NAME["mixed_decode_first"]
     rope = h.make_rope(case.rope)
     inputs = h.make_inputs(case)
-    layers = [_fuse(h.make_layer(case), rope) for _ in range(2)]
-    q, k_pe = inputs["q"], inputs["kv_lora"][:, h.L:].unsqueeze(1)
-    pos, slots = inputs["positions"], inputs["slot_mapping"]
-
-    def begin(layer, positions=pos, slot_mapping=slots, tokens=None):
-        q_in = q if tokens is None else q[:tokens]
-        step, _ = layer.rope_kv_fusion.begin(layer, q_in.clone(), k_pe.clone(),
-                                             inputs["kv_cache"], positions, slot_mapping)
-        return step
-
-    first, second = begin(layers[0]), begin(layers[1])
-    assert first is not second and first.shared is second.shared
-    assert first.shared.rows(0, 2) is second.shared.rows(0, 2)
-    assert begin(layers[1], positions=pos.clone()).shared is not first.shared
-    assert begin(layers[0], tokens=q.shape[0] - 1).shared is not first.shared
-    fresh = begin(layers[0], slot_mapping=slots.clone())
-    assert fresh.shared is not first.shared
+    layer = _fuse(h.make_layer(case), rope)
+    with pytest.raises(RuntimeError, match="CommonAttentionMetadata.positions"):
+        layer.rope_kv_fusion.begin(layer, inputs["q"].clone(), inputs["kv_lora"][:, h.L:],
+                                   inputs["kv_cache"], inputs["positions"],
+                                   inputs["slot_mapping"], None)
 
 
 # --- flags off: byte-for-byte upstream --------------------------------------

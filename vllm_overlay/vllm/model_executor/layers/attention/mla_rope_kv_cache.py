@@ -2,11 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fused RoPE + KV-cache write for ``MLAAttention``: custom ops and runner.
 
-``MLAAttention.forward_impl`` calls, when its layer fuses (``rope_kv_fusion``
-is an ``MLARopeKVFusion``; the path is chosen in ``mla_rope_fusion.py``):
+Once per step, the MLA attention metadata builder splits the step's positions
+and slot mapping into the decode rows and the prefill rows and checks them
+(``build_mla_rope_step_rows``, kept as ``MLACommonMetadata.mla_rope_rows``).
 
-  * ``begin()`` once per forward, with the positions ``MLAAttention.forward``
-    received from the wrapper and the layer's slot mapping;
+``MLAAttention.forward_impl`` then calls, when its layer fuses
+(``rope_kv_fusion`` is an ``MLARopeKVFusion``; the path is chosen in
+``mla_rope_fusion.py``):
+
+  * ``begin()`` with the step's rows from the metadata;
   * ``prefill()`` on the prefill rows before ``forward_mha``: RoPE of
     ``q_pe`` / ``k_pe`` in place and their cache rows
     (``torch.ops.vllm.mla_rope_and_cache``);
@@ -18,14 +22,13 @@ is an ``MLARopeKVFusion``; the path is chosen in ``mla_rope_fusion.py``):
 Every token of the batch goes through exactly one of the two ops, so the
 separate ``unified_mla_kv_cache_update`` is not called for these layers.
 
-Both ops are registered with ``direct_register_custom_op`` and have fake
-implementations, so ``torch.compile`` traces them wherever ``forward_impl``
-is traced; the tensors they read (positions, slots, scales) are arguments,
-never captured host values.  Run eagerly (inside the attention custom op, once
-per layer), the step calls their implementations directly: the dispatcher
-round trip would cost about as much host time as the kernel launch.
+Each op is registered once with ``direct_register_custom_op`` and always
+called through ``torch.ops.vllm``, so ``torch.compile`` traces its fake
+implementation wherever ``forward_impl`` is traced; the tensors it reads
+(positions, slots, scales) are arguments, never captured host values.
 """
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,7 +60,16 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["MLARopeKVFusion", "rope_kv_facts"]
+__all__ = [
+    "MLARopeKVFusion",
+    "MLARopeRows",
+    "MLARopeStepRows",
+    "build_mla_rope_step_rows",
+    "rope_kv_facts",
+]
+
+# slot_mapping's and positions' dtypes (the kernels read either).
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # One-element fp32 ones per device: AITER's op takes a q_scale tensor also
@@ -89,50 +101,98 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return scale
 
 
-def _rope_concat_and_cache(
-    ql_nope,
-    q_pe,
-    kv_c,
-    k_pe,
-    kv_cache,
-    q_out,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    is_neox,
-    kv_cache_dtype,
-    k_scale,
-    q_scale,
-    use_aiter,
-    all_q_rope,
-    rows=None,
+@dataclass(frozen=True)
+class MLARopeRows:
+    """One kind of a step's rows (decode or prefill): their cache slots and
+    positions, 1-D int32 / int64 contiguous tensors on one device."""
+
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MLARopeStepRows:
+    """A step's rows, split at ``num_decode_tokens``: built once per step by
+    the MLA attention metadata builder and read by every fused layer."""
+
+    decode: MLARopeRows
+    prefill: MLARopeRows
+
+
+def build_mla_rope_step_rows(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_decode_tokens: int,
+    num_tokens: int,
+) -> MLARopeStepRows:
+    """Check a step's positions and slot mapping and split them into its
+    decode rows ``[0, num_decode_tokens)`` and prefill rows
+    ``[num_decode_tokens, num_tokens)``."""
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"MLA RoPE rows: {name} must be int32 or int64: {t.dtype}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"MLA RoPE rows: {name} must be a contiguous 1-D tensor")
+        if t.shape[0] < num_tokens:
+            raise ValueError(
+                f"MLA RoPE rows: {name} has {t.shape[0]} rows, the step {num_tokens}"
+            )
+    if positions.device != slot_mapping.device:
+        raise ValueError("MLA RoPE rows: positions and slot_mapping on two devices")
+    assert 0 <= num_decode_tokens <= num_tokens, (num_decode_tokens, num_tokens)
+    return MLARopeStepRows(
+        decode=MLARopeRows(
+            slot_mapping=slot_mapping[:num_decode_tokens],
+            positions=positions[:num_decode_tokens],
+        ),
+        prefill=MLARopeRows(
+            slot_mapping=slot_mapping[num_decode_tokens:num_tokens],
+            positions=positions[num_decode_tokens:num_tokens],
+        ),
+    )
+
+
+def mla_rope_concat_and_cache(
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    use_aiter: bool,
+    all_q_rope: bool,
 ) -> None:
-    """Decode form: q_out = [ql_nope | rope(q_pe)] (fp8 / q_scale when q_scale
-    is given) and the cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched.
-    The parameters of torch.ops.vllm.mla_rope_concat_and_cache (typed in
-    _rope_concat_and_cache_impl), and ``rows``: the step's ``MLARopeRows``
-    (eager calls only; not in the op's schema)."""
+    """Decode form (torch.ops.vllm.mla_rope_concat_and_cache): q_out =
+    [ql_nope | rope(q_pe)] (fp8, / q_scale, when q_scale is given) and the
+    cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched."""
     if use_aiter:
         rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
-            ql_nope,
-            q_pe,
-            kv_c,
-            k_pe,
-            kv_cache,
-            q_out,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            is_neox,
-            k_scale,
-            q_scale if q_scale is not None else _unit_scale(q_out.device),
-            all_q_rope,
+            ql_nope=ql_nope,
+            q_pe=q_pe,
+            kv_c=kv_c,
+            k_pe=k_pe,
+            kv_cache=kv_cache,
+            q_out=q_out,
+            slot_mapping=slot_mapping,
+            positions=positions,
+            cos_sin_cache=cos_sin_cache,
+            is_neox=is_neox,
+            k_scale=k_scale,
+            q_scale=q_scale if q_scale is not None else _unit_scale(q_out.device),
+            all_q_rope=all_q_rope,
         )
         return
     # Imported here: importing this module (and MLAAttention) needs no Triton.
-    from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_concat_and_cache
+    from vllm.v1.attention.ops import triton_mla_rope_cache
 
-    mla_rope_concat_and_cache(
+    triton_mla_rope_cache.mla_rope_concat_and_cache(
         ql_nope,
         q_pe,
         kv_c,
@@ -146,85 +206,26 @@ def _rope_concat_and_cache(
         k_scale=k_scale,
         q_out=q_out,
         q_scale=q_scale,
-        rows=rows,
     )
 
 
-def _rope_concat_and_cache_impl(
-    ql_nope: torch.Tensor,
+def mla_rope_and_cache(
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
     kv_cache: torch.Tensor,
-    q_out: torch.Tensor,
     slot_mapping: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    use_aiter: bool,
-    all_q_rope: bool,
 ) -> None:
-    _rope_concat_and_cache(
-        ql_nope,
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        q_out,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype,
-        k_scale,
-        q_scale,
-        use_aiter,
-        all_q_rope,
-    )
+    """Prefill form (torch.ops.vllm.mla_rope_and_cache): rotate q_pe and k_pe
+    in place and write the cache rows [kv_c | k_pe]."""
+    from vllm.v1.attention.ops import triton_mla_rope_cache
 
-
-def _rope_concat_and_cache_fake(
-    ql_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    q_out: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    use_aiter: bool,
-    all_q_rope: bool,
-) -> None:
-    return None
-
-
-def _rope_and_cache(
-    q_pe,
-    kv_c,
-    k_pe,
-    kv_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    is_neox,
-    kv_cache_dtype,
-    k_scale,
-    rows=None,
-) -> None:
-    """Prefill form: rotate q_pe and k_pe in place, write [kv_c | k_pe] rows
-    (parameters as torch.ops.vllm.mla_rope_and_cache, and ``rows`` as for the
-    decode form)."""
-    from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_and_cache
-
-    mla_rope_and_cache(
+    triton_mla_rope_cache.mla_rope_and_cache(
         q_pe,
         kv_c,
         k_pe,
@@ -235,62 +236,25 @@ def _rope_and_cache(
         is_neox,
         kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale,
-        rows=rows,
     )
 
 
-def _rope_and_cache_impl(
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-) -> None:
-    _rope_and_cache(
-        q_pe,
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        is_neox,
-        kv_cache_dtype,
-        k_scale,
-    )
-
-
-def _rope_and_cache_fake(
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-) -> None:
+def _writes_only_fake(*args, **kwargs) -> None:
+    """Both ops only write into their arguments (mutates_args)."""
     return None
 
 
 direct_register_custom_op(
     op_name="mla_rope_concat_and_cache",
-    op_func=_rope_concat_and_cache_impl,
+    op_func=mla_rope_concat_and_cache,
     mutates_args=["kv_cache", "q_out"],
-    fake_impl=_rope_concat_and_cache_fake,
+    fake_impl=_writes_only_fake,
 )
 direct_register_custom_op(
     op_name="mla_rope_and_cache",
-    op_func=_rope_and_cache_impl,
+    op_func=mla_rope_and_cache,
     mutates_args=["q_pe", "k_pe", "kv_cache"],
-    fake_impl=_rope_and_cache_fake,
+    fake_impl=_writes_only_fake,
 )
 
 
@@ -388,12 +352,6 @@ class MLARopeKVFusion:
             MLA_ROPE_CACHE_WARMUP.register_warmup(
                 self._warmup_geometry(layer, vllm_config), decode=not self.use_aiter
             )
-        # Both paths run the Triton kernel for prefill rows: a fused layer has
-        # Triton (the module itself imports without it).
-        from vllm.v1.attention.ops.triton_mla_rope_cache import mla_rope_step_rows
-
-        # The forward's rows, shared with the other layers of the same forward.
-        self._step_rows = mla_rope_step_rows
 
     @classmethod
     def for_layer(cls, layer, rotary_emb) -> "MLARopeKVFusion | None":
@@ -490,69 +448,62 @@ class MLARopeKVFusion:
         kv_cache: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor | None,
+        rows: MLARopeStepRows | None,
     ) -> "tuple[MLARopeKVStep | None, torch.Tensor]":
         """Start one forward over ``q.shape[0]`` tokens: (step, k_pe).
 
-        The step is None when there is no cache to write this time (no slot
-        mapping, cache not allocated): RoPE is then applied here, exactly as
-        the wrapper would have, and forward_impl continues on upstream's path.
+        ``rows``: the step's rows from the attention metadata.  The step is
+        None when there is no cache to write this time (no slot mapping,
+        cache not allocated): RoPE is then applied here from ``positions``,
+        exactly as the wrapper would have, and forward_impl continues on
+        upstream's path.
         """
-        num_tokens = q.shape[0]
         if slot_mapping is None or kv_cache.numel() == 0:
-            positions = positions[:num_tokens]
+            positions = positions[: q.shape[0]]
             nope = self.nope_dim
             q[..., nope:], k_pe = self.rotary_emb(positions, q[..., nope:], k_pe)
             return None, k_pe
-        rows = self._step_rows(
-            positions, slot_mapping, num_tokens, self.cos_sin_cache(kv_cache.device)
-        )
-        return MLARopeKVStep(self, layer, kv_cache, rows), k_pe
-
-
-class MLARopeKVStep:
-    """One forward of a fused layer: its cache and scale, and the rows."""
-
-    __slots__ = ("fusion", "kv_cache", "k_scale", "shared")
-
-    def __init__(self, fusion: MLARopeKVFusion, layer, kv_cache, shared):
-        self.fusion = fusion
-        self.kv_cache = kv_cache
-        self.k_scale = layer._k_scale
-        self.shared = shared
-
-    def prefill(
-        self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, start: int
-    ) -> None:
-        """Rows ``start:start + len(q)``: rotate q[..., P:] and k_pe in place
-        and write their cache rows."""
-        f = self.fusion
-        slots, positions, rows = self.shared.rows(start, start + q.shape[0])
-        if torch.compiler.is_compiling():
-            torch.ops.vllm.mla_rope_and_cache(
-                q[..., f.nope_dim :],
-                kv_c,
-                k_pe,
-                self.kv_cache,
-                slots,
-                positions,
-                self.shared.cos_sin_cache,
-                f.is_neox,
-                f.kv_cache_dtype,
-                self.k_scale,
+        if rows is None:
+            raise RuntimeError(
+                "MLA RoPE + KV-cache fusion: the attention metadata has no "
+                "mla_rope_rows; the model runner must set "
+                "CommonAttentionMetadata.positions"
             )
-            return
-        _rope_and_cache(
-            q[..., f.nope_dim :],
-            kv_c,
-            k_pe,
-            self.kv_cache,
-            slots,
-            positions,
-            self.shared.cos_sin_cache,
-            f.is_neox,
-            f.kv_cache_dtype,
-            self.k_scale,
-            rows,
+        return MLARopeKVStep(
+            fusion=self,
+            kv_cache=kv_cache,
+            k_scale=layer._k_scale,
+            cos_sin_cache=self.cos_sin_cache(kv_cache.device),
+            rows=rows,
+        ), k_pe
+
+
+@dataclass
+class MLARopeKVStep:
+    """One forward of a fused layer: its cache, scale and cos/sin, and the
+    step's rows."""
+
+    fusion: MLARopeKVFusion
+    kv_cache: torch.Tensor
+    k_scale: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    rows: MLARopeStepRows
+
+    def prefill(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """The prefill rows: rotate q[..., P:] and k_pe in place and write
+        their cache rows."""
+        f = self.fusion
+        torch.ops.vllm.mla_rope_and_cache(
+            q_pe=q[..., f.nope_dim :],
+            kv_c=kv_c,
+            k_pe=k_pe,
+            kv_cache=self.kv_cache,
+            slot_mapping=self.rows.prefill.slot_mapping,
+            positions=self.rows.prefill.positions,
+            cos_sin_cache=self.cos_sin_cache,
+            is_neox=f.is_neox,
+            kv_cache_dtype=f.kv_cache_dtype,
+            k_scale=self.k_scale,
         )
 
     def decode(
@@ -563,35 +514,29 @@ class MLARopeKVStep:
         k_pe: torch.Tensor,
         q_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The first ``len(ql_nope)`` rows: the MQA query [ql_nope | rope(q_pe)]
-        (fp8, / q_scale, when q_scale is given) and their cache rows."""
+        """The decode rows: the MQA query [ql_nope | rope(q_pe)] (fp8, /
+        q_scale, when q_scale is given) and their cache rows."""
         f = self.fusion
-        num_tokens = ql_nope.shape[0]
         q_out = f.q_out(
-            num_tokens,
+            ql_nope.shape[0],
             ql_nope.dtype if q_scale is None else f.fp8_dtype,
             ql_nope.device,
         )
-        slots, positions, rows = self.shared.rows(0, num_tokens)
-        args = (
-            ql_nope,
-            q_pe,
-            kv_c,
-            k_pe,
-            self.kv_cache,
-            q_out,
-            slots,
-            positions,
-            self.shared.cos_sin_cache,
-            f.is_neox,
-            f.kv_cache_dtype,
-            self.k_scale,
-            q_scale,
-            f.use_aiter,
-            f.decision.aiter_all_q_rope,
+        torch.ops.vllm.mla_rope_concat_and_cache(
+            ql_nope=ql_nope,
+            q_pe=q_pe,
+            kv_c=kv_c,
+            k_pe=k_pe,
+            kv_cache=self.kv_cache,
+            q_out=q_out,
+            slot_mapping=self.rows.decode.slot_mapping,
+            positions=self.rows.decode.positions,
+            cos_sin_cache=self.cos_sin_cache,
+            is_neox=f.is_neox,
+            kv_cache_dtype=f.kv_cache_dtype,
+            k_scale=self.k_scale,
+            q_scale=q_scale,
+            use_aiter=f.use_aiter,
+            all_q_rope=f.decision.aiter_all_q_rope,
         )
-        if torch.compiler.is_compiling():
-            torch.ops.vllm.mla_rope_concat_and_cache(*args)
-        else:
-            _rope_concat_and_cache(*args, rows)
         return q_out

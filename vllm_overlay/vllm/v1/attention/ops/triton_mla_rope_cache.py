@@ -25,35 +25,26 @@ e4m3 type or e5m2); with ``q_scale`` the decode form quantises ``q_out``
 likewise.  Scales are one-element fp32 tensors read on the device.
 
 Grid ``(token blocks, head blocks + 1)``, the last column the cache rows (and
-prefill's ``k_pe``); no FMA contraction, 64-bit offsets, no host sync.  Checks
-are cached (``cached_launch``); what every layer passes alike once per step
-(``rows=``, ``mla_rope_rows``).
+prefill's ``k_pe``); no FMA contraction, 64-bit offsets, no host sync.  A call
+checks the tensors it is given and launches; ``slot_mapping`` and
+``positions`` are a step's rows, whose index dtype, layout and device the
+caller checked once per step (``MLARopeStepRows`` in MLA's attention
+metadata): here only their lengths are checked, as they bound what the kernel
+reads.
 """
-
-from dataclasses import dataclass
 
 import torch
 
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
-from vllm.v1.attention.ops.triton_launcher import (
-    KernelLaunch,
-    OptionalTensors4,
-    Tensors3,
-    Tensors4,
-    cached_launch,
-)
 
 __all__ = [
-    "MLARopeRows",
-    "MLARopeStepRows",
+    "INDEX_DTYPES",
     "decode_q_out_dtype",
     "decode_q_out_shape",
     "mla_rope_and_cache",
     "mla_rope_concat_and_cache",
-    "mla_rope_rows",
-    "mla_rope_step_rows",
 ]
 
 # Elements of q (``BLOCK_T * BLOCK_H * row width``) one program moves: 16-byte
@@ -68,7 +59,8 @@ _MIN_TOKEN_BLOCKS = 128
 _BIG_TILE_ELEMS = 4096
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+# slot_mapping and positions (checked once per step, by their builder).
+INDEX_DTYPES = (torch.int32, torch.int64)
 _UNQUANTIZED_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 _E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 _E5M2_CACHE_DTYPES = ("fp8_e5m2",)
@@ -488,220 +480,181 @@ def _tile_config(
     return block_l, block_half, block_t, block_h, 8 if tile >= _BIG_TILE_ELEMS else 4
 
 
-@dataclass(frozen=True, eq=False)
-class _Rows:
-    """What the checks of the rows' metadata found; one per geometry (keyed by
-    identity)."""
-
-    index_dtypes: tuple  # slot_mapping's and positions'
-    num_slots: int
-    num_positions: int
-    rot_dim: int
-    stride_cs: int
-    device: torch.device
-    is_neox: bool
-    kv_cache_dtype: str
-
-
-@cached_launch
-def _check_rows(tensors: Tensors3, neox: bool, kv: str) -> _Rows:
-    slot_mapping, positions, cos_sin_cache = tensors
-    assert slot_mapping.dim() == positions.dim() == 1, "slot_mapping, positions: 1-D"
-    assert slot_mapping.is_contiguous() and positions.is_contiguous(), "strided"
-    cs_shape, cs_strides = cos_sin_cache.shape, cos_sin_cache.stride()
-    assert len(cs_shape) == 2 and cs_strides[1] == 1, "cos_sin_cache: [.., R]"
-    assert cos_sin_cache.dtype in _MODEL_DTYPES, "cos_sin_cache: a float type"
-    device = positions.device
-    assert slot_mapping.device == cos_sin_cache.device == device, "one device"
-    dtypes = (slot_mapping.dtype, positions.dtype)
-    sizes = (slot_mapping.shape[0], positions.shape[0], cs_shape[1], cs_strides[0])
-    return _Rows(dtypes, *sizes, device, bool(neox), kv)
-
-
-class MLARopeRows:
-    """One step's slot mapping, positions and cos/sin cache of a kind of rows,
-    checked once for calls passing these very tensors (``rows=``)."""
-
-    __slots__ = ("slot_mapping", "positions", "cos_sin_cache", "checked")
-
-    def __init__(self, slot_mapping, positions, cos_sin_cache):
-        self.slot_mapping = slot_mapping
-        self.positions = positions
-        self.cos_sin_cache = cos_sin_cache
-        self.checked: _Rows | None = None  # by the first call
-
-
-def mla_rope_rows(
-    slot_mapping: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> MLARopeRows:
-    """Bind one step's rows' metadata for every layer's call (``rows=``)."""
-    return MLARopeRows(slot_mapping, positions, cos_sin_cache)
-
-
-def _rows(slot_mapping, positions, cos_sin_cache, neox, kv, rows) -> _Rows:
-    """The shared arguments' checks (kept by ``rows`` holding these tensors)."""
-    shared = (slot_mapping, positions, cos_sin_cache)
-    mine = rows is not None and rows.slot_mapping is slot_mapping
-    mine = mine and rows.positions is positions and rows.cos_sin_cache is cos_sin_cache
-    if not mine:
-        return _check_rows(shared, neox, kv)
-    c = rows.checked
-    if c is None or (c.is_neox, c.kv_cache_dtype) != (neox, kv):
-        c = rows.checked = _check_rows(shared, neox, kv)
-    return c
-
-
-class MLARopeStepRows:
-    """What every fused layer of one forward shares: its positions, slot
-    mapping and cos/sin cache, and per kind of rows their slices and
-    ``MLARopeRows`` (made on first use).  From ``mla_rope_step_rows``."""
-
-    def __init__(self, positions, slot_mapping, num_tokens, cos_sin_cache):
-        self.given_positions, self.slot_mapping = positions, slot_mapping
-        self.num_tokens, self.cos_sin_cache = num_tokens, cos_sin_cache
-        self.positions = positions[:num_tokens]
-        self._rows: dict = {}
-
-    def rows(self, start: int, end: int) -> tuple:
-        """(slots, positions, MLARopeRows) of rows ``start:end``."""
-        rows = self._rows.get((start, end))
-        if rows is None:
-            slots, positions = self.slot_mapping[start:end], self.positions[start:end]
-            rows = (slots, positions, MLARopeRows(slots, positions, self.cos_sin_cache))
-            self._rows[(start, end)] = rows
-        return rows
-
-
-# The last forward's rows, found by the next layer of the same forward (eager
-# only: a traced forward has fake tensors).  Views only: safe in a capture.
-_LAST_STEP_ROWS: list = [None]
-
-
-def mla_rope_step_rows(
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_tokens: int,
-    cos_sin_cache: torch.Tensor,
-) -> MLARopeStepRows:
-    """The rows of a forward over ``num_tokens`` tokens: the previous call's
-    when it got these very tensors (the layers of one forward), else new
-    (always new while torch.compile traces)."""
-    args = (positions, slot_mapping, num_tokens, cos_sin_cache)
-    if torch.compiler.is_compiling():
-        return MLARopeStepRows(*args)
-    last = _LAST_STEP_ROWS[0]
-    same = last is not None and last.given_positions is positions
-    same = same and last.slot_mapping is slot_mapping and last.num_tokens == num_tokens
-    if not (same and last.cos_sin_cache is cos_sin_cache):
-        last = _LAST_STEP_ROWS[0] = MLARopeStepRows(*args)
-    return last
-
-
-def _check_scale(fn: str, name: str, scale) -> None:
+def _check_scale(fn: str, name: str, scale: torch.Tensor | None) -> None:
     dtype = getattr(scale, "dtype", type(scale).__name__)
-    if dtype != torch.float32 or scale.numel() != 1:
+    if dtype != torch.float32 or scale.numel() != 1:  # type: ignore[union-attr]
         raise TypeError(f"{fn}: {name} must be a one-element float32 tensor: {dtype}")
 
 
-def _cache_dtype(fn, kv_cache, kv_cache_dtype, dtype, k_scale):
-    """The dtype the kernel stores the cache as, and its fp8 bound (0: not fp8)."""
-    cache_dtype = kv_cache.dtype
+def _stored_cache_dtype(
+    fn: str,
+    kv_cache: torch.Tensor,
+    kv_cache_dtype: str,
+    model_dtype: torch.dtype,
+    k_scale: torch.Tensor | None,
+) -> torch.dtype:
+    """The dtype the kernel stores the cache rows as (an fp8 cache allocated
+    as uint8 is stored through its fp8 view)."""
     if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
-        if cache_dtype != dtype:
-            raise TypeError(f'{fn}: kv_cache_dtype "{kv_cache_dtype}" needs {dtype}')
-        return cache_dtype, 0.0
+        if kv_cache.dtype != model_dtype:
+            raise TypeError(
+                f'{fn}: kv_cache_dtype "{kv_cache_dtype}" needs a {model_dtype} cache'
+            )
+        return kv_cache.dtype
     if kv_cache_dtype in _E4M3_CACHE_DTYPES:
-        fp8s, default = _E4M3_DTYPES, current_platform.fp8_dtype()
+        fp8_dtypes, allocated_as = _E4M3_DTYPES, current_platform.fp8_dtype()
     elif kv_cache_dtype in _E5M2_CACHE_DTYPES:
-        fp8s, default = _E5M2_DTYPES, torch.float8_e5m2
+        fp8_dtypes, allocated_as = _E5M2_DTYPES, torch.float8_e5m2
     else:
         raise ValueError(f"{fn}: unsupported kv_cache_dtype {kv_cache_dtype!r}")
-    if cache_dtype == torch.uint8:
-        cache_dtype = default
-    if cache_dtype not in fp8s:
-        raise TypeError(f"{fn}: {kv_cache_dtype} needs a uint8 cache or one of {fp8s}")
+    stored = allocated_as if kv_cache.dtype == torch.uint8 else kv_cache.dtype
+    if stored not in fp8_dtypes:
+        raise TypeError(
+            f"{fn}: {kv_cache_dtype} needs a uint8 cache or one of {fp8_dtypes}"
+        )
     _check_scale(fn, "k_scale", k_scale)
-    return cache_dtype, _FP8_MAX[cache_dtype]
+    return stored
 
 
-def _check(fn, q_pe, kv_c, k_pe, kv_cache, rows, k_scale, *decode_args):
-    """Both forms' checks (decode: also ``ql_nope, q_out, q_scale``): the launch
-    (None: nothing to do), the cache's stored dtype and a new ``q_out``'s."""
-    decode = bool(decode_args)
-    ql_nope, q_out, q_scale = decode_args or (q_pe, q_pe, None)  # prefill: stand-ins
-    dtypes = (q_pe.dtype, kv_c.dtype, k_pe.dtype, ql_nope.dtype)
-    dtype = dtypes[0]
-    if dtype not in _MODEL_DTYPES or dtypes.count(dtype) != 4:
-        raise TypeError(f"{fn}: q_pe, kv_c, k_pe, ql_nope need one of {_MODEL_DTYPES}")
-    if not set(rows.index_dtypes) <= set(_INDEX_DTYPES):
-        raise TypeError(f"{fn}: slot_mapping and positions must be int32 or int64")
-    stored, kv_max = _cache_dtype(fn, kv_cache, rows.kv_cache_dtype, dtype, k_scale)
+def _check_and_launch(
+    fn: str,
+    *,
+    ql_nope: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    q_out: torch.Tensor | None,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Check one layer's tensors and launch either form (decode: ``ql_nope``
+    given; returns ``q_out``, new when None).  Everything that would make the
+    kernel read or write out of bounds is checked before the launch."""
+    decode = ql_nope is not None
+    model_dtype = q_pe.dtype
+    same = kv_c.dtype == k_pe.dtype == model_dtype
+    if (
+        model_dtype not in _MODEL_DTYPES
+        or not same
+        or (ql_nope is not None and ql_nope.dtype != model_dtype)
+    ):
+        raise TypeError(
+            f"{fn}: q_pe, kv_c, k_pe, ql_nope need one of {_MODEL_DTYPES}, all alike"
+        )
+    if cos_sin_cache.dtype not in _MODEL_DTYPES:
+        raise TypeError(f"{fn}: cos_sin_cache must be one of {_MODEL_DTYPES}")
+    stored = _stored_cache_dtype(fn, kv_cache, kv_cache_dtype, model_dtype, k_scale)
+    kv_fp8_max = _FP8_MAX.get(stored, 0.0)
+    if not kv_fp8_max:
+        k_scale = None  # not read
 
-    # Shapes and strides: what would make the kernel read or write out of bounds.
-    assert q_pe.dim() == 3, "q_pe must be [T, H, R]"
-    tokens, heads, rot_dim = q_pe.shape
-    assert kv_c.dim() == 2 and kv_c.shape[0] == tokens, "kv_c must be [T, L]"
+    assert q_pe.dim() == 3, f"{fn}: q_pe must be [T, H, R]"
+    num_tokens, num_heads, rot_dim = q_pe.shape
+    assert kv_c.dim() == 2 and kv_c.shape[0] == num_tokens, f"{fn}: kv_c: [T, L]"
     lora_rank = kv_c.shape[1]
     width = lora_rank + rot_dim
-    assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, "rotary dim must be even"
-    assert k_pe.shape in ((tokens, rot_dim), (tokens, 1, rot_dim)), "k_pe: [T(, 1), R]"
-    cache_shape = kv_cache.shape
-    assert len(cache_shape) == 3 and cache_shape[2] == width, "kv_cache: [.., L + R]"
-    assert rows.rot_dim == rot_dim, "cos_sin_cache: [.., R]"
-    assert rows.num_positions == tokens, "positions must be [T]"
-    assert rows.num_slots <= tokens, "slot_mapping: [S <= T]"
-    q_max = 0.0
-    out_dtype = decode_q_out_dtype(ql_nope, q_scale)
-    if decode:
-        assert ql_nope.shape == (tokens, heads, lora_rank), "ql_nope must be [T, H, L]"
-        if q_out is not None:
-            assert q_out.shape == (tokens, heads, width), "q_out must be [T, H, L + R]"
-        out = out_dtype if q_out is None else q_out.dtype
+    assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, (
+        f"{fn}: rotary dim must be even"
+    )
+    assert k_pe.shape in ((num_tokens, rot_dim), (num_tokens, 1, rot_dim)), (
+        f"{fn}: k_pe must be [T, R] or [T, 1, R]"
+    )
+    assert kv_cache.dim() == 3 and kv_cache.shape[2] == width, (
+        f"{fn}: kv_cache must be [num_blocks, block_size, L + R]"
+    )
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == rot_dim, (
+        f"{fn}: cos_sin_cache must be [max_pos, R]"
+    )
+    assert positions.shape == (num_tokens,), f"{fn}: positions must be [T]"
+    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] <= num_tokens, (
+        f"{fn}: slot_mapping: [S <= T]"
+    )
+    q_fp8_max = 0.0
+    # Strides of the decode form's ql_nope and q_out (the prefill form reads neither).
+    stride_qn = stride_qo = (0, 0, 1)
+    if ql_nope is not None:
+        assert ql_nope.shape == (num_tokens, num_heads, lora_rank), (
+            f"{fn}: ql_nope must be [T, H, L]"
+        )
+        if q_out is None:
+            q_out = ql_nope.new_empty(
+                (num_tokens, num_heads, width),
+                dtype=decode_q_out_dtype(ql_nope, q_scale),
+            )
+        assert q_out.shape == (num_tokens, num_heads, width), (
+            f"{fn}: q_out must be [T, H, L + R]"
+        )
         if q_scale is not None:
             _check_scale(fn, "q_scale", q_scale)
-            q_max = _FP8_MAX.get(out, 0.0)
-            if not q_max:
+            q_fp8_max = _FP8_MAX.get(q_out.dtype, 0.0)
+            if not q_fp8_max:
                 raise TypeError(f"{fn}: q_scale is given, so q_out must be fp8")
-        elif out != dtype:
-            raise TypeError(f"{fn}: q_out must be {dtype} (or fp8 with q_scale)")
-    on = (ql_nope, q_pe, q_out, kv_c, k_pe, kv_cache, k_scale, q_scale)
-    assert all(t is None or t.device == rows.device for t in on), "one device"
-    qn, qp, kc, kp = ql_nope.stride(), q_pe.stride(), kv_c.stride(), k_pe.stride()
-    qo = (heads * width, width, 1) if q_out is None else q_out.stride()
-    cs = kv_cache.stride()
-    assert qn[2] == qp[2] == qo[2] == kc[1] == kp[-1] == cs[2] == 1, "unit last stride"
-    if tokens == 0 or (decode and heads == 0):
-        return None, stored, out_dtype
-    tile = _tile_config(tokens, heads, lora_rank, rot_dim, decode)
-    block_l, block_half, block_t, block_h, warps = tile
-    grid = (cdiv(tokens, block_t), cdiv(heads, block_h) + 1)
-    sizes = (tokens, rows.num_slots, heads, cache_shape[1], qn[0], qn[1], qp[0], qp[1])
-    scalars = sizes + (qo[0], qo[1], kc[0], kp[0], cs[0], cs[1], rows.stride_cs)
-    dims = dict(L=lora_rank, HALF=rot_dim // 2, BLOCK_L=block_l, BLOCK_HALF=block_half)
-    blocks = dict(BLOCK_T=block_t, BLOCK_H=block_h, IS_NEOX=rows.is_neox, DECODE=decode)
-    flags = dict(Q_FP8_MAX=q_max, KV_FP8_MAX=kv_max, **dims, **blocks)
-    # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32 RoPE,
-    # and both forms (separately compiled) write identical bytes.
-    options = dict(num_warps=warps, enable_fp_fusion=False)
-    launch = KernelLaunch(_mla_rope_cache_kernel, grid, scalars, flags, **options)
-    return launch, stored, out_dtype
+        elif q_out.dtype != model_dtype:
+            raise TypeError(f"{fn}: q_out must be {model_dtype} (or fp8 with q_scale)")
+        stride_qn, stride_qo = ql_nope.stride(), q_out.stride()
+    device = q_pe.device
+    for t in (ql_nope, q_out, kv_c, k_pe, kv_cache, cos_sin_cache, k_scale, q_scale):
+        assert t is None or t.device == device, f"{fn}: tensors on two devices"
+    for t in (ql_nope, q_pe, q_out, kv_c, k_pe, kv_cache, cos_sin_cache):
+        assert t is None or t.stride(-1) == 1, f"{fn}: unit last stride"
+    if num_tokens == 0 or num_heads == 0:
+        return q_out
 
-
-# Each form's checks (decode: ql_nope, q_out, k_scale, q_scale; None: not read).
-@cached_launch
-def _mla_rope_concat_and_cache_launch(
-    inputs: Tensors4, rows: _Rows, decode: OptionalTensors4
-):
-    ql_nope, q_out, k_scale, q_scale = decode
-    args = (*inputs, rows, k_scale, ql_nope, q_out, q_scale)
-    return _check("mla_rope_concat_and_cache", *args)
-
-
-@cached_launch
-def _mla_rope_and_cache_launch(
-    inputs: Tensors4, rows: _Rows, k_scale: torch.Tensor | None
-):
-    return _check("mla_rope_and_cache", *inputs, rows, k_scale)
+    block_l, block_half, block_t, block_h, num_warps = _tile_config(
+        num_tokens, num_heads, lora_rank, rot_dim, decode
+    )
+    grid = (cdiv(num_tokens, block_t), cdiv(num_heads, block_h) + 1)
+    if kv_cache.dtype != stored:
+        kv_cache = kv_cache.view(stored)
+    _mla_rope_cache_kernel[grid](
+        ql_nope_ptr=ql_nope,
+        q_pe_ptr=q_pe,
+        q_out_ptr=q_out,
+        kv_c_ptr=kv_c,
+        k_pe_ptr=k_pe,
+        kv_cache_ptr=kv_cache,
+        slot_mapping_ptr=slot_mapping,
+        positions_ptr=positions,
+        cos_sin_ptr=cos_sin_cache,
+        k_scale_ptr=k_scale,
+        q_scale_ptr=q_scale,
+        num_tokens=num_tokens,
+        num_slots=slot_mapping.shape[0],
+        num_heads=num_heads,
+        block_size=kv_cache.shape[1],
+        stride_qn_t=stride_qn[0],
+        stride_qn_h=stride_qn[1],
+        stride_qp_t=q_pe.stride(0),
+        stride_qp_h=q_pe.stride(1),
+        stride_qo_t=stride_qo[0],
+        stride_qo_h=stride_qo[1],
+        stride_kvc_t=kv_c.stride(0),
+        stride_kpe_t=k_pe.stride(0),
+        stride_cache_b=kv_cache.stride(0),
+        stride_cache_s=kv_cache.stride(1),
+        stride_cs_p=cos_sin_cache.stride(0),
+        L=lora_rank,
+        HALF=rot_dim // 2,
+        BLOCK_L=block_l,
+        BLOCK_HALF=block_half,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        IS_NEOX=bool(is_neox),
+        DECODE=decode,
+        Q_FP8_MAX=q_fp8_max,
+        KV_FP8_MAX=kv_fp8_max,
+        num_warps=num_warps,
+        # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32
+        # RoPE, and both forms (compiled separately) write identical bytes.
+        enable_fp_fusion=False,
+    )
+    return q_out
 
 
 def mla_rope_concat_and_cache(
@@ -719,33 +672,30 @@ def mla_rope_concat_and_cache(
     k_scale: torch.Tensor | None = None,
     q_out: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
-    rows: MLARopeRows | None = None,
 ) -> torch.Tensor:
     """Decode form: ``q_out = [ql_nope | rope(q_pe)]`` and the cache write.
 
     Returns ``q_out`` (the given one, or a new ``decode_q_out_dtype`` tensor);
     with ``q_scale`` it is fp8, divided by ``q_scale``.  Inputs are not
     modified; rows of padded tokens in ``q_out`` are computed all the same.
-    ``rows``: this step's ``mla_rope_rows(slot_mapping, positions,
-    cos_sin_cache)``, checked once for every layer.
     """
-    meta = _rows(slot_mapping, positions, cos_sin_cache, is_neox, kv_cache_dtype, rows)
-    if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
-        k_scale = None  # not read
-    inputs, decode = (q_pe, kv_c, k_pe, kv_cache), (ql_nope, q_out, k_scale, q_scale)
-    launch, cache_dtype, q_out_dtype = _mla_rope_concat_and_cache_launch(
-        inputs, meta, decode
+    q_out = _check_and_launch(
+        "mla_rope_concat_and_cache",
+        ql_nope=ql_nope,
+        q_pe=q_pe,
+        q_out=q_out,
+        kv_c=kv_c,
+        k_pe=k_pe,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        is_neox=is_neox,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
+        q_scale=q_scale,
     )
-    if q_out is None:
-        q_out = ql_nope.new_empty(decode_q_out_shape(ql_nope, q_pe), dtype=q_out_dtype)
-    if launch is not None:
-        # An fp8 cache allocated as uint8 is stored through its fp8 view.
-        if kv_cache.dtype is not cache_dtype:
-            kv_cache = kv_cache.view(cache_dtype)
-        k_scale = positions if k_scale is None else k_scale  # stand-ins
-        q_scale = positions if q_scale is None else q_scale
-        tensors = (ql_nope, q_pe, q_out, kv_c, k_pe, kv_cache, slot_mapping, positions)
-        launch(*tensors, cos_sin_cache, k_scale, q_scale)
+    assert q_out is not None
     return q_out
 
 
@@ -761,21 +711,25 @@ def mla_rope_and_cache(
     *,
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | None = None,
-    rows: MLARopeRows | None = None,
 ) -> None:
     """Prefill form: rotate ``q_pe`` and ``k_pe`` in place and write the cache.
 
     Every one of the ``T`` tokens is rotated; only tokens with a slot ``>= 0``
-    are written to the cache.  ``rows`` as for ``mla_rope_concat_and_cache``.
+    are written to the cache.
     """
-    meta = _rows(slot_mapping, positions, cos_sin_cache, is_neox, kv_cache_dtype, rows)
-    if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
-        k_scale = None  # not read
-    inputs = (q_pe, kv_c, k_pe, kv_cache)
-    launch, cache_dtype, _ = _mla_rope_and_cache_launch(inputs, meta, k_scale)
-    if launch is not None:
-        if kv_cache.dtype is not cache_dtype:
-            kv_cache = kv_cache.view(cache_dtype)
-        tensors = (q_pe, q_pe, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions)
-        k_scale = positions if k_scale is None else k_scale
-        launch(*tensors, cos_sin_cache, k_scale, positions)
+    _check_and_launch(
+        "mla_rope_and_cache",
+        ql_nope=None,
+        q_pe=q_pe,
+        q_out=None,
+        kv_c=kv_c,
+        k_pe=k_pe,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        is_neox=is_neox,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
+        q_scale=None,
+    )

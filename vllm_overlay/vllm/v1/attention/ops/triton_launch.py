@@ -120,6 +120,17 @@ class KernelCall:
             args[index[name]] = tensor
         compiled[self.grid](*args)
 
+    def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
+        """Compile without launching (``JITFunction.warmup``, for vLLM's JIT
+        warmup): the tensors named in ``storage_bytes`` stand in as pointers
+        into storage of that many bytes (what AMD's buffer ops specialise on),
+        e.g. the KV cache pool, which a warmup does not allocate."""
+        args = {
+            name: t if name not in storage_bytes else _Pointer(t, storage_bytes[name])
+            for name, t in tensors.items()
+        }
+        self.kernel.warmup(**self.fixed, **args, grid=self.grid)
+
     def variant(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
         """The per-call guard (None: launch through ``kernel[grid]``)."""
         if tensors.keys() != self._tensor_names:
@@ -141,3 +152,17 @@ class KernelCall:
         )
         device = triton.runtime.driver.active.get_current_device()
         return (self._key, tuple(tensors), dtypes, aligned, within, device)
+
+
+class _Pointer:
+    """A 16-byte aligned pointer of ``t``'s dtype into ``nbytes`` of storage."""
+
+    def __init__(self, t: torch.Tensor, nbytes: int) -> None:
+        self.dtype = t.dtype
+        self._nbytes = nbytes
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def ptr_range(self) -> int:
+        return self._nbytes

@@ -470,7 +470,7 @@ def fetch_kv_plan(
     table = None
     if build_table and out is None:
         table = block_table.new_empty((num_items, width), dtype=torch.int32)
-    elif build_table:
+    elif build_table and out is not None:
         if not (
             out.dtype == torch.int32
             and out.shape[0] >= num_items
@@ -685,8 +685,14 @@ def fetch_kv(
     assert key_out.device == value_out.device == device, f"{fn}: output device"
     if plan.table is not None and num_blocks > _INT32_MAX:
         raise ValueError(f"{fn}: a plan holds int32 block ids")
-    geometry = (key_cache.stride(), value_cache.stride())
-    geometry += (key_out.stride(), value_out.stride(), cache_dtype, out_dtype)
+    geometry = (
+        key_cache.stride(),
+        value_cache.stride(),
+        key_out.stride(),
+        value_out.stride(),
+        cache_dtype,
+        out_dtype,
+    )
     copy = plan.copies.get(geometry)
     if copy is None:  # this step's first layer of this geometry
         _check_layer_geometry(plan, key_cache, value_cache, key_out)

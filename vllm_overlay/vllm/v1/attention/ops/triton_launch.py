@@ -81,12 +81,12 @@ class KernelCall:
         self.kernel = kernel
         self.grid = tuple(grid)
         self.fixed = fixed
-        names = getattr(kernel, "arg_names", None)
-        params = getattr(kernel, "params", None)
+        names: list[str] = list(getattr(kernel, "arg_names", None) or ())
+        params: list[Any] = list(getattr(kernel, "params", None) or ())
         self._relaunch = (
             isinstance(kernel, getattr(triton.runtime, "JITFunction", ()))
-            and names is not None
-            and params is not None
+            and bool(names)
+            and len(params) == len(names)
             and relaunch_supported()[0]
         )
         if not self._relaunch:
@@ -111,7 +111,8 @@ class KernelCall:
         compiled = _COMPILED.get(key) if key is not None else None
         if compiled is None:
             compiled = self.kernel[self.grid](**self.fixed, **tensors)
-            if None not in (key, compiled) and len(_COMPILED) < _MAX_COMPILED:
+            full = len(_COMPILED) >= _MAX_COMPILED
+            if key is not None and compiled is not None and not full:
                 _COMPILED[key] = compiled
             return
         args = self._args.copy()

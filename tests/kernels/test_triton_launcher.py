@@ -23,7 +23,6 @@ import pytest
 import torch
 import triton
 from vllm.v1.attention.ops import triton_launcher as tl_launch
-from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv, fetch_kv_plan
 from vllm.v1.attention.ops.triton_launcher import KernelLaunch
 from vllm.v1.attention.ops.triton_mla_rope_cache import (
     mla_rope_and_cache,
@@ -34,7 +33,6 @@ from vllm.v1.attention.ops.triton_paged_context_attention import (
     paged_context_workspace,
 )
 
-import test_triton_fetch_kv as fk_tests  # noqa: E402  (sibling test module)
 import test_triton_mla_rope_cache as mla_tests  # noqa: E402
 import test_triton_paged_context_attention as pca_tests  # noqa: E402
 
@@ -276,66 +274,6 @@ CPU_TABLES = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the error tables build CPU tensors")
 
 
-def _fetch_kv_cases():
-    return [(c[0], c[1], c[2], c[3]) for c in fk_tests.INVALID]
-
-
-@pytest.mark.parametrize("name,make_args,exc,match", _fetch_kv_cases(),
-                         ids=[c[0] for c in fk_tests.INVALID])
-@CPU_TABLES
-def test_fetch_kv_bad_input_after_a_good_call_raises_the_same_error(name, make_args, exc, match):
-    fetch_kv(**fk_tests._valid_args())
-    before = _cache_sizes()
-    with pytest.raises(exc, match=match):
-        fetch_kv(**make_args())
-    if name.startswith("fp8_"):
-        # An fp8 cache's scales are checked on every call, after the cached
-        # launch checks: a launch of good geometry is kept, and the next call
-        # (a hit) raises again.
-        with pytest.raises(exc, match=match):
-            fetch_kv(**make_args())
-        return
-    assert _cache_sizes() == before, "a rejected call must not be cached"
-
-
-@CPU_TABLES
-def test_fetch_kv_plan_bad_input_after_a_good_call_raises_the_same_error():
-    good = {"block_table": torch.ones(1, 2, dtype=torch.int32),
-            "cu_seqlens_kv": torch.tensor([0, 8], dtype=torch.int32),
-            "seq_starts": torch.zeros(1, dtype=torch.int32),
-            "num_tokens": 8, "block_size": 16, "head_size": 64, "cache_dtype": torch.float16}
-    fetch_kv_plan(**good)
-    for edits, exc, match in [c[1:] for c in fk_tests.PLAN_INVALID]:
-        with pytest.raises(exc, match=match):
-            fetch_kv_plan(**{**good, **edits})
-
-
-def test_fetch_kv_with_a_plan_checks_the_plan_on_every_key(device):
-    args = fk_tests._valid_args(device)
-    fetch_kv(**args, plan=fk_tests._plan_for(device))
-    for overrides, edits, exc, match in [c[1:] for c in fk_tests.PLAN_MISMATCHES]:
-        plan = "plan" if overrides is None else fk_tests._plan_for(device, **overrides)
-        call = dict(args)
-        for key, fn in edits.items():
-            call[key] = fn(call)
-        with pytest.raises(exc, match=match):
-            fetch_kv(**call, plan=plan)
-
-
-def test_fetch_kv_changed_stride_misses_the_cache_and_is_checked(device):
-    args = fk_tests._valid_args(device)
-    fetch_kv(**args)
-    fetch_kv(**fk_tests._valid_args(device))  # same key (new tensors): a hit
-    before = _cache_sizes()
-    # Same shapes, other strides: a transposed-back cache view (SHUFFLE needs dense blocks).
-    kc = torch.zeros(4, 2, 16, 64, dtype=torch.float16, device=device).transpose(1, 2)
-    with pytest.raises(ValueError, match="dense"):
-        fetch_kv(**{**args, "key_cache": kc, "value_cache": kc.clone(),
-                    "kv_cache_layout": "SHUFFLE"})
-    fetch_kv(**{**args, "key_cache": kc, "value_cache": kc.clone()})  # valid NHD: new key
-    assert sum(_cache_sizes()) == sum(before) + 1
-
-
 @pytest.mark.parametrize("idx", range(22))
 def test_paged_context_bad_input_after_a_good_call_raises_the_same_error(idx, device):
     name, kwargs, exc = pca_tests._bad_args(device)[idx]
@@ -498,16 +436,6 @@ def _assert_same(outs):
         assert torch.equal(_bits(a), _bits(c)) and torch.equal(_bits(b), _bits(c))
 
 
-@pytest.mark.parametrize("path", ["lookup", "plan"])
-def test_fetch_kv_cached_path_is_bit_identical(path, device, monkeypatch):
-    case = fk_tests.CPU_CASES[3]  # many requests, ragged
-
-    def run():
-        return fk_tests.run_case(case, device, path=path)
-
-    _assert_same(_twice_and_plain(run, monkeypatch))
-
-
 @pytest.mark.parametrize("num_splits,workspace", [(None, False), (2, False), (2, True)])
 def test_paged_context_cached_path_is_bit_identical(num_splits, workspace, device,
                                                     monkeypatch):
@@ -564,46 +492,6 @@ def test_paged_context_workspace_must_match_the_call(device):
 
 
 # ------------------------------------------------------------ GPU: the kernel Triton picks
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned_outputs"])
-def test_direct_launch_uses_the_kernel_triton_picks(offset, device, monkeypatch):
-    """For every alignment pattern, the compiled kernel a hit launches is the one
-    JITFunction.run would pick (kernel.warmup), and the outputs match the plain path."""
-    from vllm.v1.attention.ops import triton_fetch_kv as module
-
-    case = fk_tests.CPU_CASES[1]  # fp16, ragged start
-    gen = torch.Generator().manual_seed(case.seed)
-    table, num_blocks = fk_tests.make_block_table(case.lens, case.starts, case.block_size,
-                                                  case.extra_blocks, gen)
-    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_size)
-    kc = torch.randn(shape, device=device, dtype=case.cache_dtype)
-    vc = torch.randn(shape, device=device, dtype=case.cache_dtype)
-    cu = torch.tensor([0] + case.lens, device=device).cumsum(0).to(torch.int32)
-    starts = torch.tensor(case.starts, dtype=torch.int32, device=device)
-    table = table.to(device)
-    total = int(cu[-1])
-    outs = []
-    for enabled in (True, True, False):
-        monkeypatch.setattr(tl_launch, "ENABLED", enabled)
-        flat = torch.zeros(2, (total + 1) * case.num_kv_heads * case.head_size + 8,
-                           device=device, dtype=case.cache_dtype)
-        n = total * case.num_kv_heads * case.head_size
-        ko = flat[0, offset:offset + n].view(total, case.num_kv_heads, case.head_size)
-        vo = flat[1, offset:offset + n].view(total, case.num_kv_heads, case.head_size)
-        fetch_kv(kc, vc, ko, vo, table, cu, starts)
-        outs.append((ko.clone(), vo.clone()))
-        if enabled:
-            ((launch, _),) = module._fetch_kv_launch.cache.values()
-            tensors = (kc, vc, ko, vo, table, cu, starts, cu, cu, cu)
-            picked = launch.kernel.warmup(*tensors, *launch.scalars, grid=launch.grid,
-                                          **launch.constexprs, **launch.options)
-            functions = {after[0] for _, after, _ in launch._compiled.values()}
-            assert picked.function in functions
-    torch.cuda.synchronize()
-    for k in range(2):
-        assert torch.equal(outs[0][k], outs[2][k]) and torch.equal(outs[1][k], outs[2][k])
 
 
 def test_paged_context_workspace_call_checks_its_metadata(device):

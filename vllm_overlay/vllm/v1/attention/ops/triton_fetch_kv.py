@@ -16,18 +16,13 @@ moves a (page, head) tile a side, or several pages when they are small; request
 """
 
 import functools
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import next_power_of_2
-from vllm.v1.attention.ops.triton_launcher import (
-    KernelLaunch,
-    Tensors3,
-    Tensors4,
-    cached_launch,
-)
+from vllm.v1.attention.ops.triton_launch import KernelCall
 
 __all__ = ["FetchKVPlan", "fetch_kv", "fetch_kv_plan"]
 
@@ -48,17 +43,6 @@ _FP8_DTYPES: tuple = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e
 _FP8_DTYPES += (torch.float8_e5m2fnuz,)
 _DEQUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class FetchKVPlan(NamedTuple):
-    """``fetch_kv_plan``'s int32 ``table`` and the values it was built for."""
-
-    table: torch.Tensor
-    block_size: int
-    pages_per_program: int
-    num_tokens: int  # upper bound on cu_seqlens_kv[-1] the plan covers
-    num_reqs: int
-    num_items: int  # the table's rows
 
 
 @triton.jit
@@ -400,67 +384,31 @@ def _req_step(num_reqs: int) -> int:
     return min(step, _MAX_REQ_STEP)
 
 
-def _check_metadata(fn, meta, device) -> int:
-    """The request metadata's dtypes, shapes and device; the request count."""
-    block_table, cu_seqlens_kv, seq_starts = meta
-    for name, t in (("block_table", block_table), ("cu_seqlens_kv", cu_seqlens_kv)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
-            raise TypeError(f"{fn}: {name} must be an int32 or int64 tensor")
-    if seq_starts.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{fn}: seq_starts must be an int32 or int64 tensor")
-    (num_reqs,) = seq_starts.shape
-    assert cu_seqlens_kv.shape == (num_reqs + 1,), f"{fn}: cu_seqlens_kv length"
-    assert block_table.dim() == 2, f"{fn}: block_table must be 2-D"
-    assert block_table.shape[0] >= num_reqs, f"{fn}: block_table has too few rows"
-    device = device or seq_starts.device
-    if not block_table.device == cu_seqlens_kv.device == seq_starts.device == device:
-        raise ValueError(f"{fn}: the request metadata must be on {device}")
-    return num_reqs
+@dataclass
+class FetchKVPlan:
+    """One batch's ``fetch_kv`` work, built once per step (``fetch_kv_plan``)
+    and passed to every layer's ``fetch_kv``.
 
+    ``table``: the int32 work-item rows (``None``: the copy finds each item's
+    request itself, from the metadata); the sizes and dtypes are what the
+    layers' tensors are checked against; ``copies``: the copy launch of each
+    layer geometry (cache and output strides, heads) met in this step.
+    """
 
-@cached_launch
-def _fetch_kv_plan_launch(
-    meta: Tensors3,
-    sizes: tuple[int, ...],
-    dtypes: tuple[torch.dtype | None, ...],
-    layout: str,
-    out: torch.Tensor | None,
-):
-    """fetch_kv_plan's checks; (num_items, width, pages per program, launch)."""
-    fn, (num_tokens, block_size, head_size) = "fetch_kv_plan", sizes
-    cache_dtype, out_dtype = dtypes[0], dtypes[1] or dtypes[0]
-    if layout not in ("NHD", "SHUFFLE"):
-        raise ValueError(f"{fn}: unknown kv_cache_layout {layout!r}")
-    if block_size <= 0 or block_size & (block_size - 1):
-        raise ValueError(f"{fn}: block_size must be a power of two, got {block_size}")
-    if not 0 <= num_tokens <= _INT32_MAX:
-        raise ValueError(f"{fn}: num_tokens {num_tokens} out of range")
-    if not isinstance(cache_dtype, torch.dtype) or not isinstance(
-        out_dtype, torch.dtype
-    ):
-        raise TypeError(f"{fn}: cache_dtype and out_dtype must be torch dtypes")
-    num_reqs = _check_metadata(fn, meta, None)
-    sizes = (cache_dtype.itemsize, out_dtype.itemsize)
-    ppp = _pages_per_program(block_size, head_size, *sizes, layout != "NHD")
-    num_items = num_tokens // (ppp * block_size) + 2 * num_reqs
-    width = _plan_width(ppp)
-    if out is not None and not (
-        out.dtype == torch.int32
-        and out.shape[0] >= num_items
-        and out.shape[1:] == (width,)
-    ):
-        raise ValueError(f"{fn}: out must be int32 [>= {num_items}, {width}]")
-    assert out is None or out.stride() == (width, 1), f"{fn}: out rows must be dense"
-    if not num_items:
-        return num_items, width, ppp, None
-    scalars = (num_reqs, *meta[0].stride(), *meta[1].stride(), *meta[2].stride())
-    constexprs = dict(PAGE=block_size, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=width)
-    constexprs.update(PLAN_HEADER=_PLAN_HEADER, REQ_STEP=_req_step(num_reqs))
-    grid, warps = (num_items,), _PLAN_NUM_WARPS
-    launch = KernelLaunch(
-        _fetch_kv_plan_kernel, grid, scalars, constexprs, num_warps=warps
-    )
-    return num_items, width, ppp, launch
+    block_table: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    seq_starts: torch.Tensor
+    table: torch.Tensor | None
+    num_tokens: int  # upper bound on cu_seqlens_kv[-1]
+    num_reqs: int
+    num_items: int
+    block_size: int
+    head_size: int
+    cache_dtype: torch.dtype
+    out_dtype: torch.dtype
+    kv_cache_layout: str
+    pages_per_program: int
+    copies: dict[tuple, KernelCall] = field(default_factory=dict, repr=False)
 
 
 def fetch_kv_plan(
@@ -475,116 +423,190 @@ def fetch_kv_plan(
     out_dtype: torch.dtype | None = None,
     kv_cache_layout: str = "NHD",
     out: torch.Tensor | None = None,
+    build_table: bool = True,
 ) -> FetchKVPlan:
-    """Precompute ``fetch_kv``'s work items for one batch (graph-capturable).
+    """Check one batch's metadata and precompute ``fetch_kv``'s work items
+    (graph-capturable, no host sync).
 
     For the ``fetch_kv`` calls with these metadata values, ``num_tokens`` (a
-    bound on ``cu_seqlens_kv[-1]``), block size, head size, dtype sizes and
-    layout.  ``out``: an int32 buffer (a larger plan's table) to use.
+    bound on ``cu_seqlens_kv[-1]``), block size, head size, dtypes and layout.
+    ``out``: an int32 buffer (a larger plan's table) to use.
+    ``build_table=False``: launch nothing; the copies look their items up.
     """
-    meta = (block_table, cu_seqlens_kv, seq_starts)
-    sizes, dtypes = (num_tokens, block_size, head_size), (cache_dtype, out_dtype)
-    num_items, width, ppp, launch = _fetch_kv_plan_launch(
-        meta, sizes, dtypes, kv_cache_layout, out
-    )
-    if out is None:
-        table = block_table.new_empty((num_items, width), dtype=torch.int32)
-    else:
-        table = out[:num_items]
-    if launch is not None:
-        launch(table, *meta)
+    fn = "fetch_kv_plan"
+    out_dtype = out_dtype or cache_dtype
+    if kv_cache_layout not in ("NHD", "SHUFFLE"):
+        raise ValueError(f"{fn}: unknown kv_cache_layout {kv_cache_layout!r}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"{fn}: block_size must be a power of two, got {block_size}")
+    if not 0 <= num_tokens <= _INT32_MAX:
+        raise ValueError(f"{fn}: num_tokens {num_tokens} out of range")
+    # (The dtypes only size the work items: each layer's are checked by
+    # fetch_kv, the cache often being a uint8 allocation viewed as fp8.)
+    for name, t in (
+        ("block_table", block_table),
+        ("cu_seqlens_kv", cu_seqlens_kv),
+        ("seq_starts", seq_starts),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"{fn}: {name} must be an int32 or int64 tensor")
     (num_reqs,) = seq_starts.shape
-    return FetchKVPlan(table, block_size, ppp, num_tokens, num_reqs, num_items)
+    assert cu_seqlens_kv.shape == (num_reqs + 1,), f"{fn}: cu_seqlens_kv length"
+    assert block_table.dim() == 2, f"{fn}: block_table must be 2-D"
+    assert block_table.shape[0] >= num_reqs, f"{fn}: block_table has too few rows"
+    device = seq_starts.device
+    if not block_table.device == cu_seqlens_kv.device == device:
+        raise ValueError(f"{fn}: the request metadata must be on {device}")
+
+    pages_per_program = _pages_per_program(
+        block_size,
+        head_size,
+        cache_dtype.itemsize,
+        out_dtype.itemsize,
+        kv_cache_layout != "NHD",
+    )
+    num_items = num_tokens // (pages_per_program * block_size) + 2 * num_reqs
+    width = _plan_width(pages_per_program)
+    table = None
+    if build_table and out is None:
+        table = block_table.new_empty((num_items, width), dtype=torch.int32)
+    elif build_table and out is not None:
+        if not (
+            out.dtype == torch.int32
+            and out.shape[0] >= num_items
+            and out.shape[1:] == (width,)
+        ):
+            raise ValueError(f"{fn}: out must be int32 [>= {num_items}, {width}]")
+        assert out.stride() == (width, 1), f"{fn}: out rows must be dense"
+        table = out[:num_items]
+    if table is not None and num_items:
+        plan_rows = KernelCall(
+            _fetch_kv_plan_kernel,
+            (num_items,),
+            num_reqs=num_reqs,
+            stride_bt_req=block_table.stride(0),
+            stride_bt_blk=block_table.stride(1),
+            stride_cu=cu_seqlens_kv.stride(0),
+            stride_ss=seq_starts.stride(0),
+            PAGE=block_size,
+            PAGES_PER_PROGRAM=pages_per_program,
+            PLAN_WIDTH=width,
+            PLAN_HEADER=_PLAN_HEADER,
+            REQ_STEP=_req_step(num_reqs),
+            num_warps=_PLAN_NUM_WARPS,
+        )
+        plan_rows(
+            plan_ptr=table,
+            block_table_ptr=block_table,
+            cu_seqlens_ptr=cu_seqlens_kv,
+            seq_starts_ptr=seq_starts,
+        )
+    return FetchKVPlan(
+        block_table=block_table,
+        cu_seqlens_kv=cu_seqlens_kv,
+        seq_starts=seq_starts,
+        table=table,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_items=num_items,
+        block_size=block_size,
+        head_size=head_size,
+        cache_dtype=cache_dtype,
+        out_dtype=out_dtype,
+        kv_cache_layout=kv_cache_layout,
+        pages_per_program=pages_per_program,
+    )
 
 
-def _one_element(scale) -> bool:
-    return isinstance(scale, torch.Tensor) and scale.numel() == 1
-
-
-@cached_launch
-def _fetch_kv_launch(
-    kv: Tensors4,
-    meta: Tensors3 | None,
-    kv_cache_layout: str,
-    max_num_tokens: int | None,
-    plan: tuple[int, ...] | None,
-):
-    """fetch_kv's checks; its launch (None: nothing to fetch) and whether it
-    dequantises.  With a plan (its values but the table, and the batch size)
-    there are no metadata (None)."""
-    key_cache, value_cache, key_out, value_out = kv
-    num_blocks, page, num_kv_heads, head_size = key_cache.shape
-    num_tokens, out_heads, out_d = key_out.shape
-    cache_dtype, out_dtype = key_cache.dtype, key_out.dtype
-    cache_size, out_size = cache_dtype.itemsize, out_dtype.itemsize
-    kc_strides, vc_strides = key_cache.stride(), value_cache.stride()
-    assert value_cache.shape == key_cache.shape, "fetch_kv: K/V cache shapes differ"
-    assert value_out.shape == key_out.shape, "fetch_kv: K/V output shapes differ"
-    assert (out_heads, out_d) == (num_kv_heads, head_size), "fetch_kv: output H, D"
-    if value_cache.dtype != cache_dtype or value_out.dtype != out_dtype:
-        raise TypeError("fetch_kv: K and V must have the same cache and output dtypes")
-    dequant = cache_dtype != out_dtype
-    if dequant and not (cache_dtype in _FP8_DTYPES and out_dtype in _DEQUANT_DTYPES):
+def _check_layer_geometry(plan: FetchKVPlan, key_cache, value_cache, key_out):
+    """What a layer's dtypes and strides must be for ``plan``'s work items."""
+    fn = "fetch_kv"
+    cache_dtype = key_cache.dtype
+    out_dtype = key_out.dtype
+    if cache_dtype != out_dtype and not (
+        cache_dtype in _FP8_DTYPES and out_dtype in _DEQUANT_DTYPES
+    ):
         raise TypeError(
-            f"fetch_kv: cannot fetch a {cache_dtype} cache into {out_dtype}: the "
+            f"{fn}: cannot fetch a {cache_dtype} cache into {out_dtype}: the "
             "dtypes must match, or the cache be fp8 (not uint8) and the outputs float"
         )
-    if page & (page - 1):
-        raise ValueError(f"fetch_kv: block_size must be a power of two, got {page}")
-    shuffle = kv_cache_layout == "SHUFFLE"
-    if not shuffle and kv_cache_layout != "NHD":
-        raise ValueError(f"fetch_kv: unknown kv_cache_layout {kv_cache_layout!r}")
-    x = _VECTOR_BYTES // cache_size if shuffle else 1
-    dense = (num_kv_heads * head_size, head_size, 1)
-    if shuffle and (
-        head_size % x or page % x or kc_strides[1:] != dense or vc_strides[1:] != dense
-    ):
+    shuffle = plan.kv_cache_layout == "SHUFFLE"
+    pages_per_program = _pages_per_program(
+        plan.block_size,
+        plan.head_size,
+        cache_dtype.itemsize,
+        out_dtype.itemsize,
+        shuffle,
+    )
+    if pages_per_program != plan.pages_per_program:
         raise ValueError(
-            "fetch_kv: SHUFFLE needs dense cache blocks (strides [*, H * D, D, 1]) "
-            f"and head_size and block_size multiples of x = {x}"
+            f"{fn}: a plan for {plan.pages_per_program} pages per program; "
+            f"{cache_dtype} into {out_dtype} needs {pages_per_program}"
         )
-    if max_num_tokens is not None and not 0 <= max_num_tokens <= num_tokens:
-        raise ValueError(f"fetch_kv: max_num_tokens {max_num_tokens} out of range")
-    device = key_cache.device
-    assert device == value_cache.device == key_out.device == value_out.device
-    ppp = _pages_per_program(page, head_size, cache_size, out_size, shuffle)
-    if plan is None:
-        assert meta is not None, "fetch_kv: no request metadata"
-        block_table, cu_seqlens_kv, seq_starts = meta
-        num_reqs = _check_metadata("fetch_kv", meta, device)
-        num_tokens = num_tokens if max_num_tokens is None else max_num_tokens
-        num_items = num_tokens // (ppp * page) + 2 * num_reqs
-        meta_strides = (*block_table.stride(), *cu_seqlens_kv.stride())
-        meta_strides += seq_starts.stride()
-    else:
-        block_size, plan_ppp, plan_tokens, plan_reqs, num_items, num_reqs = plan
-        built = (block_size, plan_ppp, plan_reqs)
+    if shuffle:
+        _, block_size, num_kv_heads, head_size = key_cache.shape
+        x = _VECTOR_BYTES // cache_dtype.itemsize
+        dense = (num_kv_heads * head_size, head_size, 1)
         if (
-            built != (page, ppp, num_reqs)
-            or plan_tokens > num_tokens
-            or max_num_tokens not in (None, plan_tokens)
-            or num_blocks > _INT32_MAX  # the plan holds int32 block ids
+            head_size % x
+            or block_size % x
+            or not (key_cache.stride()[1:] == value_cache.stride()[1:] == dense)
         ):
             raise ValueError(
-                f"fetch_kv: a plan for (block size, pages/program, requests) {built} "
-                f"and {plan_tokens} tokens; the call needs {(page, ppp, num_reqs)} "
-                f"and <= {num_tokens} (max_num_tokens {max_num_tokens})"
+                f"{fn}: SHUFFLE needs dense cache blocks (strides [*, H * D, "
+                f"D, 1]) and head_size and block_size multiples of x = {x}"
             )
-        num_tokens = plan_tokens
-        meta_strides = (0, 0, 0, 0)  # not read: the kernel reads the plan
-    if num_tokens == 0 or num_reqs == 0:
-        return None, dequant
-    scalars = (num_reqs, num_kv_heads, *meta_strides, *kc_strides, *vc_strides)
-    scalars += (*key_out.stride(), *value_out.stride())
+
+
+def _copy_call(plan: FetchKVPlan, key_cache, value_cache, key_out, value_out):
+    """The copy launch for one layer geometry of ``plan``'s step."""
+    num_kv_heads = key_cache.shape[2]
+    shuffle = plan.kv_cache_layout == "SHUFFLE"
+    cache_size = key_cache.dtype.itemsize
+    out_size = key_out.dtype.itemsize
+    rows = plan.pages_per_program * plan.block_size
     warp_size = _gpu_warp_size() if key_cache.is_cuda else 32
-    constexprs = dict(HEAD_SIZE=head_size, BLOCK_D=next_power_of_2(head_size))
-    constexprs.update(PAGE=page, PAGES_PER_PROGRAM=ppp, SHUFFLE=shuffle, X=x)
-    constexprs.update(DEQUANT=dequant, PLAN=plan is not None, PLAN_HEADER=_PLAN_HEADER)
-    constexprs.update(PLAN_WIDTH=_plan_width(ppp), REQ_STEP=_req_step(num_reqs))
-    warps = _num_warps(warp_size, ppp * page, head_size, cache_size, out_size)
-    grid = (num_items * num_kv_heads,)
-    launch = KernelLaunch(_fetch_kv_kernel, grid, scalars, constexprs, num_warps=warps)
-    return launch, dequant
+    with_table = plan.table is not None
+    return KernelCall(
+        _fetch_kv_kernel,
+        (plan.num_items * num_kv_heads,),
+        # With a plan table the kernel reads no request metadata.
+        block_table_ptr=None if with_table else plan.block_table,
+        cu_seqlens_ptr=None if with_table else plan.cu_seqlens_kv,
+        seq_starts_ptr=None if with_table else plan.seq_starts,
+        num_reqs=plan.num_reqs,
+        num_kv_heads=num_kv_heads,
+        stride_bt_req=plan.block_table.stride(0),
+        stride_bt_blk=plan.block_table.stride(1),
+        stride_cu=plan.cu_seqlens_kv.stride(0),
+        stride_ss=plan.seq_starts.stride(0),
+        stride_kc_blk=key_cache.stride(0),
+        stride_kc_slot=key_cache.stride(1),
+        stride_kc_head=key_cache.stride(2),
+        stride_kc_dim=key_cache.stride(3),
+        stride_vc_blk=value_cache.stride(0),
+        stride_vc_slot=value_cache.stride(1),
+        stride_vc_head=value_cache.stride(2),
+        stride_vc_dim=value_cache.stride(3),
+        stride_ko_tok=key_out.stride(0),
+        stride_ko_head=key_out.stride(1),
+        stride_ko_dim=key_out.stride(2),
+        stride_vo_tok=value_out.stride(0),
+        stride_vo_head=value_out.stride(1),
+        stride_vo_dim=value_out.stride(2),
+        HEAD_SIZE=plan.head_size,
+        BLOCK_D=next_power_of_2(plan.head_size),
+        PAGE=plan.block_size,
+        PAGES_PER_PROGRAM=plan.pages_per_program,
+        SHUFFLE=shuffle,
+        X=_VECTOR_BYTES // cache_size if shuffle else 1,
+        DEQUANT=key_cache.dtype != key_out.dtype,
+        PLAN=with_table,
+        PLAN_WIDTH=_plan_width(plan.pages_per_program),
+        PLAN_HEADER=_PLAN_HEADER,
+        REQ_STEP=_req_step(plan.num_reqs),
+        num_warps=_num_warps(warp_size, rows, plan.head_size, cache_size, out_size),
+    )
 
 
 def fetch_kv(
@@ -607,24 +629,90 @@ def fetch_kv(
     Metadata (int32/int64): ``block_table`` ``[>= num_reqs, max_blocks]``,
     ``cu_seqlens_kv`` ``[num_reqs + 1]`` output row offsets, ``seq_starts``
     ``[num_reqs]``.  ``k_scale`` / ``v_scale``: one-element, for an fp8 cache.
-    ``max_num_tokens``: host bound on ``cu_seqlens_kv[-1]`` sizing the grid; a
-    ``plan`` (``fetch_kv_plan`` of the same metadata) replaces the metadata.
+    ``max_num_tokens``: host bound on ``cu_seqlens_kv[-1]`` sizing the grid.
+    ``plan``: ``fetch_kv_plan`` of the step (built once for all its layers):
+    the metadata arguments are then the plan's and are not read again; this
+    call checks only its own tensors against the plan.
     """
-    if plan is not None and type(plan) is not FetchKVPlan:
-        raise TypeError("fetch_kv: plan must be a FetchKVPlan (fetch_kv_plan)")
-    # What the kernel does not read is not checked; its pointers get stand-ins.
-    kv = (key_cache, value_cache, key_out, value_out)
-    meta: Tensors3 | None = (block_table, cu_seqlens_kv, seq_starts)
-    sizes = None  # with a plan: its values but the table, and the batch size
-    if plan is not None:
-        meta, sizes = None, plan[1:] + (seq_starts.numel(),)
-    launch, dequant = _fetch_kv_launch(kv, meta, kv_cache_layout, max_num_tokens, sizes)
+    fn = "fetch_kv"
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    if plan is None:
+        plan = fetch_kv_plan(
+            block_table,
+            cu_seqlens_kv,
+            seq_starts,
+            num_tokens=key_out.shape[0] if max_num_tokens is None else max_num_tokens,
+            block_size=block_size,
+            head_size=head_size,
+            cache_dtype=key_cache.dtype,
+            out_dtype=key_out.dtype,
+            kv_cache_layout=kv_cache_layout,
+            build_table=False,
+        )
+    elif not isinstance(plan, FetchKVPlan):
+        raise TypeError(f"{fn}: plan must be a FetchKVPlan (fetch_kv_plan)")
+    elif max_num_tokens not in (None, plan.num_tokens):
+        raise ValueError(f"{fn}: max_num_tokens {max_num_tokens} is not the plan's")
+    elif kv_cache_layout != plan.kv_cache_layout:
+        raise ValueError(f"{fn}: kv_cache_layout is not the plan's")
+    elif seq_starts.shape != (plan.num_reqs,):
+        raise ValueError(
+            f"{fn}: a plan for {plan.num_reqs} requests; the call has "
+            f"{tuple(seq_starts.shape)} seq_starts"
+        )
+
+    # This layer's tensors against the plan.
+    if (block_size, head_size) != (plan.block_size, plan.head_size):
+        raise ValueError(
+            f"{fn}: a plan for block size {plan.block_size}, head size "
+            f"{plan.head_size}; the cache has {block_size}, {head_size}"
+        )
+    cache_dtype = key_cache.dtype
+    out_dtype = key_out.dtype
+    if value_cache.dtype != cache_dtype or value_out.dtype != out_dtype:
+        raise TypeError(f"{fn}: K and V must have the same cache and output dtypes")
+    assert value_cache.shape == key_cache.shape, f"{fn}: K/V cache shapes differ"
+    assert value_out.shape == key_out.shape, f"{fn}: K/V output shapes differ"
+    assert key_out.shape[1:] == (num_kv_heads, head_size), f"{fn}: output H, D"
+    if not plan.num_tokens <= key_out.shape[0]:
+        raise ValueError(
+            f"{fn}: the plan covers {plan.num_tokens} tokens (max_num_tokens); "
+            f"the outputs hold "
+            f"{key_out.shape[0]}"
+        )
+    device = plan.seq_starts.device
+    assert key_cache.device == value_cache.device == device, f"{fn}: cache device"
+    assert key_out.device == value_out.device == device, f"{fn}: output device"
+    if plan.table is not None and num_blocks > _INT32_MAX:
+        raise ValueError(f"{fn}: a plan holds int32 block ids")
+    geometry = (
+        key_cache.stride(),
+        value_cache.stride(),
+        key_out.stride(),
+        value_out.stride(),
+        cache_dtype,
+        out_dtype,
+    )
+    copy = plan.copies.get(geometry)
+    if copy is None:  # this step's first layer of this geometry
+        _check_layer_geometry(plan, key_cache, value_cache, key_out)
+        copy = _copy_call(plan, key_cache, value_cache, key_out, value_out)
+        plan.copies[geometry] = copy
+    dequant = cache_dtype != out_dtype
     if dequant and not (_one_element(k_scale) and _one_element(v_scale)):
-        raise ValueError("fetch_kv: an fp8 cache needs one-element k_scale/v_scale")
-    if launch is None:
+        raise ValueError(f"{fn}: an fp8 cache needs one-element k_scale/v_scale")
+    if plan.num_tokens == 0 or plan.num_reqs == 0:
         return
-    if plan is not None:
-        block_table = cu_seqlens_kv = seq_starts = plan.table
-    if not dequant:
-        k_scale = v_scale = cu_seqlens_kv
-    launch(*kv, block_table, cu_seqlens_kv, seq_starts, cu_seqlens_kv, k_scale, v_scale)
+    copy(
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        key_out_ptr=key_out,
+        value_out_ptr=value_out,
+        plan_ptr=plan.table,
+        k_scale_ptr=k_scale if dequant else None,
+        v_scale_ptr=v_scale if dequant else None,
+    )
+
+
+def _one_element(scale) -> bool:
+    return isinstance(scale, torch.Tensor) and scale.numel() == 1

@@ -13,11 +13,11 @@ they select no variant.  What remains is fixed by the engine's geometry
 the paged route whether the context is split (a second kernel).
 
 ``warmup_cases(geometry)`` lists them; ``compile_case(geometry, case)``
-compiles one without launching it: the wrapper's own checks build the launch
-on tiny tensors of the engine's strides, and the kernel is compiled
-(``JITFunction.warmup``) with pointer stand-ins that carry each tensor's dtype
-and, for the KV cache, its storage size (the AMD backend specialises pointers
-into storage of at most 2 GiB).
+compiles one: the fetch-kv cases call the public ``fetch_kv_plan`` /
+``fetch_kv`` on tiny tensors of the engine's strides (requests with no tokens:
+the launches write nothing); the paged cases compile without launching, the
+KV cache standing in with its storage size (the AMD backend specialises
+pointers into storage of at most 2 GiB).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from vllm.v1.attention.ops import triton_fetch_kv as fk
 from vllm.v1.attention.ops import triton_paged_context_attention as pc
 
 __all__ = ["FetchKVGeometry", "compile_case", "warmup_cases"]
+
+_MAX_BUFFER_BYTES = 2**31 - 1
+_KV_POOL_BYTES = 1 << 40  # "more than 2 GiB": a KV cache pool
 
 
 @dataclass(frozen=True)
@@ -112,22 +115,39 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
             cache_dtype=g.cache_dtype,
             out_dtype=g.out_dtype,
             kv_cache_layout=g.kv_cache_layout,
+            build_table=kind == "fetch_kv_plan" or case[1],
         )
         if kind == "fetch_kv_plan":
             return
         out = torch.empty((num_tokens, *shape[2:]), dtype=g.out_dtype, device=device)
-        used = plan if case[1] else None
-        # What fetch_kv checks and hands the launch (its stand-ins included).
-        kv = (key_cache, value_cache, out, out)
-        checked = (block_table, cu, starts) if used is None else None
-        plan_values = None if used is None else used[1:] + (starts.numel(),)
-        launch, dequant = fk._fetch_kv_launch(
-            kv, checked, g.kv_cache_layout, num_tokens, plan_values
+        fk.fetch_kv(
+            key_cache,
+            value_cache,
+            out,
+            out,
+            block_table,
+            cu,
+            starts,
+            k_scale=scale,
+            v_scale=scale,
+            kv_cache_layout=g.kv_cache_layout,
+            plan=plan,
         )
-        meta = (block_table, cu, starts) if used is None else (used.table,) * 3
-        scales = (scale, scale) if dequant else meta[1:2] * 2
-        tensors = (*kv, *meta, meta[1], *scales)
-        launch.compile_only(tensors, (0, 1), g.cache_bytes)
+        # The call above compiled for a cache within 2 GiB; the pool is larger.
+        if g.cache_bytes is None or g.cache_bytes > _MAX_BUFFER_BYTES:
+            pool = g.cache_bytes or _KV_POOL_BYTES
+            (copy,) = plan.copies.values()
+            dequant = g.cache_dtype != g.out_dtype
+            copy.warmup(
+                {"key_cache_ptr": pool, "value_cache_ptr": pool},
+                key_cache_ptr=key_cache,
+                value_cache_ptr=value_cache,
+                key_out_ptr=out,
+                value_out_ptr=out,
+                plan_ptr=plan.table,
+                k_scale_ptr=scale if dequant else None,
+                v_scale_ptr=scale if dequant else None,
+            )
         return
     # The backend's call: the new tokens' K/V given, the output given, the
     # step's workspace (split or not).

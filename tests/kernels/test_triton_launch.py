@@ -1,0 +1,177 @@
+"""triton_launch.KernelCall: when it relaunches a compiled kernel, when it goes
+through ``kernel[grid]``, and what its per-call guard keys on.
+
+A stand-in JITFunction records every ``kernel[grid](**kwargs)`` and returns a
+stand-in CompiledKernel whose launcher records what it is handed; the
+relaunch must hand it every parameter in order (constexprs and ``None``
+pointers included), as ``JITFunction.run`` does.
+"""
+
+import types
+
+import pytest
+import torch
+import triton
+from vllm.v1.attention.ops import triton_launch
+from vllm.v1.attention.ops.triton_launch import KernelCall
+
+NAMES = ["x_ptr", "y_ptr", "s_ptr", "n", "stride", "BLOCK"]
+
+
+class _Compiled:
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.calls.append((grid, args))
+
+        return runner
+
+
+class _FakeJIT:
+    arg_names = NAMES
+    params = [
+        types.SimpleNamespace(name=n, do_not_specialize=n == "n") for n in NAMES
+    ]
+
+    def __init__(self):
+        self.launches = []
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.launches.append((grid, kwargs))
+            self.compiled.append(_Compiled())
+            return self.compiled[-1]
+
+        return launch
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    monkeypatch.setattr(triton.runtime, "JITFunction", _FakeJIT, raising=False)
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, False))
+    monkeypatch.setattr(triton_launch, "_COMPILED", {})
+    driver = types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0))
+    monkeypatch.setattr(triton.runtime, "driver", driver, raising=False)
+    return _FakeJIT()
+
+
+def _call(kernel, n=5, **fixed):
+    fixed = dict(s_ptr=None, n=n, stride=16, BLOCK=64, num_warps=4) | fixed
+    return KernelCall(kernel, (7, 3), **fixed)
+
+
+def test_first_call_compiles_then_relaunches_with_every_parameter(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    call = _call(jit)
+    call(x_ptr=x, y_ptr=y)
+    assert len(jit.launches) == 1
+    grid, kwargs = jit.launches[0]
+    assert grid == (7, 3) and kwargs["num_warps"] == 4 and kwargs["s_ptr"] is None
+    call(x_ptr=x, y_ptr=y)
+    assert len(jit.launches) == 1
+    (grid, args), = jit.compiled[0].calls
+    assert grid == (7, 3)
+    assert args[0] is x and args[1] is y and args[2:] == (None, 5, 16, 64)
+
+
+def test_another_keyword_order_is_only_a_miss(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    call = _call(jit)
+    call(x_ptr=x, y_ptr=y)
+    call(y_ptr=y, x_ptr=x)
+    assert len(jit.launches) == 2 and jit.launches[1][1]["x_ptr"] is x
+
+
+def test_a_new_object_of_the_same_variant_relaunches(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(jit)(x_ptr=x, y_ptr=y)
+    _call(jit, n=1 << 20)(x_ptr=x, y_ptr=y)  # do_not_specialize: same variant
+    assert len(jit.launches) == 1 and len(jit.compiled[0].calls) == 1
+
+
+@pytest.mark.parametrize("change", ["stride", "n_int64", "dtype", "misaligned",
+                                    "names", "option"])
+def test_anything_triton_specialises_on_is_another_variant(jit, change):
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(jit)(x_ptr=x, y_ptr=y)
+    fixed, tensors = {}, dict(x_ptr=x, y_ptr=y)
+    if change == "stride":
+        fixed = dict(stride=1)
+    elif change == "n_int64":
+        fixed = dict(n=2**31)
+    elif change == "dtype":
+        tensors["x_ptr"] = torch.zeros(64, dtype=torch.float16)
+    elif change == "misaligned":
+        tensors["x_ptr"] = x[1:]
+    elif change != "names":
+        fixed = dict(num_warps=8)
+    call = _call(jit, **fixed)
+    if change == "names":  # s_ptr a tensor, not None
+        call = KernelCall(jit, (7, 3), n=5, stride=16, BLOCK=64, num_warps=4)
+        tensors["s_ptr"] = y
+    call(**tensors)
+    assert len(jit.launches) == 2
+
+
+def test_amd_keys_the_2gib_buffer_bound(jit, monkeypatch):
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, True))
+    call = _call(jit)
+    small = torch.zeros(64)
+    call(x_ptr=small, y_ptr=small)
+    call(x_ptr=small, y_ptr=small)
+    assert len(jit.launches) == 1
+    big = types.SimpleNamespace(
+        dtype=torch.float32, data_ptr=lambda: 0,
+        untyped_storage=lambda: types.SimpleNamespace(nbytes=lambda: 2**31))
+    call(x_ptr=small, y_ptr=big)
+    assert len(jit.launches) == 2
+
+
+def test_a_missing_or_non_tensor_argument_goes_through_kernel_grid(jit):
+    x = torch.zeros(64)
+    call = _call(jit)
+    call(x_ptr=x, y_ptr=x)
+    call(x_ptr=x)  # Triton reports the missing parameter
+    call(x_ptr=x, y_ptr=3)
+    assert len(jit.launches) == 3
+
+
+def test_unsupported_triton_or_compiling_goes_through_kernel_grid(jit, monkeypatch):
+    x = torch.zeros(64)
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (False, False))
+    call = _call(jit)
+    call(x_ptr=x, y_ptr=x)
+    call(x_ptr=x, y_ptr=x)
+    assert len(jit.launches) == 2
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, False))
+    call = _call(jit)
+    call(x_ptr=x, y_ptr=x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    call(x_ptr=x, y_ptr=x)
+    assert len(jit.launches) == 4
+
+
+def test_interpreted_kernels_always_go_through_kernel_grid():
+    calls = []
+
+    class Interpreted:  # TRITON_INTERPRET=1: not a JITFunction
+        arg_names = NAMES
+
+        def __getitem__(self, grid):
+            return lambda **kw: calls.append(kw)
+
+    x = torch.zeros(4)
+    call = KernelCall(Interpreted(), (1,), s_ptr=None, n=1, stride=1, BLOCK=4)
+    call(x_ptr=x, y_ptr=x)
+    call(x_ptr=x, y_ptr=x)
+    assert len(calls) == 2
+
+
+def test_version_check_is_plain():
+    ok, _ = triton_launch.relaunch_supported()
+    assert isinstance(ok, bool)
+    assert triton_launch.TESTED_TRITON[0] <= triton_launch.TESTED_TRITON[1]

@@ -45,8 +45,10 @@ def prepare(tree: Path, python: str, dest: Path) -> dict[str, str]:
         shutil.rmtree(dest / name, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
     pristine = cpu_engine.export_tree(tree, dest / "pristine", so_dir,
-                                      rev=cpu_engine.root_commit(tree), dist_info=True)
-    patched = cpu_engine.export_tree(tree, dest / "patched", so_dir, dist_info=True)
+                                      rev=cpu_engine.root_commit(tree), dist_info=True,
+                                      python=python)
+    patched = cpu_engine.export_tree(tree, dest / "patched", so_dir, dist_info=True,
+                                     python=python)
     models = {}
     for name, args in MODELS.items():
         models[name] = dest / "models" / name

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         # A relative --python (make passes .venv/bin/python) must survive the
         # runs' cwd, which is each tree.
         if os.sep in args.python:
-            args.python = str(Path(args.python).resolve())
+            args.python = str(Path(args.python).absolute())  # not resolve(): a venv python may be a symlink
         trees, hf = prepare(args.tree.resolve(), args.work.resolve(), args.python, files)
         edited = series_edited_tests(args.tree, cpu_engine.root_commit(args.tree), files)
         runs = {name: Run(name, trees[name], files if name != "series" else edited,

@@ -15,7 +15,11 @@ requires Triton (triton-cpu)").  When ``vllm.platforms.cpu`` is imported, this m
 makes that choice without the architecture clause, as upstream's own tests select it
 (they monkeypatch ``current_platform.uses_standalone_cpu_model_runner``):
 
-  * ``uses_standalone_cpu_model_runner()`` is ``not HAS_TRITON``;
+  * with ``SERIES_CPU_STANDALONE_RUNNER=1`` (the engine processes: tests/e2e_cpu, the e2e
+    installs), ``uses_standalone_cpu_model_runner()`` is ``not HAS_TRITON``; without it
+    (``make test-upstream``) it stays upstream's (False on x86), so configs are validated
+    as on upstream's x86 CI, which has triton-cpu (the standalone runner refuses
+    speculative decoding and other features the scheduler tests configure);
   * ``check_and_update_config`` runs with ``vllm.triton_utils.HAS_TRITON`` reading
     True for the duration of the call: its only read of it is that x86 refusal (the
     rest of the method is unchanged).  A vLLM module imported for the first time
@@ -29,6 +33,7 @@ only; nothing is imported until vLLM imports ``vllm.platforms.cpu``.
 from __future__ import annotations
 
 import importlib.abc
+import os
 import sys
 from pathlib import Path
 
@@ -79,7 +84,8 @@ def _install(module) -> None:
         import torch
 
         torch.ops.load_library(str(ops))
-    platform.uses_standalone_cpu_model_runner = classmethod(uses_standalone_cpu_model_runner)
+    if os.environ.get("SERIES_CPU_STANDALONE_RUNNER") == "1":
+        platform.uses_standalone_cpu_model_runner = classmethod(uses_standalone_cpu_model_runner)
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 

@@ -58,8 +58,10 @@ def prepare(tree: Path, python: str, dest: Path) -> dict[str, str]:
         subprocess.run([python, str(HERE / "tiny_models.py"), *args, str(models[name]),
                         "--tokenizer"], check=True, env=cpu_engine.engine_env(None))
     env = {
-        "E2E_UPSTREAM": f"env PYTHONPATH={shlex.quote(str(pristine))} {shlex.quote(python)}",
-        "E2E_PATCHED": f"env PYTHONPATH={shlex.quote(str(patched))} {shlex.quote(python)}",
+        "E2E_UPSTREAM": f"env PYTHONPATH={shlex.quote(str(pristine))} SERIES_CPU_STANDALONE_RUNNER=1 "
+                        f"{shlex.quote(python)}",
+        "E2E_PATCHED": f"env PYTHONPATH={shlex.quote(str(patched))} SERIES_CPU_STANDALONE_RUNNER=1 "
+                        f"{shlex.quote(python)}",
         "E2E_LLAMA": str(models["tiny-llama"]),
         "E2E_DEEPSEEK": str(models["tiny-deepseek"]),
     }

@@ -20,10 +20,9 @@ makes that choice without the architecture clause, as upstream's own tests selec
     (``make test-upstream``) it stays upstream's (False on x86), so configs are validated
     as on upstream's x86 CI, which has triton-cpu (the standalone runner refuses
     speculative decoding and other features the scheduler tests configure);
-  * ``check_and_update_config`` runs with ``vllm.triton_utils.HAS_TRITON`` reading
-    True for the duration of the call: its only read of it is that x86 refusal (the
-    rest of the method is unchanged).  A vLLM module imported for the first time
-    during the call could capture the flipped value; that fails the call, loudly.
+  * in ``check_and_update_config`` the x86 refusal (the method's first
+    ``get_cpu_architecture()`` call, checked when the shim installs) sees "not x86";
+    every later call, there and elsewhere, the real architecture.
 
 With a Triton that vLLM accepts (``HAS_TRITON``) nothing changes.  Trees without
 ``uses_standalone_cpu_model_runner`` (vLLM 0.33.0) are left alone.  Standard library
@@ -49,10 +48,13 @@ def _install(module) -> None:
         return  # a tree from before the standalone runner (0.33.0): nothing to do
     check = platform.check_and_update_config.__func__
     source = inspect.getsource(check)
-    if REFUSAL not in source or source.count("HAS_TRITON") != 2:  # the import and the guard
+    first = source.index("get_cpu_architecture()")
+    guard = source[source.rindex("\n", 0, first):source.index("\n", first)]
+    if "HAS_TRITON" not in guard or REFUSAL not in source[first:].split("\n", 2)[1]:
         raise RuntimeError(
-            "scripts/cpu_site/sitecustomize.py: CpuPlatform.check_and_update_config no "
-            "longer reads HAS_TRITON only for the x86 refusal; revisit this shim")
+            "scripts/cpu_site/sitecustomize.py: the first get_cpu_architecture() call of "
+            "CpuPlatform.check_and_update_config is no longer the x86 refusal; revisit this shim")
+    arch_enum = type(platform.get_cpu_architecture())
 
     def uses_standalone_cpu_model_runner(cls) -> bool:
         from vllm.triton_utils import HAS_TRITON
@@ -60,22 +62,32 @@ def _install(module) -> None:
         return not HAS_TRITON
 
     def check_and_update_config(cls, vllm_config) -> None:
-        import vllm.triton_utils as triton_utils
+        from vllm.triton_utils import HAS_TRITON
 
-        if triton_utils.HAS_TRITON:
+        if HAS_TRITON:
             return check(cls, vllm_config)
-        before = set(sys.modules)
-        triton_utils.HAS_TRITON = True  # past the x86 refusal: the standalone runner runs
+        own = "get_cpu_architecture" in platform.__dict__
+        saved = platform.__dict__.get("get_cpu_architecture")
+        real = platform.get_cpu_architecture
+
+        def get_cpu_architecture(klass):
+            # Only the refusal's call (the method's first) sees "not x86"; then the real one.
+            if own:
+                platform.get_cpu_architecture = saved
+            else:
+                del platform.get_cpu_architecture
+            return arch_enum.OTHER
+
+        platform.get_cpu_architecture = classmethod(get_cpu_architecture)
         try:
             check(cls, vllm_config)
         finally:
-            triton_utils.HAS_TRITON = False
-        captured = [name for name in set(sys.modules) - before
-                    if name.startswith("vllm.")
-                    and getattr(sys.modules[name], "HAS_TRITON", None) is True]
-        if captured:
-            raise RuntimeError(f"scripts/cpu_site/sitecustomize.py: {captured} imported "
-                               "while HAS_TRITON read True; revisit this shim")
+            if platform.__dict__.get("get_cpu_architecture") is not saved:
+                if own:
+                    platform.get_cpu_architecture = saved
+                else:
+                    del platform.get_cpu_architecture
+        assert platform.get_cpu_architecture() == real()
 
     # The runner's C++ ops: upstream builds them into _C for non-x86 CPUs only, so
     # scripts/cpu_engine.py compiles them from the tree's csrc/cpu and links them here.

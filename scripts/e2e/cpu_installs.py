@@ -45,8 +45,10 @@ def prepare(tree: Path, python: str, dest: Path) -> dict[str, str]:
         shutil.rmtree(dest / name, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
     pristine = cpu_engine.export_tree(tree, dest / "pristine", so_dir,
-                                      rev=cpu_engine.root_commit(tree), dist_info=True)
-    patched = cpu_engine.export_tree(tree, dest / "patched", so_dir, dist_info=True)
+                                      rev=cpu_engine.root_commit(tree), dist_info=True,
+                                      python=python)
+    patched = cpu_engine.export_tree(tree, dest / "patched", so_dir, dist_info=True,
+                                     python=python)
     models = {}
     for name, args in MODELS.items():
         models[name] = dest / "models" / name
@@ -56,8 +58,10 @@ def prepare(tree: Path, python: str, dest: Path) -> dict[str, str]:
         subprocess.run([python, str(HERE / "tiny_models.py"), *args, str(models[name]),
                         "--tokenizer"], check=True, env=cpu_engine.engine_env(None))
     env = {
-        "E2E_UPSTREAM": f"env PYTHONPATH={shlex.quote(str(pristine))} {shlex.quote(python)}",
-        "E2E_PATCHED": f"env PYTHONPATH={shlex.quote(str(patched))} {shlex.quote(python)}",
+        "E2E_UPSTREAM": f"env PYTHONPATH={shlex.quote(str(pristine))} SERIES_CPU_STANDALONE_RUNNER=1 "
+                        f"{shlex.quote(python)}",
+        "E2E_PATCHED": f"env PYTHONPATH={shlex.quote(str(patched))} SERIES_CPU_STANDALONE_RUNNER=1 "
+                        f"{shlex.quote(python)}",
         "E2E_LLAMA": str(models["tiny-llama"]),
         "E2E_DEEPSEEK": str(models["tiny-deepseek"]),
     }

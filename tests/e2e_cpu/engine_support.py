@@ -70,6 +70,7 @@ def run_helper(script: str, args: list, pythonpath: Path | None, cwd: Path, log:
     child_env = cpu_engine.engine_env(
         pythonpath,
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in-process: recorders see it
+        SERIES_CPU_STANDALONE_RUNNER="1",  # 0.34.0+: scripts/cpu_site/sitecustomize.py
         **env)
     proc = subprocess.run([sys.executable, str(HERE / script), *map(str, args)],
                           env=child_env, cwd=cwd, capture_output=True, text=True, check=False,

@@ -93,6 +93,30 @@ def install_step_recorder(steps: list) -> None:
     Scheduler.schedule = schedule
 
 
+def install_batch_recorder(batches: list) -> None:
+    """vLLM 0.34.0+ on the CPU: record the batch order the standalone CPU model runner
+    makes of each step (its ``sort_batch_req_ids``; scripts/cpu_site/sitecustomize.py)."""
+    try:
+        from vllm.v1.worker.cpu import standalone_model_runner as runner
+    except ImportError:
+        return  # 0.33.0: Model Runner V1, the scheduler's emission order is the batch order
+    original = runner.sort_batch_req_ids
+
+    def sort_batch_req_ids(*args, **kwargs):
+        out = original(*args, **kwargs)
+        batches.append(list(out[0] if isinstance(out, tuple) else out))
+        return out
+
+    runner.sort_batch_req_ids = sort_batch_req_ids
+
+
+def model_runner_name(llm) -> str:
+    try:
+        return llm.collective_rpc(lambda worker: type(worker.model_runner).__name__)[0]
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return f"unknown ({exc!r})"
+
+
 def run(model_dir: str, out_json: str) -> None:
     # BRIEF §2: torchvision/torchaudio/torchcodec builds that do not match the
     # CPU torch break vLLM's imports; none is needed for a text-only Llama.
@@ -100,7 +124,9 @@ def run(model_dir: str, out_json: str) -> None:
         sys.modules.setdefault(name, None)  # import raises ImportError, find_spec is None
     t0 = time.time()
     steps: list = []
+    batches: list = []
     install_step_recorder(steps)
+    install_batch_recorder(batches)
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -129,11 +155,12 @@ def run(model_dir: str, out_json: str) -> None:
     t_gen = time.time() - t1
     result = {
         "vllm_file": vllm.__file__,
-        "use_v2_model_runner": llm.llm_engine.vllm_config.use_v2_model_runner,
+        "model_runner": model_runner_name(llm),
         "prompt_lens": [len(p) for p in ps],
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [o.num_cached_tokens for o in outs],
         "steps": steps,
+        "batches": batches,
         "init_s": round(t_init, 1),
         "generate_s": round(t_gen, 1),
     }

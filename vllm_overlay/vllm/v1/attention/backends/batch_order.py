@@ -3,8 +3,8 @@
 """The batch-order contract: decode-like -> extend -> prefill.
 
 One definition, read by everything that orders a batch (the scheduler's
-emission order, Model Runner V1's ``reorder_batch_to_split_decodes_and_prefills``,
-Model Runner V2's ``sort_batch_req_ids``) and everything that splits one
+emission order, Model Runner V2's ``sort_batch_req_ids`` and the standalone CPU
+runner's) and everything that splits one
 (``split_decodes_prefills_and_extends`` and its callers: the AITER FA metadata
 builder, ``vllm/v1/worker/cp_utils.py``).
 

@@ -28,14 +28,14 @@ implementation wherever ``forward_impl`` is traced; the tensors it reads
 (positions, slots, scales) are arguments, never captured host values.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import get_current_vllm_config_or_none
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_rope_fusion import (
     RopeKVDecision,
@@ -77,12 +77,6 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
-# The rotary caches' copies on another device, by source cache (an entry lives
-# exactly as long as the rotary embedding's cos_sin_cache it copies; every
-# layer sharing that rotary embedding shares it).
-_MOVED_COS_SIN: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 def _not_capturing(what: str) -> None:
     """Derived caches are built before any CUDA graph capture: one built
     during a capture would be recorded into the graph, in its memory pool."""
@@ -104,10 +98,13 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 @dataclass(frozen=True)
 class MLARopeRows:
     """One kind of a step's rows (decode or prefill): their cache slots and
-    positions, 1-D int32 / int64 contiguous tensors on one device."""
+    positions, 1-D int32 / int64 contiguous tensors on one device, and the
+    Triton kernel's launches for them, one per layer geometry, each built by
+    the step's first layer of that geometry (``triton_mla_rope_cache``)."""
 
     slot_mapping: torch.Tensor
     positions: torch.Tensor
+    launches: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -168,6 +165,7 @@ def mla_rope_concat_and_cache(
     q_scale: torch.Tensor | None,
     use_aiter: bool,
     all_q_rope: bool,
+    layer_name: str = "",
 ) -> None:
     """Decode form (torch.ops.vllm.mla_rope_concat_and_cache): q_out =
     [ql_nope | rope(q_pe)] (fp8, / q_scale, when q_scale is given) and the
@@ -206,6 +204,7 @@ def mla_rope_concat_and_cache(
         k_scale=k_scale,
         q_out=q_out,
         q_scale=q_scale,
+        launches=_step_launches(layer_name, decode=True),
     )
 
 
@@ -220,6 +219,7 @@ def mla_rope_and_cache(
     is_neox: bool,
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
+    layer_name: str = "",
 ) -> None:
     """Prefill form (torch.ops.vllm.mla_rope_and_cache): rotate q_pe and k_pe
     in place and write the cache rows [kv_c | k_pe]."""
@@ -236,7 +236,23 @@ def mla_rope_and_cache(
         is_neox,
         kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale,
+        launches=_step_launches(layer_name, decode=False),
     )
+
+
+def _step_launches(layer_name: str, decode: bool) -> dict | None:
+    """The step's Triton launches of one form, from the layer's attention
+    metadata in the forward context (as vLLM's attention ops find theirs);
+    None outside a forward (each call then checks and builds its launch)."""
+    if not layer_name or not is_forward_context_available():
+        return None
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return None
+    rows = getattr(attn_metadata.get(layer_name), "mla_rope_rows", None)
+    if rows is None:
+        return None
+    return (rows.decode if decode else rows.prefill).launches
 
 
 def _writes_only_fake(*args, **kwargs) -> None:
@@ -290,10 +306,6 @@ def rope_kv_facts(layer, rotary_emb) -> RopeKVFacts:
     )
 
 
-# q_out buffers when vLLM's workspace manager is not set up (tests, tools).
-_Q_OUT_BUFFERS: dict[tuple, torch.Tensor] = {}
-
-
 class MLARopeCacheWarmup(VllmJitKernel[tuple]):
     """The fused layers' Triton kernel in vLLM's JIT warmup: the prefill form
     at every BLOCK_T and, on the Triton path, the decode form."""
@@ -334,6 +346,9 @@ class MLARopeKVFusion:
         # current_platform.fp8_dtype() is a host query on ROCm: ask once.
         self.fp8_dtype = current_platform.fp8_dtype()
         self.num_heads = layer.num_heads
+        # The custom ops find the step's launches by it (forward context).
+        self.layer_name = getattr(layer, "layer_name", "")
+        self._q_out_buffer: torch.Tensor | None = None
         # Decode queries quantised to fp8 (forward_impl's condition).
         self._quant_q = bool(
             is_quantized_kv_cache(layer.kv_cache_dtype)
@@ -363,19 +378,15 @@ class MLARopeKVFusion:
     def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         """The rotary embedding's cos/sin cache on ``device`` (both kernels
         read any float type; AITER's wrapper converts and splits it once per
-        cache).  A copy to another device is made once per source cache and
-        lives as long as it (_MOVED_COS_SIN), never during a graph capture."""
+        cache).  On another device it is moved as upstream's rotary
+        embedding moves it (``_match_cos_sin_cache_dtype``): the rotary
+        embedding's own attribute is replaced, once, shared by every layer
+        sharing that rotary embedding; never during a graph capture."""
         cache = self.rotary_emb.cos_sin_cache
-        if cache.device == device:
-            return cache
-        moved = _MOVED_COS_SIN.get(cache)
-        if moved is None:
-            moved = _MOVED_COS_SIN[cache] = {}
-        converted = moved.get(device)
-        if converted is None:
-            _not_capturing("the rotary cos/sin cache's copy")
-            converted = moved[device] = cache.to(device=device)
-        return converted
+        if cache.device != device:
+            _not_capturing("the rotary cos/sin cache on the KV cache's device")
+            cache = self.rotary_emb.cos_sin_cache = cache.to(device=device)
+        return cache
 
     def q_out(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device
@@ -395,12 +406,17 @@ class MLARopeKVFusion:
                 ("mla_rope_kv_q_out", width, dtype), (bound, *width), dtype
             )
             return buffer[:num_tokens]
-        key = (width, dtype, device)
-        buffer = _Q_OUT_BUFFERS.get(key)
-        if buffer is None or buffer.shape[0] < num_tokens:
+        # Outside an engine (tests, tools): the layer's own buffer.
+        buffer = self._q_out_buffer
+        if (
+            buffer is None
+            or buffer.shape[0] < num_tokens
+            or buffer.dtype != dtype
+            or buffer.device != device
+        ):
             _not_capturing("the MLA decode q_out buffer")
             rows = max(num_tokens, bound or 0)
-            buffer = _Q_OUT_BUFFERS[key] = torch.empty(
+            buffer = self._q_out_buffer = torch.empty(
                 (rows, *width), dtype=dtype, device=device
             )
         return buffer[:num_tokens]
@@ -504,6 +520,7 @@ class MLARopeKVStep:
             is_neox=f.is_neox,
             kv_cache_dtype=f.kv_cache_dtype,
             k_scale=self.k_scale,
+            layer_name=f.layer_name,
         )
 
     def decode(
@@ -538,5 +555,6 @@ class MLARopeKVStep:
             q_scale=q_scale,
             use_aiter=f.use_aiter,
             all_q_rope=f.decision.aiter_all_q_rope,
+            layer_name=f.layer_name,
         )
         return q_out

@@ -30,17 +30,24 @@ checks the tensors it is given and launches; ``slot_mapping`` and
 ``positions`` are a step's rows, whose index dtype, layout and device the
 caller checked once per step (``MLARopeStepRows`` in MLA's attention
 metadata): here only their lengths are checked, as they bound what the kernel
-reads.
+reads.  The launch (a ``KernelCall``: grid, sizes, strides, constexprs) is
+built by a step's first layer of a geometry and kept in the step's
+``launches``; the step's other layers of that geometry launch it with their
+tensors.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
+from vllm.v1.attention.ops.triton_launch import KernelCall
 
 __all__ = [
     "INDEX_DTYPES",
+    "MLARopeLaunch",
     "decode_q_out_dtype",
     "decode_q_out_shape",
     "mla_rope_and_cache",
@@ -516,6 +523,26 @@ def _stored_cache_dtype(
     return stored
 
 
+@dataclass(frozen=True)
+class MLARopeLaunch:
+    """One step's launch of one layer geometry (one form): the kernel's grid
+    and every non-tensor argument fixed (``call``), the dtype the cache is
+    stored as, and which scales the kernel reads.  Built by the step's first
+    layer of that geometry and kept in the step's ``launches``."""
+
+    call: KernelCall
+    cache_dtype: torch.dtype
+    reads_k_scale: bool
+    reads_q_scale: bool
+
+
+def _geometry(*tensors: torch.Tensor | None) -> tuple:
+    """What the checks below depend on: shapes, strides, dtypes, devices."""
+    return tuple(
+        None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors
+    )
+
+
 def _check_and_launch(
     fn: str,
     *,
@@ -532,10 +559,54 @@ def _check_and_launch(
     kv_cache_dtype: str,
     k_scale: torch.Tensor | None,
     q_scale: torch.Tensor | None,
+    launches: dict | None,
 ) -> torch.Tensor | None:
     """Check one layer's tensors and launch either form (decode: ``ql_nope``
     given; returns ``q_out``, new when None).  Everything that would make the
-    kernel read or write out of bounds is checked before the launch."""
+    kernel read or write out of bounds is checked before the launch.
+
+    ``launches``: the step's launches by layer geometry (``MLARopeStepRows``
+    keeps one per form).  A layer whose tensors have the geometry of one
+    already there (the same shapes, strides, dtypes and devices, so the same
+    checks) launches it; otherwise the checks run and the launch is built and
+    kept there."""
+    key = None
+    # (A decode call without q_out allocates one: checked, never kept.)
+    if launches is not None and (q_out is not None or ql_nope is None):
+        key = (
+            is_neox,
+            kv_cache_dtype,
+            _geometry(
+                ql_nope,
+                q_pe,
+                q_out,
+                kv_c,
+                k_pe,
+                kv_cache,
+                slot_mapping,
+                positions,
+                cos_sin_cache,
+                k_scale,
+                q_scale,
+            ),
+        )
+        launch = launches.get(key)
+        if launch is not None:
+            _launch(
+                launch,
+                ql_nope,
+                q_pe,
+                q_out,
+                kv_c,
+                k_pe,
+                kv_cache,
+                slot_mapping,
+                positions,
+                cos_sin_cache,
+                k_scale,
+                q_scale,
+            )
+            return q_out
     decode = ql_nope is not None
     model_dtype = q_pe.dtype
     same = kv_c.dtype == k_pe.dtype == model_dtype
@@ -610,20 +681,9 @@ def _check_and_launch(
         num_tokens, num_heads, lora_rank, rot_dim, decode
     )
     grid = (cdiv(num_tokens, block_t), cdiv(num_heads, block_h) + 1)
-    if kv_cache.dtype != stored:
-        kv_cache = kv_cache.view(stored)
-    _mla_rope_cache_kernel[grid](
-        ql_nope_ptr=ql_nope,
-        q_pe_ptr=q_pe,
-        q_out_ptr=q_out,
-        kv_c_ptr=kv_c,
-        k_pe_ptr=k_pe,
-        kv_cache_ptr=kv_cache,
-        slot_mapping_ptr=slot_mapping,
-        positions_ptr=positions,
-        cos_sin_ptr=cos_sin_cache,
-        k_scale_ptr=k_scale,
-        q_scale_ptr=q_scale,
+    call = KernelCall(
+        _mla_rope_cache_kernel,
+        grid,
         num_tokens=num_tokens,
         num_slots=slot_mapping.shape[0],
         num_heads=num_heads,
@@ -654,7 +714,61 @@ def _check_and_launch(
         # RoPE, and both forms (compiled separately) write identical bytes.
         enable_fp_fusion=False,
     )
+    launch = MLARopeLaunch(
+        call=call,
+        cache_dtype=stored,
+        reads_k_scale=bool(kv_fp8_max),
+        reads_q_scale=bool(q_fp8_max),
+    )
+    if key is not None:
+        launches[key] = launch  # type: ignore[index]
+    _launch(
+        launch,
+        ql_nope,
+        q_pe,
+        q_out,
+        kv_c,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        k_scale,
+        q_scale,
+    )
     return q_out
+
+
+def _launch(
+    launch: MLARopeLaunch,
+    ql_nope,
+    q_pe,
+    q_out,
+    kv_c,
+    k_pe,
+    kv_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    k_scale,
+    q_scale,
+) -> None:
+    """Launch one layer's tensors (None for the pointers not read)."""
+    if kv_cache.dtype != launch.cache_dtype:
+        kv_cache = kv_cache.view(launch.cache_dtype)
+    launch.call(
+        ql_nope_ptr=ql_nope,
+        q_pe_ptr=q_pe,
+        q_out_ptr=q_out,
+        kv_c_ptr=kv_c,
+        k_pe_ptr=k_pe,
+        kv_cache_ptr=kv_cache,
+        slot_mapping_ptr=slot_mapping,
+        positions_ptr=positions,
+        cos_sin_ptr=cos_sin_cache,
+        k_scale_ptr=k_scale if launch.reads_k_scale else None,
+        q_scale_ptr=q_scale if launch.reads_q_scale else None,
+    )
 
 
 def mla_rope_concat_and_cache(
@@ -672,10 +786,14 @@ def mla_rope_concat_and_cache(
     k_scale: torch.Tensor | None = None,
     q_out: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
+    launches: dict | None = None,
 ) -> torch.Tensor:
     """Decode form: ``q_out = [ql_nope | rope(q_pe)]`` and the cache write.
 
-    Returns ``q_out`` (the given one, or a new ``decode_q_out_dtype`` tensor);
+    ``launches``: the step's (``MLARopeStepRows.decode.launches``): the
+    step's layers after the first of a geometry skip the checks and the
+    launch's construction.  Returns ``q_out`` (the given one, or a new
+    ``decode_q_out_dtype`` tensor);
     with ``q_scale`` it is fp8, divided by ``q_scale``.  Inputs are not
     modified; rows of padded tokens in ``q_out`` are computed all the same.
     """
@@ -694,6 +812,7 @@ def mla_rope_concat_and_cache(
         kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale,
         q_scale=q_scale,
+        launches=launches,
     )
     assert q_out is not None
     return q_out
@@ -711,11 +830,12 @@ def mla_rope_and_cache(
     *,
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | None = None,
+    launches: dict | None = None,
 ) -> None:
     """Prefill form: rotate ``q_pe`` and ``k_pe`` in place and write the cache.
 
     Every one of the ``T`` tokens is rotated; only tokens with a slot ``>= 0``
-    are written to the cache.
+    are written to the cache.  ``launches``: as in the decode form.
     """
     _check_and_launch(
         "mla_rope_and_cache",
@@ -732,4 +852,5 @@ def mla_rope_and_cache(
         kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale,
         q_scale=None,
+        launches=launches,
     )

@@ -818,15 +818,23 @@ def paged_context_workspace(
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
         partial_out = partial_lse = None
         if splits > 1:
-            partial_out = torch.empty(part_out_shape, dtype=torch.float32, device=device)
-            partial_lse = torch.empty(part_lse_shape, dtype=torch.float32, device=device)
+            partial_out = torch.empty(
+                part_out_shape, dtype=torch.float32, device=device
+            )
+            partial_lse = torch.empty(
+                part_lse_shape, dtype=torch.float32, device=device
+            )
     else:
         lse_buf, part_out_buf, part_lse_buf = buffers
         lse = _buffer_view(lse_buf, lse_shape, device, "lse")
         partial_out = partial_lse = None
         if splits > 1:
-            partial_out = _buffer_view(part_out_buf, part_out_shape, device, "partial_out")
-            partial_lse = _buffer_view(part_lse_buf, part_lse_shape, device, "partial_lse")
+            partial_out = _buffer_view(
+                part_out_buf, part_out_shape, device, "partial_out"
+            )
+            partial_lse = _buffer_view(
+                part_lse_buf, part_lse_shape, device, "partial_lse"
+            )
     return PagedContextWorkspace(
         block_table=block_table,
         cu_seqlens_q=cu_seqlens_q,
@@ -884,8 +892,6 @@ def paged_context_workspace_size(
     return num_heads * max_tokens, rows * num_heads * head_size, rows * num_heads
 
 
-
-
 def _check_layer(ws, query, key_cache, value_cache, key, value, out, lse, window):
     """What a layer's tensors must be for ``ws``'s step (the step's first
     call of each geometry)."""
@@ -919,7 +925,9 @@ def _check_layer(ws, query, key_cache, value_cache, key, value, out, lse, window
         raise ValueError(f"{fn}: every tensor must be on {device}")
 
 
-def _layer_calls(ws, query, key_cache, value_cache, key, value, out, lse, scale, window):
+def _layer_calls(
+    ws, query, key_cache, value_cache, key, value, out, lse, scale, window
+):
     """The launches of one layer geometry of ``ws``'s step."""
     fp8 = key_cache.dtype in _FP8_DTYPES
     if ws.num_reqs == 0 or ws.num_tokens == 0:

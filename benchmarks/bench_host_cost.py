@@ -197,15 +197,14 @@ def fa_calls(dev, ops=None):
         return call
 
     def workspace_call():  # per step (builder, 0250)
-        pca.paged_context_workspace(new, reqs, hq, hkv, d, dtype, dev,
-                                    max_context_len=context, block_table=block_table,
-                                    cu_seqlens_q=cu_q, seq_lens=seq_lens)
+        pca.paged_context_workspace(block_table, cu_q, seq_lens, num_tokens=new, num_heads=hq,
+                                    num_kv_heads=hkv, head_size=d, dtype=dtype,
+                                    max_context_len=context)
 
     def paged_call(max_context_len):
-        ws = pca.paged_context_workspace(new, reqs, hq, hkv, d, dtype, dev,
-                                         max_context_len=max_context_len,
-                                         block_table=block_table, cu_seqlens_q=cu_q,
-                                         seq_lens=seq_lens)
+        ws = pca.paged_context_workspace(block_table, cu_q, seq_lens, num_tokens=new,
+                                         num_heads=hq, num_kv_heads=hkv, head_size=d,
+                                         dtype=dtype, max_context_len=max_context_len)
 
         def call():  # 0250's extend_forward
             pca.paged_context_attention(q, kc, vc, block_table, cu_q, seq_lens,
@@ -413,9 +412,9 @@ def _paged_with(dev, num_splits):
     cu_q = torch.tensor([0, 16], dtype=torch.int32, device=dev)
     seq_lens = torch.tensor([80], dtype=torch.int32, device=dev)
     scale = torch.tensor(1.0, device=dev)
-    ws = pca.paged_context_workspace(16, 1, hq, hkv, d, torch.bfloat16, dev,
-                                     num_splits=num_splits, block_table=bt, cu_seqlens_q=cu_q,
-                                     seq_lens=seq_lens)
+    ws = pca.paged_context_workspace(bt, cu_q, seq_lens, num_tokens=16, num_heads=hq,
+                                     num_kv_heads=hkv, head_size=d, dtype=torch.bfloat16,
+                                     num_splits=num_splits)
 
     def call():
         pca.paged_context_attention(q, kc, vc, bt, cu_q, seq_lens, d**-0.5, key=k, value=v,
@@ -501,9 +500,9 @@ def _fa_trace(dev):
         cu_q = torch.tensor([0, *new], device=dev).cumsum(0).to(torch.int32)
         seq_lens = torch.tensor([c + n for c, n in zip(context, new)], dtype=torch.int32,
                                 device=dev)
-        ws = pca.paged_context_workspace(t, reqs, hq, hkv, d, dtype, dev,
-                                         max_context_len=max(context), block_table=table,
-                                         cu_seqlens_q=cu_q, seq_lens=seq_lens)
+        ws = pca.paged_context_workspace(table, cu_q, seq_lens, num_tokens=t, num_heads=hq,
+                                         num_kv_heads=hkv, head_size=d, dtype=dtype,
+                                         max_context_len=max(context))
         steps["paged"].append(lambda q=q, k=k, out=out, table=table, cu_q=cu_q,
                               seq_lens=seq_lens, ws=ws, mc=max(context):
                               pca.paged_context_attention(

@@ -286,9 +286,9 @@ def fa_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, reqs: int
     if paged:
         def ours(eager: bool = True):
             # The builder (0250): the step's buffers, its metadata bound to them.
-            ws = paged_context_workspace(total_new, reqs, hq, hkv, d, dtype, dev,
-                                         max_context_len=context, block_table=block_table,
-                                         cu_seqlens_q=cu_q, seq_lens=seq_lens)
+            ws = paged_context_workspace(block_table, cu_q, seq_lens, num_tokens=total_new,
+                                         num_heads=hq, num_kv_heads=hkv, head_size=d,
+                                         dtype=dtype, max_context_len=context)
             for kc, vc in views:
                 paged_context_attention(q, kc, vc, block_table, cu_q, seq_lens, scale, key=k,
                                         value=v, k_scale=k_scale, v_scale=v_scale, out=output,

@@ -1,8 +1,9 @@
 """Kernel tests: every test starts with empty launch caches.
 
-The wrappers cache what they derive from checked arguments per launch key
+The MLA wrapper caches what it derives from checked arguments per launch key
 (vllm/v1/attention/ops/triton_launcher.py); tests that monkeypatch a module's
-tuning constants must not find launches derived from the defaults.
+tuning constants must not find launches derived from the defaults.  (fetch_kv
+and paged_context_attention keep theirs in the step's plan / workspace.)
 """
 
 import pytest

@@ -119,9 +119,9 @@ class Engine:
         # The backend's slices: extends follow the decodes.
         block_table = self.block_table[num_decodes : num_decodes + n]
         ws = pc.paged_context_workspace(
-            t, n, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, self.model_dtype, self.device,
+            block_table, cu, seq_lens, num_tokens=t, num_heads=NUM_HEADS,
+            num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=self.model_dtype,
             max_context_len=max(ctx), num_splits=rng.randint(1, 16),
-            block_table=block_table, cu_seqlens_q=cu, seq_lens=seq_lens,
         )  # fmt: skip
         q = torch.zeros((t, NUM_HEADS, HEAD_SIZE), dtype=self.model_dtype, device=self.device)
         k = torch.zeros((t, NUM_KV_HEADS, HEAD_SIZE), dtype=self.model_dtype,

@@ -57,10 +57,18 @@ def test_workspace_is_views_of_the_buffers():
     # The interpreter splits only when told: split counts up to 16 fit buffers
     # sized for 16 splits of the largest step.
     big = tuple(torch.empty(16 * 8 * 4 * n, dtype=torch.float32) for n in (1, 16, 1))
+    def workspace(t, reqs, **kw):
+        block_table = torch.zeros(reqs, 4, dtype=torch.int32)
+        cu_seqlens_q = torch.zeros(reqs + 1, dtype=torch.int32)
+        seq_lens = torch.zeros(reqs, dtype=torch.int32)
+        return pc.paged_context_workspace(block_table, cu_seqlens_q, seq_lens, num_tokens=t,
+                                          num_heads=4, num_kv_heads=2, head_size=16,
+                                          dtype=torch.float32, **kw)
+
     for t, s in ((8, 1), (5, 1), (8, 16), (3, 7)):
         bufs = buffers if s == 1 else big
-        ws = pc.paged_context_workspace(t, 2, 4, 2, 16, torch.float32, "cpu",
-                                        num_splits=s, buffers=bufs)
+        ws = workspace(t, 2, num_splits=s, buffers=bufs)
+        assert ws.num_splits == s
         assert ws.lse.shape == (4, t) and ws.lse.is_contiguous()
         assert ws.lse.untyped_storage().data_ptr() == bufs[0].untyped_storage().data_ptr()
         if s > 1:
@@ -68,6 +76,5 @@ def test_workspace_is_views_of_the_buffers():
             assert ws.partial_out.data_ptr() == bufs[1].data_ptr()
             assert ws.partial_lse.data_ptr() == bufs[2].data_ptr()
     with pytest.raises(ValueError, match="buffers: partial_out must be"):
-        pc.paged_context_workspace(8, 1, 4, 2, 16, torch.float32, "cpu", num_splits=16,
-                                   buffers=(big[0], big[1][: math.prod((16, 8, 4, 16)) - 1],
-                                            big[2]))
+        workspace(8, 1, num_splits=16,
+                  buffers=(big[0], big[1][: math.prod((16, 8, 4, 16)) - 1], big[2]))

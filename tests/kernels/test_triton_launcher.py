@@ -28,13 +28,8 @@ from vllm.v1.attention.ops.triton_mla_rope_cache import (
     mla_rope_and_cache,
     mla_rope_concat_and_cache,
 )
-from vllm.v1.attention.ops.triton_paged_context_attention import (
-    paged_context_attention,
-    paged_context_workspace,
-)
 
 import test_triton_mla_rope_cache as mla_tests  # noqa: E402
-import test_triton_paged_context_attention as pca_tests  # noqa: E402
 
 
 # ------------------------------------------------------------ KernelLaunch
@@ -274,27 +269,6 @@ CPU_TABLES = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the error tables build CPU tensors")
 
 
-@pytest.mark.parametrize("idx", range(22))
-def test_paged_context_bad_input_after_a_good_call_raises_the_same_error(idx, device):
-    name, kwargs, exc = pca_tests._bad_args(device)[idx]
-    # The table's first entry with its edit undone (query_2d: the query itself).
-    good = dict(pca_tests._bad_args(device)[0][1],
-                query=pca_tests.build(pca_tests.Case("args", [20], [3]), device)["q"])
-    paged_context_attention(**good)
-    paged_context_attention(**good)  # a hit
-    before = _cache_sizes()
-    with pytest.raises(exc, match=pca_tests.BAD_ARGS_MATCH):
-        paged_context_attention(**kwargs)
-    if name.startswith(("fp8_without_scales", "fp8_scale")):
-        # An fp8 cache's scales are checked on every call, after the cached
-        # launch checks: a launch of good geometry is kept, and the next call
-        # (a hit) raises again.
-        with pytest.raises(exc, match=pca_tests.BAD_ARGS_MATCH):
-            paged_context_attention(**kwargs)
-        return
-    assert _cache_sizes() == before
-
-
 @pytest.mark.parametrize("name,mutate,exc,match", mla_tests.BAD_ARGS,
                          ids=[b[0] for b in mla_tests.BAD_ARGS])
 def test_mla_bad_input_after_a_good_call_raises_the_same_error(name, mutate, exc, match,
@@ -434,94 +408,6 @@ def _assert_same(outs):
     miss, hit, plain = outs
     for a, b, c in zip(miss, hit, plain, strict=True):
         assert torch.equal(_bits(a), _bits(c)) and torch.equal(_bits(b), _bits(c))
-
-
-@pytest.mark.parametrize("num_splits,workspace", [(None, False), (2, False), (2, True)])
-def test_paged_context_cached_path_is_bit_identical(num_splits, workspace, device,
-                                                    monkeypatch):
-    case = pca_tests.Case("cached", [45, 21], [5, 7], num_splits=num_splits)
-    data = pca_tests.build(case, device)
-    q = data["q"]
-
-    def run():
-        ws = None
-        if workspace:
-            ws = paged_context_workspace(q.shape[0], 2, q.shape[1], data["key_cache"].shape[2],
-                                         q.shape[2], q.dtype, q.device, num_splits=num_splits)
-        out, lse = paged_context_attention(
-            q, data["key_cache"], data["value_cache"], data["block_table"],
-            data["cu_seqlens_q"], data["seq_lens"], data["scale"], key=data["k_new"],
-            value=data["v_new"], num_splits=None if workspace else num_splits, workspace=ws)
-        return out.clone(), lse.clone()
-
-    _assert_same(_twice_and_plain(run, monkeypatch))
-
-
-@pytest.mark.parametrize("form", ["decode", "prefill"])
-def test_mla_cached_path_is_bit_identical(form, device, monkeypatch):
-    def run():
-        torch.manual_seed(0)  # _valid_args draws random inputs
-        args = mla_tests._valid_args(device)
-        if form == "decode":
-            return (mla_rope_concat_and_cache(**args), args["kv_cache"])
-        del args["ql_nope"]
-        mla_rope_and_cache(**args)
-        return (args["q_pe"], args["k_pe"], args["kv_cache"])
-
-    _assert_same(_twice_and_plain(run, monkeypatch))
-
-
-def test_paged_context_workspace_must_match_the_call(device):
-    case = pca_tests.Case("ws", [20], [3])
-    d = pca_tests.build(case, device)
-    q = d["q"]
-    args = (q, d["key_cache"], d["value_cache"], d["block_table"], d["cu_seqlens_q"],
-            d["seq_lens"], d["scale"])
-    ws = paged_context_workspace(q.shape[0] + 1, 1, q.shape[1], d["key_cache"].shape[2],
-                                 q.shape[2], q.dtype, q.device, num_splits=2)
-    with pytest.raises(ValueError, match="workspace was made for other shapes"):
-        paged_context_attention(*args, workspace=ws)
-    with pytest.raises(TypeError, match="workspace is not a workspace"):
-        paged_context_attention(*args, workspace=types.SimpleNamespace(key=()))
-    ws = paged_context_workspace(q.shape[0], 1, q.shape[1], d["key_cache"].shape[2],
-                                 q.shape[2], q.dtype, q.device, num_splits=2)
-    with pytest.raises(ValueError, match="differs from the workspace"):
-        paged_context_attention(*args, workspace=ws, num_splits=3)
-    out, lse = paged_context_attention(*args, workspace=ws)
-    assert lse is ws.lse
-
-
-# ------------------------------------------------------------ GPU: the kernel Triton picks
-
-
-def test_paged_context_workspace_call_checks_its_metadata(device):
-    """A workspace call after good ones checks the metadata it is given (its
-    key holds their geometry), hits add nothing to the cache, and other
-    metadata tensors of the same values give the same output."""
-    from vllm.v1.attention.ops import triton_paged_context_attention as pca
-
-    case = pca_tests.Case("bound", [20, 9], [3, 4])
-    d = pca_tests.build(case, device)
-    q = d["q"]
-    ws = paged_context_workspace(q.shape[0], 2, q.shape[1], d["key_cache"].shape[2],
-                                 q.shape[2], q.dtype, q.device, num_splits=2)
-    args = [q, d["key_cache"], d["value_cache"], d["block_table"], d["cu_seqlens_q"],
-            d["seq_lens"], d["scale"]]
-    ref, _ = paged_context_attention(*args, num_splits=2)
-    ref = ref.clone()
-    out, lse = paged_context_attention(*args, workspace=ws)
-    assert lse is ws.lse and torch.equal(out, ref)
-    paged_context_attention(*args, workspace=ws)
-    cache = pca._paged_context_attention_launch.cache
-    assert len(cache) == 2, "the second workspace call must hit"
-    bad = list(args)
-    bad[3] = d["block_table"].float()
-    with pytest.raises(TypeError, match="request metadata must be int32 or int64"):
-        paged_context_attention(*bad, workspace=ws)
-    other = list(args)
-    other[3] = d["block_table"].clone()
-    out2, _ = paged_context_attention(*other, workspace=ws)
-    assert torch.equal(out2, ref) and len(cache) == 2, "same geometry: a hit"
 
 
 def test_mla_rows_bound_metadata(device):

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from vllm.v1.attention.ops import triton_launcher
 from vllm.v1.attention.ops import triton_paged_context_attention as pca
 from vllm.v1.attention.ops.triton_paged_context_attention import (
     paged_context_attention,
@@ -37,14 +36,6 @@ gpu = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _empty_launch_caches():
-    """Launches derived from monkeypatched tuning constants die with the test."""
-    triton_launcher.clear_caches()
-    yield
-    triton_launcher.clear_caches()
 
 
 FP8_E4M3 = torch.float8_e4m3fn
@@ -592,8 +583,10 @@ def test_repeat_calls_bit_identical(device):
     assert torch.equal(lse1.view(torch.int32), lse2.view(torch.int32))
 
 
-# The wrapper's checks name it; a tensor of the wrong rank fails to unpack.
-BAD_ARGS_MATCH = "paged_context_attention|values to unpack"
+# The checks name the function that made them (the call's own, or the step's
+# workspace built for a call without one); a tensor of the wrong rank fails to
+# unpack.
+BAD_ARGS_MATCH = "paged_context_(attention|workspace)|values to unpack"
 
 
 def _bad_args(device):
@@ -718,3 +711,93 @@ def test_invalid_argument_table_is_complete(device):
 def test_use_paged_context_route(query_lens, max_tokens, expected):
     lens = torch.tensor(query_lens, dtype=torch.int32)
     assert use_paged_context(lens, max_tokens) is expected
+
+
+def _step_workspace(data, num_splits=None):
+    q, kc = data["q"], data["key_cache"]
+    return pca.paged_context_workspace(
+        data["block_table"],
+        data["cu_seqlens_q"],
+        data["seq_lens"],
+        num_tokens=q.shape[0],
+        num_heads=q.shape[1],
+        num_kv_heads=kc.shape[2],
+        head_size=q.shape[2],
+        dtype=q.dtype,
+        num_splits=num_splits,
+    )
+
+
+def _layer_call(data, workspace, **changes):
+    kwargs = dict(
+        query=data["q"],
+        key_cache=data["key_cache"],
+        value_cache=data["value_cache"],
+        block_table=data["block_table"],
+        cu_seqlens_q=data["cu_seqlens_q"],
+        seq_lens=data["seq_lens"],
+        scale=data["scale"],
+        key=data["k_new"],
+        value=data["v_new"],
+        out=torch.empty_like(data["q"]),
+        workspace=workspace,
+    )
+    kwargs.update(changes)
+    return paged_context_attention(**kwargs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "three_splits"])
+def test_second_layer_of_a_step_recomputes_nothing(num_splits, device, monkeypatch):
+    """The builder's workspace checks the metadata and fixes the split once
+    per step; the step's first layer builds its launches; the next layers of
+    the same geometry only check their tensors and launch (and are right)."""
+    case = Case("layers", [37, 16], [5, 3], num_splits=num_splits)
+    data = build(case, device)
+    built, checked = [], []
+
+    class Counting(pca.KernelCall):
+        def __init__(self, kernel, grid, **fixed):
+            built.append(kernel)
+            super().__init__(kernel, grid, **fixed)
+
+    def count(fn, log):
+        def wrapped(*args, **kwargs):
+            log.append(fn.__name__)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(pca, "KernelCall", Counting)
+    monkeypatch.setattr(pca, "_check_layer", count(pca._check_layer, checked))
+    workspace = _step_workspace(data, num_splits)
+    monkeypatch.setattr(
+        pca, "paged_context_workspace", count(pca.paged_context_workspace, checked)
+    )
+    for _ in range(3):
+        out, lse = _layer_call(data, workspace)
+        assert_close_to_reference(case, data, out, lse, with_new=True)
+    kernels = [pca._paged_context_attention_kernel]
+    if num_splits > 1:
+        kernels.append(pca._combine_splits_kernel)
+    assert built == kernels
+    assert checked == ["_check_layer"]
+
+
+def test_a_layer_of_another_geometry_is_checked_in_the_same_step(device):
+    """A layer whose tensors differ from the step's first layer's (here an
+    fp16 cache for fp32 queries) is refused before any launch, however many
+    good layers came first."""
+    data = build(Case("geometry", [20, 9], [3, 2]), device)
+    workspace = _step_workspace(data)
+    _layer_call(data, workspace)
+    kc, vc = data["key_cache"].half(), data["value_cache"].half()
+    out = torch.full_like(data["q"], float("nan"))
+    with pytest.raises(TypeError, match="paged_context_attention: the cache"):
+        _layer_call(data, workspace, key_cache=kc, value_cache=vc, out=out)
+    assert out.isnan().all()
+    with pytest.raises(ValueError, match="workspace was made for other shapes"):
+        _layer_call(data, workspace, query=data["q"][:, :4], out=out[:, :4])
+    with pytest.raises(ValueError, match="num_splits differs"):
+        _layer_call(data, workspace, num_splits=workspace.num_splits + 1)
+    with pytest.raises(TypeError, match="workspace must be"):
+        _layer_call(data, workspace=object())

@@ -13,11 +13,12 @@ they select no variant.  What remains is fixed by the engine's geometry
 the paged route whether the context is split (a second kernel).
 
 ``warmup_cases(geometry)`` lists them; ``compile_case(geometry, case)``
-compiles one: the fetch-kv cases call the public ``fetch_kv_plan`` /
-``fetch_kv`` on tiny tensors of the engine's strides (requests with no tokens:
-the launches write nothing); the paged cases compile without launching, the
-KV cache standing in with its storage size (the AMD backend specialises
-pointers into storage of at most 2 GiB).
+compiles one: each case calls the public API (``fetch_kv_plan`` /
+``fetch_kv``, ``paged_context_workspace`` / ``paged_context_attention``) on
+tiny tensors of the engine's strides (requests with no tokens: the launches
+write nothing), then compiles the cache readers again without a launch, the KV
+cache standing in with its storage size (the AMD backend specialises pointers
+into storage of at most 2 GiB).
 """
 
 from __future__ import annotations
@@ -150,27 +151,56 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
             )
         return
     # The backend's call: the new tokens' K/V given, the output given, the
-    # step's workspace (split or not).
+    # step's workspace (split or not); one request with no new tokens: the
+    # launches write nothing.
     query_shape = (num_tokens, g.num_heads, g.head_size)
     query = torch.empty(query_shape, dtype=g.model_dtype, device=device)
     new = torch.empty((num_tokens, *shape[2:]), dtype=g.model_dtype, device=device)
     seq_lens = torch.zeros(num_reqs, **idx)
-    dims = (num_tokens, num_reqs, g.num_heads, g.num_kv_heads, g.head_size)
-    splits = 2 if case[1] else 1
-    ws = pc.paged_context_workspace(*dims, g.model_dtype, device, num_splits=splits)
-    # paged_context_attention's arguments as it passes them to its checks.
-    metadata = pc._check_metadata(block_table, cu, seq_lens)
-    args: tuple = (query, key_cache, value_cache, metadata, 1.0, new, new, None)
-    args += (query, None, None, None, ws.sizes)
-    launch = pc._paged_context_attention_launch(*args)
-    # The tensors paged_context_attention hands the launches.
-    scales = (scale, scale) if launch.fp8 else (seq_lens, seq_lens)
-    head = (query, key_cache, value_cache, new, new, block_table, cu, seq_lens, *scales)
-    attend = launch.attend
-    assert attend is not None  # a call with requests and tokens attends
-    if launch.combine is None:
-        attend.compile_only((*head, query, ws.lse), (1, 2), g.cache_bytes)
-        return
-    parts = (ws.partial_out, ws.partial_lse)
-    attend.compile_only((*head, *parts), (1, 2), g.cache_bytes)
-    launch.combine.compile_only((*parts, query, ws.lse, cu))
+    workspace = pc.paged_context_workspace(
+        block_table,
+        cu,
+        seq_lens,
+        num_tokens=num_tokens,
+        num_heads=g.num_heads,
+        num_kv_heads=g.num_kv_heads,
+        head_size=g.head_size,
+        dtype=g.model_dtype,
+        num_splits=2 if case[1] else 1,
+    )
+    pc.paged_context_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu,
+        seq_lens,
+        1.0,
+        key=new,
+        value=new,
+        k_scale=scale,
+        v_scale=scale,
+        out=query,
+        workspace=workspace,
+    )
+    # The call above compiled for a cache within 2 GiB; the pool is larger.
+    if g.cache_bytes is None or g.cache_bytes > _MAX_BUFFER_BYTES:
+        pool = g.cache_bytes or _KV_POOL_BYTES
+        (calls,) = workspace.calls.values()
+        assert calls.attend is not None  # a call with requests and tokens attends
+        split = calls.combine is not None
+        calls.attend.warmup(
+            {"k_cache_ptr": pool, "v_cache_ptr": pool},
+            q_ptr=query,
+            k_cache_ptr=key_cache,
+            v_cache_ptr=value_cache,
+            k_new_ptr=new,
+            v_new_ptr=new,
+            block_table_ptr=block_table,
+            cu_seqlens_q_ptr=cu,
+            seq_lens_ptr=seq_lens,
+            k_scale_ptr=scale if calls.fp8 else None,
+            v_scale_ptr=scale if calls.fp8 else None,
+            out_ptr=workspace.partial_out if split else query,
+            lse_ptr=workspace.partial_lse if split else workspace.lse,
+        )

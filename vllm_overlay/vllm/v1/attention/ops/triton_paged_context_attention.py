@@ -33,15 +33,14 @@ their fp32 partials.  Offsets of block ids and tokens are 64-bit.
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.utils.platform_utils import num_compute_units
-from vllm.v1.attention.ops.triton_launcher import KernelLaunch, cached_launch
+from vllm.v1.attention.ops.triton_launch import KernelCall
 
 __all__ = [
     "PagedContextWorkspace",
@@ -721,85 +720,152 @@ def _split_count(num_tokens, num_reqs, num_kv_heads, tile, device, max_context, 
     return max(1, min(want, cap))
 
 
-class PagedContextWorkspace(NamedTuple):
-    """One step's buffers for its ``paged_context_attention`` calls (made by
-    ``paged_context_workspace``): ``lse`` ``[Hq, T]`` and, with
-    ``num_splits > 1``, ``partial_out`` ``[S, T, Hq, D]`` and ``partial_lse``
-    ``[S, Hq, T]`` (float32, contiguous)."""
+@dataclass
+class PagedContextWorkspace:
+    """One step's ``paged_context_attention`` work, built once per step by
+    ``paged_context_workspace`` (the AITER FA metadata builder) and passed to
+    every layer's call.
 
+    The request metadata (checked), the sizes and query dtype every layer's
+    tensors are checked against, the tile and split count that fix the grid,
+    and the buffers: ``lse`` ``[Hq, T]`` and, with ``num_splits > 1``,
+    ``partial_out`` ``[S, T, Hq, D]`` and ``partial_lse`` ``[S, Hq, T]``
+    (float32, contiguous).  ``calls``: the launches of each layer geometry
+    (strides, dtypes, scale, window) met in this step.
+    """
+
+    block_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    num_tokens: int
+    num_reqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    tile: _Tile
+    num_splits: int
     lse: torch.Tensor
     partial_out: torch.Tensor | None
     partial_lse: torch.Tensor | None
-    sizes: tuple[int, int, int, int]  # num_splits, num_tokens, num_heads, head_size
-    metadata: tuple = (None,) * 3  # the step's (block_table, cu_seqlens_q, seq_lens)
-    checked: object = None  # what their checks found
+    calls: dict[tuple, "_LayerCalls"] = field(default_factory=dict, repr=False)
 
-    @property
-    def num_splits(self) -> int:
-        return self.sizes[0]
+
+@dataclass
+class _LayerCalls:
+    """The launches of one layer geometry of a step (None: nothing to do)."""
+
+    attend: KernelCall | None
+    combine: KernelCall | None  # None: one split, the attend kernel writes out
+    fp8: bool  # an fp8 cache: the kernel reads the scales
 
 
 def paged_context_workspace(
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
     num_tokens: int,
-    num_reqs: int,
     num_heads: int,
     num_kv_heads: int,
     head_size: int,
     dtype: torch.dtype,
-    device: torch.device | str,
-    *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
-    block_table: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    seq_lens: torch.Tensor | None = None,
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> PagedContextWorkspace:
-    """The buffers and split count of one step's calls with ``num_tokens``
-    queries of ``num_reqs`` requests (``max_context_len`` / ``num_splits`` as
-    for ``paged_context_attention``).  ``buffers``: three 1-D float32 tensors
-    of at least ``paged_context_workspace_size(...)`` elements (persistent),
-    of which the workspace is views; else the buffers are allocated.  With the
-    step's metadata, calls passing the same tensors skip their checks."""
+    """Check one step's request metadata and fix what its
+    ``paged_context_attention`` calls share: ``num_tokens`` queries of
+    ``num_heads`` heads (``dtype``), the split count (``max_context_len`` /
+    ``num_splits`` as for ``paged_context_attention``) and the buffers.
+
+    ``buffers``: three 1-D float32 tensors of at least
+    ``paged_context_workspace_size(...)`` elements (persistent), of which the
+    workspace is views; else they are allocated.  Never reads device values.
+    """
+    fn = "paged_context_workspace"
+    if dtype not in _QUERY_DTYPES:
+        raise TypeError(f"{fn}: the query dtype must be fp16, bf16 or fp32")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError("paged_context_workspace: Hq must be a multiple of Hkv")
-    device = torch.device(device)
-    target = None if device.type != "cuda" else _gpu_target()
+        raise ValueError(f"{fn}: Hq must be a multiple of Hkv")
+    if not 16 <= head_size <= 256:
+        raise ValueError(f"{fn}: head size must be in [16, 256]")
+    if max_context_len is not None and max_context_len < 0:
+        raise ValueError(f"{fn}: max_context_len must be >= 0")
+    if num_splits is not None and not 1 <= num_splits <= 256:
+        raise ValueError(f"{fn}: num_splits must be in [1, 256]")
+    if not {block_table.dtype, cu_seqlens_q.dtype, seq_lens.dtype} <= _INDEX_DTYPES:
+        raise TypeError(f"{fn}: the request metadata must be int32 or int64")
+    (num_reqs,) = seq_lens.shape
+    assert cu_seqlens_q.shape == (num_reqs + 1,), f"{fn}: cu_seqlens_q length"
+    assert block_table.dim() == 2, f"{fn}: block_table must be 2-D"
+    assert block_table.shape[0] >= num_reqs, f"{fn}: block_table has too few rows"
+    assert block_table.stride(1) == 1, f"{fn}: block_table rows must be dense"
+    assert cu_seqlens_q.stride() == seq_lens.stride() == (1,), f"{fn}: metadata"
+    device = seq_lens.device
+    if not block_table.device == cu_seqlens_q.device == device:
+        raise ValueError(f"{fn}: the request metadata must be on {device}")
+
+    target = _gpu_target() if device.type == "cuda" else None
     tile = _tile_config(target, head_size, num_heads // num_kv_heads, dtype)
     splits = _split_count(
         num_tokens, num_reqs, num_kv_heads, tile, device, max_context_len, num_splits
     )
-    shapes: list[tuple[int, ...]] = [(num_heads, num_tokens)]
-    if splits > 1:
-        shapes += [
-            (splits, num_tokens, num_heads, head_size),
-            (splits, num_heads, num_tokens),
-        ]
+    lse_shape = (num_heads, num_tokens)
+    part_out_shape = (splits, num_tokens, num_heads, head_size)
+    part_lse_shape = (splits, num_heads, num_tokens)
     if buffers is None:
-        parts = [torch.empty(x, dtype=torch.float32, device=device) for x in shapes]
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        partial_out = partial_lse = None
+        if splits > 1:
+            partial_out = torch.empty(
+                part_out_shape, dtype=torch.float32, device=device
+            )
+            partial_lse = torch.empty(
+                part_lse_shape, dtype=torch.float32, device=device
+            )
     else:
-        parts = []
-        for name, buf, shape in zip(
-            ("lse", "partial_out", "partial_lse"), buffers, shapes
-        ):
-            n = math.prod(shape)
-            if (
-                buf.dim() != 1
-                or buf.dtype != torch.float32
-                or buf.numel() < n
-                or buf.device != device
-            ):
-                raise ValueError(
-                    f"paged_context_workspace: buffers: {name} must be a 1-D float32 "
-                    f"tensor of >= {n} elements on {device}"
-                )
-            parts.append(buf[:n].view(shape))
-    lse, part_out, part_lse = (*parts, None, None)[:3]
-    sizes = (splits, num_tokens, num_heads, head_size)
-    metadata, checked = (block_table, cu_seqlens_q, seq_lens), None
-    if block_table is not None:
-        checked = _check_metadata(*metadata)
-    return PagedContextWorkspace(lse, part_out, part_lse, sizes, metadata, checked)
+        lse_buf, part_out_buf, part_lse_buf = buffers
+        lse = _buffer_view(lse_buf, lse_shape, device, "lse")
+        partial_out = partial_lse = None
+        if splits > 1:
+            partial_out = _buffer_view(
+                part_out_buf, part_out_shape, device, "partial_out"
+            )
+            partial_lse = _buffer_view(
+                part_lse_buf, part_lse_shape, device, "partial_lse"
+            )
+    return PagedContextWorkspace(
+        block_table=block_table,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        tile=tile,
+        num_splits=splits,
+        lse=lse,
+        partial_out=partial_out,
+        partial_lse=partial_lse,
+    )
+
+
+def _buffer_view(buf: torch.Tensor, shape: tuple, device, name: str) -> torch.Tensor:
+    n = math.prod(shape)
+    if (
+        buf.dim() != 1
+        or buf.dtype != torch.float32
+        or buf.numel() < n
+        or buf.device != device
+    ):
+        raise ValueError(
+            f"paged_context_workspace: buffers: {name} must be a 1-D float32 "
+            f"tensor of >= {n} elements on {device}"
+        )
+    return buf[:n].view(shape)
 
 
 def paged_context_workspace_size(
@@ -826,173 +892,127 @@ def paged_context_workspace_size(
     return num_heads * max_tokens, rows * num_heads * head_size, rows * num_heads
 
 
-@dataclass(frozen=True, eq=False)
-class _Metadata:
-    """What the checks of the request metadata found (``_check_metadata``);
-    one object per geometry (keyed by identity)."""
-
-    num_reqs: int
-    stride_bt: int
-    dtypes: tuple  # block_table's, cu_seqlens_q's, seq_lens'
-
-
-@cached_launch
-def _check_metadata(
-    block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor
-) -> _Metadata:
+def _check_layer(ws, query, key_cache, value_cache, key, value, out, lse, window):
+    """What a layer's tensors must be for ``ws``'s step (the step's first
+    call of each geometry)."""
     fn = "paged_context_attention"
-    dtypes = (block_table.dtype, cu_seqlens_q.dtype, seq_lens.dtype)
-    if not set(dtypes) <= _INDEX_DTYPES:
-        raise TypeError(f"{fn}: the request metadata must be int32 or int64")
-    (num_reqs,) = seq_lens.shape
-    (bt_rows, _), bt_strides = block_table.shape, block_table.stride()
-    assert cu_seqlens_q.shape == (num_reqs + 1,), f"{fn}: cu_seqlens_q length"
-    assert bt_rows >= num_reqs and bt_strides[1] == 1, f"{fn}: block_table"
-    assert cu_seqlens_q.stride() == seq_lens.stride() == (1,), f"{fn}: metadata"
-    return _Metadata(num_reqs, bt_strides[0], dtypes)
-
-
-class _Launch(NamedTuple):
-    """What a call's checks fix: its launches and the buffers it needs."""
-
-    lse_shape: tuple[int, int]
-    attend: KernelLaunch | None  # None: no requests or no tokens
-    combine: KernelLaunch | None  # None: one split
-    part_shapes: tuple | None  # (partial out, partial lse) when split
-    fp8: bool  # an fp8 cache: the kernel reads the scales
-
-
-@cached_launch
-def _paged_context_attention_launch(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    metadata: _Metadata,
-    scale: float,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    sliding_window: int | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    max_context_len: int | None,
-    num_splits: int | None,
-    workspace: tuple[int, int, int, int] | None,
-) -> _Launch:
-    """paged_context_attention's checks and launches, cached by its arguments'
-    geometry and values (``out`` given; ``lse`` None: the workspace's or a new
-    one)."""
-    fn = "paged_context_attention"
-    num_tokens, num_heads, head_size = query.shape
-    num_blocks, page_size, num_kv_heads, cache_head_size = key_cache.shape
     q_dtype, cache_dtype = query.dtype, key_cache.dtype
-    q_strides = query.stride()
-    kc_strides, vc_strides = key_cache.stride(), value_cache.stride()
-    num_reqs, stride_bt = metadata.num_reqs, metadata.stride_bt
     fp8 = cache_dtype in _FP8_DTYPES
-    if q_dtype not in _QUERY_DTYPES or value_cache.dtype != cache_dtype:
-        raise TypeError(f"{fn}: query must be fp16/bf16/fp32, the caches of one dtype")
+    if value_cache.dtype != cache_dtype:
+        raise TypeError(f"{fn}: the K and V caches must have one dtype")
     if cache_dtype != q_dtype and not (fp8 and q_dtype != torch.float32):
         raise TypeError(f"{fn}: the cache must be the query dtype or fp8 (16-bit q)")
-    if not 16 <= head_size <= 256 or num_heads % num_kv_heads:
-        raise ValueError(f"{fn}: head size must be in [16, 256], Hq a multiple of Hkv")
-    if sliding_window is not None and sliding_window < 1:
+    if window is not None and window < 1:
         raise ValueError(f"{fn}: sliding_window must be None or >= 1")
-    if max_context_len is not None and max_context_len < 0:
-        raise ValueError(f"{fn}: max_context_len must be >= 0")
-    if num_splits is not None and not 1 <= num_splits <= 256:
-        raise ValueError(f"{fn}: num_splits must be in [1, 256]")
     assert value_cache.shape == key_cache.shape, f"{fn}: K/V cache shapes differ"
-    assert cache_head_size == head_size, f"{fn}: cache and query head sizes differ"
-    assert q_strides[2] == kc_strides[3] == vc_strides[3] == 1, f"{fn}: last dims"
-    with_new = key is not None
-    if with_new != (value is not None):
+    assert key_cache.shape[3] == ws.head_size, f"{fn}: cache and query head sizes"
+    assert query.stride(2) == key_cache.stride(3) == value_cache.stride(3) == 1, (
+        f"{fn}: last dims must be contiguous"
+    )
+    if (key is None) != (value is None):
         raise TypeError(f"{fn}: key and value come together")
-    new_strides = (0, 0, 0, 0)
     if key is not None and value is not None:
-        new_strides = (*key.stride()[:2], *value.stride()[:2])
-        assert key.shape == value.shape == (num_tokens, num_kv_heads, head_size), (
-            f"{fn}: key / value shape"
-        )
         if key.dtype != q_dtype or value.dtype != q_dtype:
             raise TypeError(f"{fn}: key and value must have the query dtype")
-        assert key.stride()[2] == value.stride()[2] == 1, f"{fn}: key / value last dims"
-    out_strides = out.stride()
-    if out.shape != query.shape or out.dtype != q_dtype or out_strides[2] != 1:
+        assert key.stride(2) == value.stride(2) == 1, f"{fn}: key / value last dims"
+    if out.dtype != q_dtype or out.stride(2) != 1:
         raise ValueError(f"{fn}: out must be like the query")
-    if workspace is not None:  # its sizes: splits, tokens, heads, head size
-        if num_splits not in (None, workspace[0]):
-            raise ValueError(f"{fn}: num_splits differs from the workspace's")
-        if workspace[1:] != (num_tokens, num_heads, head_size):
-            raise ValueError(f"{fn}: the workspace was made for other shapes")
-        num_splits = workspace[0]
-    lse_shape = (num_heads, num_tokens)
-    if lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32):
-        raise ValueError(f"{fn}: lse must be ({num_heads}, {num_tokens}) float32")
-    if num_reqs == 0 or num_tokens == 0:
-        return _Launch(lse_shape, None, None, None, fp8)
+    if lse.dtype != torch.float32:
+        raise ValueError(f"{fn}: lse must be float32")
+    device = ws.seq_lens.device
+    tensors = [query, key_cache, value_cache, key, value, out, lse]
+    if any(t is not None and t.device != device for t in tensors):
+        raise ValueError(f"{fn}: every tensor must be on {device}")
 
-    group = num_heads // num_kv_heads
-    target = _gpu_target() if query.is_cuda else None
-    tile = _tile_config(target, head_size, group, q_dtype)
-    if num_splits is None:
-        counts = (num_tokens, num_reqs, num_kv_heads)
-        num_splits = _split_count(*counts, tile, query.device, max_context_len, None)
-    lse_strides = (num_tokens, 1) if lse is None else lse.stride()
-    part_shapes = None
-    if num_splits == 1:
-        part_strides = (0, *out_strides[:2], 0, *lse_strides)
-    else:
-        part_shapes = (
-            (num_splits, num_tokens, num_heads, head_size),
-            (num_splits, num_heads, num_tokens),
-        )
-        t_stride = num_heads * head_size
-        part_strides = (num_tokens * t_stride, t_stride, head_size)
-        part_strides += (num_heads * num_tokens, num_tokens, 1)
-    window_left = 0 if sliding_window is None else sliding_window - 1
-    scalars = (num_reqs, num_splits, scale * _LOG2E, window_left, *q_strides[:2])
-    scalars += (*kc_strides[:3], *vc_strides[:3], *new_strides, stride_bt)
-    head_dim_pad = next_power_of_2(head_size)
-    constexprs = dict(
+
+def _layer_calls(
+    ws, query, key_cache, value_cache, key, value, out, lse, scale, window
+):
+    """The launches of one layer geometry of ``ws``'s step."""
+    fp8 = key_cache.dtype in _FP8_DTYPES
+    if ws.num_reqs == 0 or ws.num_tokens == 0:
+        return _LayerCalls(attend=None, combine=None, fp8=fp8)
+    tile = ws.tile
+    group = ws.num_heads // ws.num_kv_heads
+    head_dim_pad = next_power_of_2(ws.head_size)
+    with_new = key is not None and value is not None
+    split = ws.num_splits > 1
+    # One split: the kernel writes out and lse; else the fp32 partials.
+    part_out = ws.partial_out if split else out
+    part_lse = ws.partial_lse if split else lse
+    assert part_out is not None and part_lse is not None
+    attend = KernelCall(
+        _paged_context_attention_kernel,
+        (ws.num_tokens // tile.block_q + ws.num_reqs, ws.num_kv_heads, ws.num_splits),
+        num_reqs=ws.num_reqs,
+        num_splits=ws.num_splits,
+        qk_scale_log2=scale * _LOG2E,
+        window_left=0 if window is None else window - 1,
+        stride_qt=query.stride(0),
+        stride_qh=query.stride(1),
+        stride_kb=key_cache.stride(0),
+        stride_kt=key_cache.stride(1),
+        stride_kh=key_cache.stride(2),
+        stride_vb=value_cache.stride(0),
+        stride_vt=value_cache.stride(1),
+        stride_vh=value_cache.stride(2),
+        stride_knt=key.stride(0) if with_new else 0,
+        stride_knh=key.stride(1) if with_new else 0,
+        stride_vnt=value.stride(0) if with_new else 0,
+        stride_vnh=value.stride(1) if with_new else 0,
+        stride_bt=ws.block_table.stride(0),
+        stride_os=part_out.stride(0) if split else 0,
+        stride_otok=part_out.stride(-3),
+        stride_oh=part_out.stride(-2),
+        stride_ls=part_lse.stride(0) if split else 0,
+        stride_lh=part_lse.stride(-2),
+        stride_lt=part_lse.stride(-1),
         GROUP=group,
         GROUP_PAD=next_power_of_2(group),
         BLOCK_Q=tile.block_q,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
-        HEAD_DIM=head_size,
+        HEAD_DIM=ws.head_size,
         HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=page_size,
-        USE_WINDOW=sliding_window is not None,
+        PAGE_SIZE=key_cache.shape[1],
+        USE_WINDOW=window is not None,
         FP8=fp8,
         WITH_NEW=with_new,
-        DOT_IEEE=q_dtype == torch.float32,
+        DOT_IEEE=query.dtype == torch.float32,
         RESCALE_SLACK=_RESCALE_SLACK,
-    )
-    attend = KernelLaunch(
-        _paged_context_attention_kernel,
-        (num_tokens // tile.block_q + num_reqs, num_kv_heads, num_splits),
-        (*scalars, *part_strides),
-        constexprs,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
-    if num_splits == 1:
-        return _Launch(lse_shape, attend, None, None, fp8)
-    block_h, warps = _combine_config(num_heads)
-    scalars = (num_reqs, num_splits, num_heads, *part_strides, *out_strides[:2])
-    combine = KernelLaunch(
+    if not split:
+        return _LayerCalls(attend=attend, combine=None, fp8=fp8)
+    block_h, num_warps = _combine_config(ws.num_heads)
+    combine = KernelCall(
         _combine_splits_kernel,
-        (num_tokens, cdiv(num_heads, block_h)),
-        (*scalars, *lse_strides),
-        dict(HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h),
-        num_warps=warps,
+        (ws.num_tokens, cdiv(ws.num_heads, block_h)),
+        num_reqs=ws.num_reqs,
+        num_splits=ws.num_splits,
+        num_heads=ws.num_heads,
+        stride_ps=part_out.stride(0),
+        stride_pt=part_out.stride(1),
+        stride_ph=part_out.stride(2),
+        stride_pls=part_lse.stride(0),
+        stride_plh=part_lse.stride(1),
+        stride_plt=part_lse.stride(2),
+        stride_otok=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_lh=lse.stride(0),
+        stride_lt=lse.stride(1),
+        HEAD_DIM=ws.head_size,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
     )
-    return _Launch(lse_shape, attend, combine, part_shapes, fp8)
+    return _LayerCalls(attend=attend, combine=combine, fp8=fp8)
 
 
 def _scale_tensor(scale, query) -> torch.Tensor:
     """An fp8 cache's scale as a one-element float32 tensor (a float: one per
-    call); checked on every call, not cached with the launch."""
+    call)."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32:
             raise ValueError(
@@ -1033,88 +1053,117 @@ def paged_context_attention(
     ``scale``: softmax scale; ``sliding_window``: ``None`` or ``W >= 1``;
     ``k_scale`` / ``v_scale``: one-element float32 tensors or floats, needed
     for fp8 caches; ``max_context_len``: optional host bound on the context
-    lengths (caps the split); ``num_splits``: force the split count;
-    ``workspace``: a ``paged_context_workspace`` of this call's shapes, whose
-    buffers (and split count) the call uses.  Never reads device values on
-    the host.
+    lengths (caps the split); ``num_splits``: force the split count.
+    ``workspace``: ``paged_context_workspace`` of the step (built once for all
+    its layers): the metadata arguments are then the workspace's and are not
+    read again, the call uses its buffers and split count and checks only its
+    own tensors against it.  Never reads device values on the host.
     """
-    metadata = None
-    if workspace is not None:
-        if type(workspace) is not PagedContextWorkspace:
-            raise TypeError("paged_context_attention: workspace is not a workspace")
-        table, cu, lens = workspace.metadata
-        if table is block_table and cu is cu_seqlens_q and lens is seq_lens:
-            metadata = workspace.checked  # checked when the workspace was made
-    if metadata is None:
-        metadata = _check_metadata(block_table, cu_seqlens_q, seq_lens)
-    if out is None:
-        out = torch.empty_like(query)
-    launch = _paged_context_attention_launch(
-        query,
-        key_cache,
-        value_cache,
-        metadata,
-        scale,
-        key,
-        value,
-        sliding_window,
-        out,
-        lse,
-        max_context_len,
-        num_splits,
-        None if workspace is None else workspace.sizes,
-    )
-    if lse is None:
-        if workspace is None:
-            lse = query.new_empty(launch.lse_shape, dtype=torch.float32)
-        else:
-            lse = workspace.lse
-    if launch.fp8:
-        k_scale, v_scale = _scale_tensor(k_scale, query), _scale_tensor(v_scale, query)
-    else:  # not read: a stand-in of fixed dtype
-        k_scale = v_scale = seq_lens
-    attend = launch.attend
-    if attend is None:
-        return out, lse
-    if key is None:  # not read
-        key, value = key_cache, value_cache
-    combine = launch.combine
-    if combine is None:  # one split: the kernel writes out and lse
-        attend(
-            query,
-            key_cache,
-            value_cache,
-            key,
-            value,
+    fn = "paged_context_attention"
+    num_tokens, num_heads, head_size = query.shape
+    _, _, num_kv_heads, _ = key_cache.shape
+    if workspace is None:
+        workspace = paged_context_workspace(
             block_table,
             cu_seqlens_q,
             seq_lens,
-            k_scale,
-            v_scale,
-            out,
-            lse,
+            num_tokens=num_tokens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=query.dtype,
+            max_context_len=max_context_len,
+            num_splits=num_splits,
         )
-        return out, lse
-    if workspace is None:
-        part_out = query.new_empty(launch.part_shapes[0], dtype=torch.float32)
-        part_lse = query.new_empty(launch.part_shapes[1], dtype=torch.float32)
-    else:
-        part_out, part_lse = workspace.partial_out, workspace.partial_lse
-    attend(
-        query,
-        key_cache,
-        value_cache,
-        key,
-        value,
-        block_table,
-        cu_seqlens_q,
-        seq_lens,
-        k_scale,
-        v_scale,
-        part_out,
-        part_lse,
+    elif not isinstance(workspace, PagedContextWorkspace):
+        raise TypeError(f"{fn}: workspace must be a paged_context_workspace")
+    elif num_splits not in (None, workspace.num_splits):
+        raise ValueError(f"{fn}: num_splits differs from the workspace's")
+    elif seq_lens.shape != (workspace.num_reqs,):
+        raise ValueError(
+            f"{fn}: a workspace for {workspace.num_reqs} requests; the call has "
+            f"{tuple(seq_lens.shape)} seq_lens"
+        )
+
+    # This layer's tensors against the step's workspace.
+    ws = workspace
+    if (num_tokens, num_heads, head_size, num_kv_heads) != (
+        ws.num_tokens,
+        ws.num_heads,
+        ws.head_size,
+        ws.num_kv_heads,
+    ):
+        raise ValueError(f"{fn}: the workspace was made for other shapes")
+    if query.dtype != ws.dtype:
+        raise TypeError(f"{fn}: the workspace was made for {ws.dtype} queries")
+    if key is not None:
+        assert key.shape == (num_tokens, num_kv_heads, head_size), f"{fn}: key shape"
+    if value is not None:
+        assert value.shape == (num_tokens, num_kv_heads, head_size), (
+            f"{fn}: value shape"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape:
+        raise ValueError(f"{fn}: out must be like the query")
+    if lse is None:
+        lse = ws.lse
+    elif lse.shape != (num_heads, num_tokens):
+        raise ValueError(f"{fn}: lse must be ({num_heads}, {num_tokens}) float32")
+    # Everything the checks and the launches depend on but the metadata's
+    # and the shapes checked above: one step's layers share one or two.
+    geometry = (
+        query.stride(),
+        key_cache.shape,
+        key_cache.stride(),
+        value_cache.shape,
+        value_cache.stride(),
+        None if key is None else (key.stride(), key.dtype, key.device),
+        None if value is None else (value.stride(), value.dtype, value.device),
+        out.stride(),
+        lse.stride(),
+        (query.dtype, key_cache.dtype, value_cache.dtype, out.dtype, lse.dtype),
+        (query.device, key_cache.device, value_cache.device, out.device, lse.device),
+        scale,
+        sliding_window,
     )
-    combine(part_out, part_lse, out, lse, cu_seqlens_q)
+    calls = ws.calls.get(geometry)
+    if calls is None:  # this step's first layer of this geometry
+        _check_layer(ws, query, key_cache, value_cache, key, value, out, lse,
+                     sliding_window)  # fmt: skip
+        calls = _layer_calls(
+            ws, query, key_cache, value_cache, key, value, out, lse, scale,
+            sliding_window,
+        )  # fmt: skip
+        ws.calls[geometry] = calls
+    if calls.fp8:
+        k_scale = _scale_tensor(k_scale, query)
+        v_scale = _scale_tensor(v_scale, query)
+    if calls.attend is None:
+        return out, lse
+    split = calls.combine is not None
+    calls.attend(
+        q_ptr=query,
+        k_cache_ptr=key_cache,
+        v_cache_ptr=value_cache,
+        k_new_ptr=key,  # None: not read
+        v_new_ptr=value,
+        block_table_ptr=ws.block_table,
+        cu_seqlens_q_ptr=ws.cu_seqlens_q,
+        seq_lens_ptr=ws.seq_lens,
+        k_scale_ptr=k_scale if calls.fp8 else None,
+        v_scale_ptr=v_scale if calls.fp8 else None,
+        out_ptr=ws.partial_out if split else out,
+        lse_ptr=ws.partial_lse if split else lse,
+    )
+    if calls.combine is not None:
+        calls.combine(
+            part_out_ptr=ws.partial_out,
+            part_lse_ptr=ws.partial_lse,
+            out_ptr=out,
+            lse_ptr=lse,
+            cu_seqlens_q_ptr=ws.cu_seqlens_q,
+        )
     return out, lse
 
 

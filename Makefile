@@ -80,7 +80,7 @@ test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRIT
 test-upstream: apply venv ## Upstream's own tests, pristine vs patched tree, against tests/upstream/upstream_tests.toml
 	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(FILES),--files $(FILES))
 
-test-triton-next: apply venv ## Second leg: compile tier + launcher tests on pins.env TRITON_NEXT_VERSION; reports into build/triton-next/, never fails
+test-triton-next: apply venv ## Second leg: compile tier + KernelCall tests on pins.env TRITON_NEXT_VERSION; reports into build/triton-next/, never fails
 	@$(VPY) scripts/triton_next.py --tree $(TREE)
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)

@@ -31,6 +31,7 @@ MAX_BLOCKS = 64  # per request (context <= 1024 tokens)
 NUM_BLOCKS = 96
 PAGED_MAX_TOKENS = 512  # the backend's default route threshold
 MLA_HEADS, MLA_L, MLA_R, MLA_P = 4, 32, 16, 16
+MLA_LAYERS = 2  # a step's second layer of a geometry reuses the first's launch
 MAX_TOKENS = 2048
 
 
@@ -74,6 +75,9 @@ class Engine:
                              device=device)  # fmt: skip
         self.ql_nope = torch.rand((MAX_TOKENS, MLA_HEADS, MLA_L), dtype=model_dtype,
                                   device=device)  # fmt: skip
+        # The decode query's buffer (the layer's q_out workspace, model dtype).
+        self.q_out = torch.empty((MAX_TOKENS, MLA_HEADS, MLA_L + MLA_R), dtype=model_dtype,
+                                 device=device)  # fmt: skip
         self.positions = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
         self.slots = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
         self.kv_cache_dtype = "fp8" if fp8 else "auto"
@@ -158,22 +162,30 @@ class Engine:
                         block_table, cu, starts, **kw)  # fmt: skip
 
     def _mla(self, num_decodes, qlens, rng):
-        """MLA (patches 0302/0303): decode rows then prefill rows of one step."""
+        """MLA (patches 0302/0303): the step's rows built once, as the metadata
+        builder's ``build_mla_rope_step_rows`` builds them (decode rows
+        ``[0, nd)``, prefill rows ``[nd, t)``, an empty ``launches`` per form;
+        mirrored here: it lives in the layer module, which needs vLLM, and the
+        GPU tier runs without it), then each layer's decode and prefill form
+        with the step's launches, as the fused layers' custom ops call them."""
         t = num_decodes + sum(qlens)
         t = min(t, MAX_TOKENS)
         nd = min(num_decodes, t)
-        rows = mla.mla_rope_step_rows(self.positions, self.slots, t, self.cos_sin)
+        decode = (self.slots[:nd], self.positions[:nd], {})
+        prefill = (self.slots[nd:t], self.positions[nd:t], {})
         common = dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scale)
-        if nd:
-            slots, positions, r = rows.rows(0, nd)
-            q_pe = self.q[:nd, :, MLA_P:]
-            mla.mla_rope_concat_and_cache(
-                self.ql_nope[:nd], q_pe, self.kv[:nd, :MLA_L], self.kv[:nd, MLA_L:],
-                self.mla_cache, slots, positions, self.cos_sin, True, rows=r, **common,
-            )  # fmt: skip
-        if t > nd:
-            slots, positions, r = rows.rows(nd, t)
-            mla.mla_rope_and_cache(
-                self.q[nd:t, :, MLA_P:], self.kv[nd:t, :MLA_L], self.kv[nd:t, MLA_L:],
-                self.mla_cache, slots, positions, self.cos_sin, True, rows=r, **common,
-            )  # fmt: skip
+        for _ in range(MLA_LAYERS):
+            if nd:
+                slots, positions, launches = decode
+                mla.mla_rope_concat_and_cache(
+                    self.ql_nope[:nd], self.q[:nd, :, MLA_P:], self.kv[:nd, :MLA_L],
+                    self.kv[:nd, MLA_L:], self.mla_cache, slots, positions, self.cos_sin,
+                    True, q_out=self.q_out[:nd], launches=launches, **common,
+                )  # fmt: skip
+            if t > nd:
+                slots, positions, launches = prefill
+                mla.mla_rope_and_cache(
+                    self.q[nd:t, :, MLA_P:], self.kv[nd:t, :MLA_L], self.kv[nd:t, MLA_L:],
+                    self.mla_cache, slots, positions, self.cos_sin, True,
+                    launches=launches, **common,
+                )  # fmt: skip

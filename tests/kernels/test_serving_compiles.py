@@ -21,7 +21,6 @@ import pytest
 import torch
 from vllm.v1.attention.ops import triton_fetch_kv as fk
 from vllm.v1.attention.ops import triton_fetch_kv_warmup as fkw
-from vllm.v1.attention.ops import triton_launcher
 from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 from vllm.v1.attention.ops import triton_mla_rope_cache_warmup as mlaw
 from vllm.v1.attention.ops import triton_paged_context_attention as pc
@@ -71,7 +70,6 @@ def test_trace_launches_only_warmed_up_keys(record_keys, cache_dtype):
     _warm_up(engine)
     warm = set(record_keys.keys)
     assert warm
-    triton_launcher.clear_caches()
     kinds = _replay(engine, seed=25)
     assert set(kinds) == {"decode", "mixed", "short_extend", "long_extend"}
     new = record_keys.keys - warm
@@ -85,7 +83,6 @@ def test_trace_check_can_fail(record_keys, monkeypatch):
     _warm_up(engine)
     warm = set(record_keys.keys)
     monkeypatch.setattr(fk, "_req_step", lambda n: 16 if n < 8 else 32)
-    triton_launcher.clear_caches()
     _replay(engine, seed=1)
     assert any("_fetch_kv" in key for key in record_keys.keys - warm)
 
@@ -111,7 +108,6 @@ def test_trace_compiles_nothing_after_warmup_gpu(cache_dtype):
         _warm_up(engine)
         torch.accelerator.synchronize()
         warm = len(compiled)
-        triton_launcher.clear_caches()
         _replay(engine, seed=25)
         torch.accelerator.synchronize()
     finally:

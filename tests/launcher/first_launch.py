@@ -1,16 +1,16 @@
-"""The first compiled launches of a KernelLaunch, under whatever Triton is on the path.
+"""A KernelCall's launches (triton_launch.py), under whatever Triton is on the path.
 
 Run as ``python first_launch.py <target>`` (``cuda:90`` or ``hip:gfx942``) with a
 Triton release and the patched tree on PYTHONPATH; prints one JSON line.  No GPU:
 a stand-in driver for ``target`` is made active, so ``kernel[grid]`` really
 specialises, compiles (Triton's own compiler for that target) and builds its
 ``CompiledKernel``; only the driver's load and launch are recorded instead of
-run.  What the launcher does on the first compiled launch (``launch_path()``:
-the capability checks and the pointer probe) runs for real.
+run.  ``relaunch_supported()`` (the version and capability check) runs for real.
 
-Reported: the launch path, and per call whether it went through
-``JITFunction.run`` and which compiled kernel's launcher got which arguments,
-so the test can compare the direct launch with Triton's own launch.
+Reported: whether this release is relaunched, and per call whether it went
+through ``JITFunction.run`` and which compiled kernel's launcher got which
+arguments, so the test can compare the relaunch (``CompiledKernel[grid]``)
+with Triton's own launch.
 """
 
 from __future__ import annotations
@@ -123,13 +123,16 @@ def main(target):
 
     import triton.language as tl
 
-    from vllm.v1.attention.ops import triton_launcher as tl_launch
+    from vllm.v1.attention.ops import triton_launch
 
     @triton.jit
-    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    def add_one(x_ptr, y_ptr, s_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1, mask=mask)
+        y = tl.load(x_ptr + offs, mask=mask) + 1
+        if s_ptr is not None:
+            y += tl.load(s_ptr)
+        tl.store(y_ptr + offs, y, mask=mask)
 
     jit_runs = []
     run = add_one.run
@@ -141,18 +144,19 @@ def main(target):
     add_one.run = counting_run
     buf = torch.zeros(4096, dtype=torch.float32)
     x, y = buf[:128], buf[1024:1152]
-    launch = tl_launch.KernelLaunch(add_one, (2,), (128,), {"BLOCK": 64}, num_warps=4)
+    # s_ptr=None: a pointer the kernel does not read, fixed like the wrappers do.
+    launch = triton_launch.KernelCall(add_one, (2,), s_ptr=None, n=128, BLOCK=64, num_warps=4)
     calls = []
 
-    def call(*tensors):
+    def call(x_ptr, y_ptr):
         before = len(jit_runs)
         counts = [len(i.calls) for i in _Launcher.instances]
-        launch(*tensors)
+        launch(x_ptr=x_ptr, y_ptr=y_ptr)
         counts += [0] * (len(_Launcher.instances) - len(counts))
         (launcher,) = [i for i, n in zip(_Launcher.instances, counts) if len(i.calls) > n]
         args = launcher.calls[-1]
         # The compiled kernel JITFunction.run itself selects for these arguments.
-        picked = run(*tensors, 128, BLOCK=64, num_warps=4, grid=(2,), warmup=True)
+        picked = run(x_ptr, y_ptr, None, 128, BLOCK=64, num_warps=4, grid=(2,), warmup=True)
         calls.append({
             "jit": len(jit_runs) > before,
             "launcher": _Launcher.instances.index(launcher),
@@ -161,11 +165,11 @@ def main(target):
         })
 
     call(x, y)          # 0: compiles, through kernel[grid]
-    call(x, y)          # 1: direct
+    call(x, y)          # 1: relaunch
     x1 = buf[1:129]
     call(x1, y)         # 2: misaligned x: another specialisation, through kernel[grid]
-    call(x1, y)         # 3: direct, the misaligned kernel
-    call(x, y)          # 4: direct, the aligned kernel again
+    call(x1, y)         # 3: relaunch, the misaligned kernel
+    call(x, y)          # 4: relaunch, the aligned kernel again
     # 6, 7: an aligned tensor whose storage exceeds 2 GiB (never touched; AMD
     # buffer ops specialise on it): the kernel Triton picks, both times.
     big = torch.empty(2**31 + 4096, dtype=torch.uint8).view(torch.float32)
@@ -174,37 +178,19 @@ def main(target):
 
     saved = knobs.runtime.launch_enter_hook
     knobs.runtime.launch_enter_hook = hook = lambda metadata: hooked.append(metadata)
-    call(x, y)          # 5: a launch hook is set: the launcher is handed it
+    call(x, y)          # 5: a launch hook is set: CompiledKernel[grid] hands it on
     knobs.runtime.launch_enter_hook = saved
     call(big[:128], y)  # 6
     call(big[:128], y)  # 7
-    path = tl_launch.launch_path()
+    supported, hip_bound = triton_launch.relaunch_supported()
     print(json.dumps({
         "triton": triton.__version__,
-        "direct": path.direct,
-        "reason": path.reason,
-        "pointer_key": path.pointer_key,
+        "supported": supported,
+        "hip_bound": hip_bound,
         "calls": calls,
         "hook": _label(hook, buf),
     }))
 
 
-def probe():
-    """The pointer key of each backend, with no compile (AMD's with buffer ops
-    on and off)."""
-    import os
-
-    from triton.backends.amd.compiler import HIPBackend
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    from vllm.v1.attention.ops.triton_launcher import probe_pointer_specialization
-
-    keys = {"cuda": probe_pointer_specialization(CUDABackend)[0]}
-    for knob in ("1", "0"):
-        os.environ["AMDGCN_USE_BUFFER_OPS"] = knob
-        keys[f"hip_buffer_ops_{knob}"] = probe_pointer_specialization(HIPBackend)[0]
-    print(json.dumps(keys))
-
-
 if __name__ == "__main__":
-    probe() if sys.argv[1] == "probe" else main(sys.argv[1])
+    main(sys.argv[1])

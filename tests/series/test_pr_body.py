@@ -147,7 +147,7 @@ def test_real_pr_bodies_say_each_thing_once_and_where_commands_run():
                     assert "VLLM_TARGET_DEVICE=cpu" in line, (topic, line)
     assert "tests/kernels/attention/test_triton_fetch_kv.py" in bodies["fetch-kv"]
     assert "tests/kernels/attention/test_triton_mla_rope_cache.py" in bodies["mla-fusion"]
-    assert "Depends on PR `fetch-kv`: its first commit adds `vllm/v1/attention/ops/triton_launcher.py`" \
+    assert "Depends on PR `fetch-kv`: its first commit adds `vllm/v1/attention/ops/triton_launch.py`" \
         in bodies["mla-fusion"]
     assert "shared with PR `mla-fusion`, which builds on that commit" in bodies["fetch-kv"]
 

@@ -101,13 +101,13 @@ def test_junit_node_ids(tmp_path):
     path = tmp_path / "j.xml"
     write_junit(path, [("tests.mla.test_mla_rope_fusion_aiter",
                         "test_real_aiter_op_matches_the_triton_kernel[fp8-False]", "failed"),
-                       ("tests.kernels.test_triton_launcher", "test_x", "skipped"),
-                       ("tests.kernels.test_triton_launcher.TestGroup", "test_y", "passed")])
+                       ("tests.kernels.test_triton_launch", "test_x", "skipped"),
+                       ("tests.kernels.test_triton_launch.TestGroup", "test_y", "passed")])
     tests = junit.read(path, ROOT)
     assert [t["test"] for t in tests] == [
         "tests/mla/test_mla_rope_fusion_aiter.py::test_real_aiter_op_matches_the_triton_kernel[fp8-False]",
-        "tests/kernels/test_triton_launcher.py::test_x",
-        "tests/kernels/test_triton_launcher.py::TestGroup::test_y"]
+        "tests/kernels/test_triton_launch.py::test_x",
+        "tests/kernels/test_triton_launch.py::TestGroup::test_y"]
     assert [t["outcome"] for t in tests] == ["failed", "skipped", "passed"]
     assert tests[0]["message"] == "assert 1 == 2"
     assert junit.summary(tests) == {"failed": 1, "skipped": 1, "passed": 1}

@@ -36,8 +36,6 @@ step with Triton.)
 from __future__ import annotations
 
 import functools
-from functools import reduce
-from operator import or_
 from typing import Any
 
 import torch
@@ -50,8 +48,12 @@ __all__ = ["TESTED_TRITON", "KernelCall", "relaunch_supported"]
 TESTED_TRITON = ((3, 4), (3, 9))
 _INT32 = range(-(2**31), 2**31)
 _MAX_BUFFER_BYTES = 2**31 - 1
-# Compiled kernels by (kernel, fixed arguments, tensor variant); Triton keeps
-# each of them anyway, this only finds one without JITFunction.run.
+# Compiled kernels by (configuration, tensor variant); Triton keeps each of
+# them anyway, this only finds one without JITFunction.run.  A configuration
+# (kernel and fixed arguments) is numbered once, when a KernelCall is built, so
+# a call hashes a small int, not the kernel (JITFunction.__hash__ hashes its
+# source key under a lock).
+_CONFIGS: dict[tuple, int] = {}
 _COMPILED: dict[tuple, Any] = {}
 _MAX_COMPILED = 4096
 
@@ -97,7 +99,9 @@ class KernelCall:
             if name in loose and type(value) is int:
                 value = value in _INT32  # Triton still picks i32 or i64
             key.append((name, value))
-        self._key = (kernel, tuple(key))
+        self._config = _CONFIGS.setdefault((kernel, tuple(key)), len(_CONFIGS))
+        self._hip = relaunch_supported()[1]
+        self._device = triton.runtime.driver.active.get_current_device
         self._index = {name: i for i, name in enumerate(names)}
         self._tensor_names = frozenset(names) - fixed.keys()
         # Every parameter's value in order; the tensors fill their slots.
@@ -136,23 +140,23 @@ class KernelCall:
         """The per-call guard (None: launch through ``kernel[grid]``)."""
         if tensors.keys() != self._tensor_names:
             return None  # a parameter missing or given twice: Triton says which
+        # The configuration, the device and the tensors' names in call order,
+        # then per tensor: its dtype, whether it is 16-byte aligned and, on AMD,
+        # whether its storage is within the buffer ops' 2 GiB (None: a pointer
+        # the kernel does not read, a constexpr to Triton).
+        key: list[Any] = [self._config, self._device(), *tensors]
         try:
-            # None: a pointer the kernel does not read (a constexpr to Triton).
-            dtypes = tuple([getattr(t, "dtype", None) for t in tensors.values()])
-            given = [t for t in tensors.values() if t is not None]
-            ptrs = [t.data_ptr() for t in given]
-            hip = relaunch_supported()[1]
-            within = ()
-            if hip:
-                sizes = [t.untyped_storage().nbytes() for t in given]
-                within = tuple([n <= _MAX_BUFFER_BYTES for n in sizes])
+            for t in tensors.values():
+                if t is None:
+                    key.append(None)
+                    continue
+                key.append(t.dtype)
+                key.append(not t.data_ptr() & 15)
+                if self._hip:
+                    key.append(t.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES)
         except AttributeError:  # not a tensor: Triton decides
             return None
-        aligned = (
-            True if not reduce(or_, ptrs, 0) & 15 else tuple(p & 15 == 0 for p in ptrs)
-        )
-        device = triton.runtime.driver.active.get_current_device()
-        return (self._key, tuple(tensors), dtypes, aligned, within, device)
+        return tuple(key)
 
 
 class _Pointer:

@@ -70,11 +70,11 @@ def test_first_call_compiles_then_relaunches_with_every_parameter(jit):
     call(x_ptr=x, y_ptr=y)
     assert len(jit.launches) == 1
     grid, kwargs = jit.launches[0]
-    assert grid == (7, 3) and kwargs["num_warps"] == 4 and kwargs["s_ptr"] is None
+    assert grid == (7, 3, 1) and kwargs["num_warps"] == 4 and kwargs["s_ptr"] is None
     call(x_ptr=x, y_ptr=y)
     assert len(jit.launches) == 1
     (grid, args), = jit.compiled[0].calls
-    assert grid == (7, 3)
+    assert grid == (7, 3, 1)  # three dimensions: CompiledKernel[grid] reads grid[2]
     assert args[0] is x and args[1] is y and args[2:] == (None, 5, 16, 64)
 
 

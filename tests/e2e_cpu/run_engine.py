@@ -94,12 +94,11 @@ def install_step_recorder(steps: list) -> None:
 
 
 def install_batch_recorder(batches: list) -> None:
-    """vLLM 0.34.0+ on the CPU: record the batch order the standalone CPU model runner
-    makes of each step (its ``sort_batch_req_ids``; scripts/cpu_site/sitecustomize.py)."""
-    try:
-        from vllm.v1.worker.cpu import standalone_model_runner as runner
-    except ImportError:
-        return  # 0.33.0: Model Runner V1, the scheduler's emission order is the batch order
+    """Record the batch order the standalone CPU model runner makes of each step (its
+    ``sort_batch_req_ids``; scripts/cpu_site/sitecustomize.py selects the runner).
+    Upstream's returns the sorted req_ids; 0106's ``(req_ids, num_tokens, idx_mapping)``."""
+    from vllm.v1.worker.cpu import standalone_model_runner as runner
+
     original = runner.sort_batch_req_ids
 
     def sort_batch_req_ids(*args, **kwargs):

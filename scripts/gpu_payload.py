@@ -87,6 +87,7 @@ RUNTIME_ROOTS = (
     "vllm.plugins.lora_resolvers.filesystem_resolver",
     "vllm.plugins.lora_resolvers.hf_hub_resolver",
     "vllm.third_party.pynvml",
+    "vllm.utils.vmm_driver",  # 0.34.0: VllmConfig._resolve_extensible_kv_cache
     "vllm.v1.executor",
     "vllm.v1.pool.metadata",
     "vllm.v1.worker.worker_base",

@@ -1129,12 +1129,21 @@ def paged_context_attention(
     )
     calls = ws.calls.get(geometry)
     if calls is None:  # this step's first layer of this geometry
-        _check_layer(ws, query, key_cache, value_cache, key, value, out, lse,
-                     sliding_window)  # fmt: skip
+        _check_layer(
+            ws, query, key_cache, value_cache, key, value, out, lse, sliding_window
+        )
         calls = _layer_calls(
-            ws, query, key_cache, value_cache, key, value, out, lse, scale,
+            ws,
+            query,
+            key_cache,
+            value_cache,
+            key,
+            value,
+            out,
+            lse,
+            scale,
             sliding_window,
-        )  # fmt: skip
+        )
         ws.calls[geometry] = calls
     if calls.fp8:
         k_scale = _scale_tensor(k_scale, query)

@@ -12,7 +12,7 @@ AITER FA's extend path does per 32K-token chunk.
             ``fetch_kv_plan`` kernel below)
   ours_noplan the same call without a plan (each program looks up its
             request and pages itself): the standalone API
-  baseline  upstream vLLM 0.33.0 ``cp_mha_gather_cache`` (one program per
+  baseline  upstream vLLM 0.34.0 ``cp_mha_gather_cache`` (one program per
             (token, head)), loaded at run time from the pinned tree by
             benchmarks/upstream_kernels.py; its token_to_batch map is built
             outside the timed region, as upstream's metadata builder does
@@ -33,7 +33,7 @@ buffer; it has no upstream counterpart (no baseline), and ``nbytes`` counts the
 metadata it reads and the plan it writes; it is timed without a copy
 (``copy_ceiling=False``: a copy of those few bytes bounds nothing).
 
-Run: PYTHONPATH=vllm_overlay:tests/without_vllm:. VLLM_PINNED_TREE=<vllm 0.33.0 tree> \
+Run: PYTHONPATH=vllm_overlay:tests/without_vllm:. VLLM_PINNED_TREE=<vllm 0.34.0 tree> \
      python -m pytest -q benchmarks/bench_fetch_kv.py --benchmark-json=out.json
 """
 
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.gpu
 
 # What "baseline" is in this suite (recorded with every case by kernel_bench).
 BASELINE = (
-    'upstream cp_mha_gather_cache (vLLM 0.33.0 rocm_aiter_fa.py, loaded at run time from the pinned tree)'
+    'upstream cp_mha_gather_cache (vLLM 0.34.0 rocm_aiter_fa.py, loaded at run time from the pinned tree)'
 )
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -113,7 +113,7 @@ def _setup_sets(layout, cache_dtype, out_dtype, h, d, bs, tokens, sets=1, shapes
     num_blocks = 1 + sets * per_set + SPARE_BLOCKS
     perm = (torch.randperm(num_blocks - 1, generator=gen)[: sets * per_set] + 1).to(torch.int32)
     dev = _DEVICE
-    if layout == "NHD":  # vLLM 0.33.0's packed cache, viewed as K / V
+    if layout == "NHD":  # vLLM 0.34.0's packed cache, viewed as K / V
         raw = torch.empty(num_blocks, h, bs, 2 * d, dtype=cache_dtype, device=dev)
         key_cache, value_cache = raw.transpose(1, 2).split(d, dim=-1)
     else:  # shuffle: (blocks, 2, bs, H * D) unflattened and unbound, as the backend does

@@ -254,7 +254,7 @@ def fa_calls(dev, ops=None):
                        dequant=False, kv_cache_layout="NHD", total_tokens=context)
 
         if ops.merge is not None:
-            def upstream_extend():  # 0.33.0's extend_forward for one chunk
+            def upstream_extend():  # 0.34.0's extend_forward for one chunk
                 o, lse = ops.varlen(q, k, v, cu_q, cu_q, new, new, True)
                 upstream_gather()
                 so, sl = ops.varlen(q, key_out, value_out, cu_q, cu_kv0, new, context, False)

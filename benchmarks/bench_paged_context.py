@@ -3,7 +3,7 @@
 """Extend step with cached context: paged context attention vs gather + attention.
 
 One extend step of a layer (32 query / 4 kv heads, D 128, bf16, block 16,
-vLLM 0.33.0's packed cache) for ``R`` requests, each with ``C`` cached tokens
+vLLM 0.34.0's packed cache) for ``R`` requests, each with ``C`` cached tokens
 and ``N`` new tokens, computed both ways with the same new-token attention
 and the same merge:
 

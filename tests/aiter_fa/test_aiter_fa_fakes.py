@@ -357,7 +357,7 @@ def test_varlen_refuses_sink_ptr_of_wrong_shape(fakes, device):
 
 
 def packed_cache(device, num_blocks=6, hkv=2, bs=16, d=32, dtype=F16, seed=1):
-    """vLLM 0.33.0's packed (blocks, Hkv, bs, 2D) cache and its K/V views
+    """vLLM 0.34.0's packed (blocks, Hkv, bs, 2D) cache and its K/V views
     [blocks, bs, Hkv, D] (strides H*bs*2D, 2D, bs*2D, 1)."""
     g = torch.Generator().manual_seed(seed)
     cache = torch.randn(num_blocks, hkv, bs, 2 * d, generator=g).to(dtype).to(device)

@@ -35,7 +35,7 @@ What is real and what is faked:
   * not run: ``do_kv_cache_update`` (needs vLLM's compiled ``_C_cache_ops``);
     the test writes the paged cache itself, as that op would.
 
-The cache is vLLM 0.33.0's packed ``(num_blocks, H_kv, block_size, 2 * D)``;
+The cache is vLLM 0.34.0's packed ``(num_blocks, H_kv, block_size, 2 * D)``;
 block 0 and every block or slot no request owns hold NaN, so an unmasked read
 of them shows.  Block tables are permutations of blocks 1..N, their unused
 tail entries name a free (NaN) block, as stale entries would.

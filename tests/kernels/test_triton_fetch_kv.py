@@ -62,7 +62,7 @@ class Case:
     block_size: int
     cache_dtype: torch.dtype
     out_dtype: torch.dtype
-    # "packed": 0.33.0's (blocks, H, bs, 2D) cache viewed as K/V
+    # "packed": 0.34.0's (blocks, H, bs, 2D) cache viewed as K/V
     # "dense": separate contiguous [blocks, bs, H, D] K and V
     # "shuffle_interleaved": SHUFFLE, K and V of a block side by side
     # "shuffle_planes": SHUFFLE, all K blocks then all V blocks

@@ -30,13 +30,11 @@ decode and ``P`` prefill tokens:
 
   * ours (0303): the prefill rows' ``mla_rope_and_cache`` and the decode rows'
     ``mla_rope_concat_and_cache`` (the decode query, written into a new
-    ``q_out``), with the slices ``_RopeKVStep`` takes: the step's rows and
-    their geometry once (``mla_rope_step_rows``, the layer's own code; first
-    layer), per layer ``q_pe`` of the prefill views forward_impl makes for
-    forward_mha anyway, and the decode rows' ``q_pe`` / ``kv_c`` / ``k_pe``
-    (``kv_c`` / ``k_pe`` whole in a decode-only step).  Not modelled: the
-    layer's own per-call Python (``begin()``: the cos/sin cache lookup, the
-    ``_RopeKVStep``);
+    ``q_out``): the step's rows of each kind and their launches once per step
+    (as MLACommonMetadataBuilder builds them), per layer ``q_pe`` of the
+    prefill views forward_impl makes for forward_mha anyway, and the decode
+    rows' ``q_pe`` / ``kv_c`` / ``k_pe``.  Not modelled: the layer's own
+    per-call Python (``begin()``, the custom op's dispatch);
   * upstream: RoPE of ``q_pe`` / ``k_pe`` inside the compiled piece (replayed
     as a CUDA graph with the rest of the piece), the cache write
     (``unified_mla_kv_cache_update``, an eager custom op, modelled by one
@@ -400,7 +398,6 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
     from vllm.v1.attention.ops.triton_mla_rope_cache import (
         mla_rope_and_cache,
         mla_rope_concat_and_cache,
-        mla_rope_step_rows,
     )
 
     dev = caches[0].device
@@ -453,31 +450,24 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
     mha_q, mha_kv_c, mha_k_pe = q[decodes:], kv_c[decodes:], k_pe[decodes:]
 
     def ours(graph_pieces: bool = True):
-        # The model runner hands each step a new view of its positions buffer.
-        step_positions = positions[:]
+        # The step's rows, as MLACommonMetadataBuilder builds them once per step
+        # (build_mla_rope_step_rows: the slices of each token kind, each with
+        # the step's launches, filled by the step's first layer).
+        d_sl, d_pos, d_launches = slots[:decodes], positions[:decodes], {}
+        p_sl, p_pos, p_launches = slots[decodes:], positions[decodes:], {}
         for layer in range(layers):
             cache = caches[layer]
             replay("ours", piece_common, graph_pieces)
-            # _RopeKVStep, with the layer's own code for the rows: the first
-            # layer slices positions[:T] and the rows of each kind and binds
-            # them; every later layer finds them by identity and slices only
-            # its own q / kv views.
-            shared = mla_rope_step_rows(step_positions, slots, num_tokens, cos_sin)
             if prefill:
-                p_sl, p_pos, p_rows = shared.rows(decodes, num_tokens)
                 mla_rope_and_cache(mha_q[..., p:], mha_kv_c, mha_k_pe, cache, p_sl, p_pos,
                                    cos_sin, False, kv_cache_dtype="auto", k_scale=k_scale,
-                                   rows=p_rows)
+                                   launches=p_launches)
             if decodes:
                 q_out = ql_nope.new_empty((decodes, h, lr + r))
-                # forward_impl: a decode-only batch passes kv_c / k_pe whole.
-                d_kv_c, d_k_pe = (kv_c, k_pe) if not prefill else (kv_c[:decodes],
-                                                                   k_pe[:decodes])
-                d_sl, d_pos, d_rows = shared.rows(0, decodes)
-                mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], d_kv_c, d_k_pe,
-                                          cache, d_sl, d_pos, cos_sin, False,
+                mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], kv_c[:decodes],
+                                          k_pe[:decodes], cache, d_sl, d_pos, cos_sin, False,
                                           kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
-                                          rows=d_rows)
+                                          launches=d_launches)
 
     update = _kv_cache_update_op(ops)
     names = [f"model.layers.{layer}.self_attn.attn" for layer in range(layers)]

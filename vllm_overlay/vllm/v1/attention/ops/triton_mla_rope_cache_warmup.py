@@ -95,7 +95,14 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
     ql_nope = q_out = None
     if case[0] == "decode":
         ql_nope = strided((num_tokens, h, L), (*g.ql_nope_strides, 1), g.model_dtype)
-        q_out = mla.mla_rope_concat_and_cache(
+        q_scale = one if g.q_fp8 else None
+        # The output given, as the layers pass it: the launch is kept.
+        q_out = torch.empty(
+            (num_tokens, h, L + R),
+            dtype=mla.decode_q_out_dtype(ql_nope, q_scale),
+            device=device,
+        )
+        mla.mla_rope_concat_and_cache(
             ql_nope.zero_(),
             q_pe,
             kv_c,
@@ -107,23 +114,8 @@ def compile_case(g: MLAGeometry, case: tuple, device) -> None:
             g.is_neox,
             kv_cache_dtype=g.kv_cache_dtype,
             k_scale=k_scale,
-            q_scale=one if g.q_fp8 else None,
-        )
-        # Again with the output given, as the layers call it: the launch is kept.
-        mla.mla_rope_concat_and_cache(
-            ql_nope,
-            q_pe,
-            kv_c,
-            k_pe,
-            kv_cache,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            g.is_neox,
-            kv_cache_dtype=g.kv_cache_dtype,
-            k_scale=k_scale,
             q_out=q_out,
-            q_scale=one if g.q_fp8 else None,
+            q_scale=q_scale,
             launches=launches,
         )
     else:

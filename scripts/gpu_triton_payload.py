@@ -41,6 +41,9 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from seriestool.sdist import cache_dir, sha256_of  # noqa: E402
+
 OUT = REPO / ".gpu_payload" / "triton"
 STASH = Path("/tmp/triton-parts")
 PYTHON_TAG = "cp312"  # the GPU machine's python3
@@ -58,17 +61,8 @@ DROP = (
 )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def download(version: str) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    folder = cache / "vllm-aiter-series" / "gpu-wheels" / PYTHON_TAG
+    folder = cache_dir() / "gpu-wheels" / PYTHON_TAG
     found = sorted(folder.glob(f"triton-{version}-{PYTHON_TAG}-*.whl"))
     if found:
         return found[-1]
@@ -101,7 +95,7 @@ def build(version: str, wheel: Path, out: Path, part_bytes: int) -> dict:
               flush=True)
         subprocess.run(["xz", "-T0", "-6", str(tar_path)], check=True)
         packed = tar_path.with_suffix(".tar.xz")
-        manifest = {"version": version, "wheel": wheel.name, "sha256": _sha256(packed),
+        manifest = {"version": version, "wheel": wheel.name, "sha256": sha256_of(packed),
                     "bytes": packed.stat().st_size, "parts": []}
         with open(packed, "rb") as f:
             for n, block in enumerate(iter(lambda: f.read(part_bytes), b"")):
@@ -120,7 +114,7 @@ def stash(src: Path, stash_dir: Path) -> list[str]:
     (stash_dir / "MANIFEST.json").write_text(json.dumps(manifest))
     for part in manifest["parts"]:
         here = src / part["name"]
-        if here.is_file() and _sha256(here) == part["sha256"]:
+        if here.is_file() and sha256_of(here) == part["sha256"]:
             shutil.copyfile(here, stash_dir / f"{part['name']}.tmp")
             os.replace(stash_dir / f"{part['name']}.tmp", stash_dir / part["name"])
     return [p["name"] for p in manifest["parts"] if not (stash_dir / p["name"]).is_file()]
@@ -166,7 +160,6 @@ def main() -> int:
     a.add_argument("--dest", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     if args.verb == "build":
-        sys.path.insert(0, str(REPO / "scripts"))
         from seriestool.pins import load_pins
 
         version = args.version or load_pins(REPO)["TRITON_VERSION"]

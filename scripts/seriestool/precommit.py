@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import SeriesError, progress
+from .sdist import cache_dir
 
 CONFIG = ".pre-commit-config.yaml"
 STAGE = "manual"  # what upstream's CI runs; default_stages of 0.34.0 include it
@@ -161,8 +162,7 @@ def selected(hook: Hook, files: list[str], global_exclude: str) -> list[str]:
 def envs_dir() -> Path:
     if os.environ.get("SERIES_HOOK_ENVS"):
         return Path(os.environ["SERIES_HOOK_ENVS"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vllm-aiter-series" / "pre-commit-envs"
+    return cache_dir() / "pre-commit-envs"
 
 
 def hook_env(requirements: list[str]) -> Path:

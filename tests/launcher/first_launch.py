@@ -168,7 +168,7 @@ def main(target):
     call(x, y)          # 1: relaunch
     x1 = buf[1:129]
     call(x1, y)         # 2: misaligned x: another specialisation, through kernel[grid]
-    call(x1, y)         # 3: relaunch, the misaligned kernel
+    call(x1, y)         # 3: misaligned again: through kernel[grid] again
     call(x, y)          # 4: relaunch, the aligned kernel again
     # 6, 7: an aligned tensor whose storage exceeds 2 GiB (never touched; AMD
     # buffer ops specialise on it): the kernel Triton picks, both times.

@@ -210,14 +210,16 @@ def fa_calls(dev, ops=None):
     block_table = block_table_all[:1]
     cu_kv0, starts0 = cu_kv[0], starts[0]
 
-    def make_plan():  # per step and context chunk (builder)
+    def make_plan(build_table=True):  # per step and context chunk (builder)
         return fk.fetch_kv_plan(block_table, cu_kv0, starts0, num_tokens=context,
                                 block_size=bs, head_size=d, cache_dtype=dtype,
-                                out_dtype=dtype, kv_cache_layout="NHD")
+                                out_dtype=dtype, kv_cache_layout="NHD",
+                                build_table=build_table)
 
-    def fetch_kv_setup(with_plan):
+    def fetch_kv_setup(build_table):
         def setup():
-            plan = make_plan() if with_plan else None
+            # build_table=False: the copy finds each work item's request itself.
+            plan = make_plan(build_table)
 
             def call():  # 0200's extend_forward, one chunk
                 fk.fetch_kv(kc, vc, key_out, value_out, block_table, cu_kv0, starts0,

@@ -518,11 +518,38 @@ def fetch_kv_plan(
     )
 
 
-def _check_layer_geometry(plan: FetchKVPlan, key_cache, value_cache, key_out):
-    """What a layer's dtypes and strides must be for ``plan``'s work items."""
+def _check_layer(
+    plan: FetchKVPlan,
+    key_cache,
+    value_cache,
+    key_out,
+    value_out,
+    seq_starts,
+    kv_cache_layout,
+    max_num_tokens,
+):
+    """What a layer's tensors must be for ``plan``'s work items (the step's
+    first call of each layer geometry)."""
     fn = "fetch_kv"
+    if max_num_tokens not in (None, plan.num_tokens):
+        raise ValueError(f"{fn}: max_num_tokens {max_num_tokens} is not the plan's")
+    if kv_cache_layout != plan.kv_cache_layout:
+        raise ValueError(f"{fn}: kv_cache_layout is not the plan's")
+    if seq_starts.shape != (plan.num_reqs,):
+        raise ValueError(
+            f"{fn}: a plan for {plan.num_reqs} requests; the call has "
+            f"{tuple(seq_starts.shape)} seq_starts"
+        )
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    if (block_size, head_size) != (plan.block_size, plan.head_size):
+        raise ValueError(
+            f"{fn}: a plan for block size {plan.block_size}, head size "
+            f"{plan.head_size}; the cache has {block_size}, {head_size}"
+        )
     cache_dtype = key_cache.dtype
     out_dtype = key_out.dtype
+    if value_cache.dtype != cache_dtype or value_out.dtype != out_dtype:
+        raise TypeError(f"{fn}: K and V must have the same cache and output dtypes")
     if cache_dtype != out_dtype and not (
         cache_dtype in _FP8_DTYPES and out_dtype in _DEQUANT_DTYPES
     ):
@@ -530,6 +557,19 @@ def _check_layer_geometry(plan: FetchKVPlan, key_cache, value_cache, key_out):
             f"{fn}: cannot fetch a {cache_dtype} cache into {out_dtype}: the "
             "dtypes must match, or the cache be fp8 (not uint8) and the outputs float"
         )
+    assert value_cache.shape == key_cache.shape, f"{fn}: K/V cache shapes differ"
+    assert value_out.shape == key_out.shape, f"{fn}: K/V output shapes differ"
+    assert key_out.shape[1:] == (num_kv_heads, head_size), f"{fn}: output H, D"
+    if not plan.num_tokens <= key_out.shape[0]:
+        raise ValueError(
+            f"{fn}: the plan covers {plan.num_tokens} tokens (max_num_tokens); "
+            f"the outputs hold {key_out.shape[0]}"
+        )
+    device = plan.seq_starts.device
+    assert key_cache.device == value_cache.device == device, f"{fn}: cache device"
+    assert key_out.device == value_out.device == device, f"{fn}: output device"
+    if plan.table is not None and num_blocks > _INT32_MAX:
+        raise ValueError(f"{fn}: a plan holds int32 block ids")
     shuffle = plan.kv_cache_layout == "SHUFFLE"
     pages_per_program = _pages_per_program(
         plan.block_size,
@@ -544,7 +584,6 @@ def _check_layer_geometry(plan: FetchKVPlan, key_cache, value_cache, key_out):
             f"{cache_dtype} into {out_dtype} needs {pages_per_program}"
         )
     if shuffle:
-        _, block_size, num_kv_heads, head_size = key_cache.shape
         x = _VECTOR_BYTES // cache_dtype.itemsize
         dense = (num_kv_heads * head_size, head_size, 1)
         if (
@@ -634,9 +673,8 @@ def fetch_kv(
     the metadata arguments are then the plan's and are not read again; this
     call checks only its own tensors against the plan.
     """
-    fn = "fetch_kv"
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     if plan is None:
+        _, block_size, _, head_size = key_cache.shape
         plan = fetch_kv_plan(
             block_table,
             cu_seqlens_kv,
@@ -650,57 +688,43 @@ def fetch_kv(
             build_table=False,
         )
     elif not isinstance(plan, FetchKVPlan):
-        raise TypeError(f"{fn}: plan must be a FetchKVPlan (fetch_kv_plan)")
-    elif max_num_tokens not in (None, plan.num_tokens):
-        raise ValueError(f"{fn}: max_num_tokens {max_num_tokens} is not the plan's")
-    elif kv_cache_layout != plan.kv_cache_layout:
-        raise ValueError(f"{fn}: kv_cache_layout is not the plan's")
-    elif seq_starts.shape != (plan.num_reqs,):
-        raise ValueError(
-            f"{fn}: a plan for {plan.num_reqs} requests; the call has "
-            f"{tuple(seq_starts.shape)} seq_starts"
-        )
+        raise TypeError("fetch_kv: plan must be a FetchKVPlan (fetch_kv_plan)")
 
-    # This layer's tensors against the plan.
-    if (block_size, head_size) != (plan.block_size, plan.head_size):
-        raise ValueError(
-            f"{fn}: a plan for block size {plan.block_size}, head size "
-            f"{plan.head_size}; the cache has {block_size}, {head_size}"
-        )
-    cache_dtype = key_cache.dtype
-    out_dtype = key_out.dtype
-    if value_cache.dtype != cache_dtype or value_out.dtype != out_dtype:
-        raise TypeError(f"{fn}: K and V must have the same cache and output dtypes")
-    assert value_cache.shape == key_cache.shape, f"{fn}: K/V cache shapes differ"
-    assert value_out.shape == key_out.shape, f"{fn}: K/V output shapes differ"
-    assert key_out.shape[1:] == (num_kv_heads, head_size), f"{fn}: output H, D"
-    if not plan.num_tokens <= key_out.shape[0]:
-        raise ValueError(
-            f"{fn}: the plan covers {plan.num_tokens} tokens (max_num_tokens); "
-            f"the outputs hold "
-            f"{key_out.shape[0]}"
-        )
-    device = plan.seq_starts.device
-    assert key_cache.device == value_cache.device == device, f"{fn}: cache device"
-    assert key_out.device == value_out.device == device, f"{fn}: output device"
-    if plan.table is not None and num_blocks > _INT32_MAX:
-        raise ValueError(f"{fn}: a plan holds int32 block ids")
+    # This layer's tensors against the plan: checked by the step's first call
+    # of each geometry, which builds the copy launch the others reuse.
     geometry = (
+        key_cache.shape,
         key_cache.stride(),
+        value_cache.shape,
         value_cache.stride(),
+        key_out.shape,
         key_out.stride(),
+        value_out.shape,
         value_out.stride(),
-        cache_dtype,
-        out_dtype,
+        key_cache.dtype,
+        value_cache.dtype,
+        key_out.dtype,
+        value_out.dtype,
+        kv_cache_layout,
+        max_num_tokens,
     )
     copy = plan.copies.get(geometry)
-    if copy is None:  # this step's first layer of this geometry
-        _check_layer_geometry(plan, key_cache, value_cache, key_out)
+    if copy is None:
+        _check_layer(
+            plan,
+            key_cache,
+            value_cache,
+            key_out,
+            value_out,
+            seq_starts,
+            kv_cache_layout,
+            max_num_tokens,
+        )
         copy = _copy_call(plan, key_cache, value_cache, key_out, value_out)
         plan.copies[geometry] = copy
-    dequant = cache_dtype != out_dtype
+    dequant = copy.fixed["DEQUANT"]
     if dequant and not (_one_element(k_scale) and _one_element(v_scale)):
-        raise ValueError(f"{fn}: an fp8 cache needs one-element k_scale/v_scale")
+        raise ValueError("fetch_kv: an fp8 cache needs one-element k_scale/v_scale")
     if plan.num_tokens == 0 or plan.num_reqs == 0:
         return
     copy(

@@ -12,16 +12,19 @@ metadata as ``JITFunction.run`` does).
 ``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and every argument
 that is not a tensor: scalars, constexprs, ``None`` for pointers the kernel
 does not read, and launch options (``num_warps``, ``num_stages``).  Calling
-it with the tensors by keyword, ``call(q_ptr=q, ...)`` (``None`` for a
-pointer not read), launches
-``kernel[grid](**fixed, **tensors)`` the first time for each *variant* and
-relaunches that compiled kernel afterwards.  The variant (the guard of what
-Triton specialised on, checked on every call) is: the fixed arguments (an int
-that Triton does not specialise by ``do_not_specialize`` only by whether it
-fits int32), the tensors' names and dtypes, whether every pointer is 16-byte
-aligned and, on AMD, whether each tensor's storage is within 2 GiB (buffer
-ops); it is never coarser than Triton's own key (the keywords' order is part
-of it: a call site passes them in one order).
+it with the tensors by keyword, ``call(q_ptr=q, ...)``, launches
+``kernel[grid](**fixed, **tensors)`` the first time and relaunches the kernel
+Triton compiled afterwards.
+
+Per call it guards what Triton specialised on: the tensors' names in call
+order, which are None, the others' dtypes, whether every pointer is 16-byte
+aligned (a call where one is not goes through ``kernel[grid]``, which picks
+its own specialisation) and, on AMD, whether each tensor's storage is within
+the buffer ops' 2 GiB; the fixed arguments are the KernelCall's own (an int
+that Triton does not specialise, ``do_not_specialize``, counts only by
+whether it fits int32).  A KernelCall serves one step on one device: the
+wrappers build one per layer geometry when a step's first layer of that
+geometry has been checked.
 
 ``kernel[grid]`` runs instead whenever anything is unknown: not a compiled
 ``JITFunction`` (``TRITON_INTERPRET=1``), a Triton release outside
@@ -36,6 +39,7 @@ step with Triton.)
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -48,11 +52,10 @@ __all__ = ["TESTED_TRITON", "KernelCall", "relaunch_supported"]
 TESTED_TRITON = ((3, 4), (3, 9))
 _INT32 = range(-(2**31), 2**31)
 _MAX_BUFFER_BYTES = 2**31 - 1
-# Compiled kernels by (configuration, tensor variant); Triton keeps each of
-# them anyway, this only finds one without JITFunction.run.  A configuration
-# (kernel and fixed arguments) is numbered once, when a KernelCall is built, so
-# a call hashes a small int, not the kernel (JITFunction.__hash__ hashes its
-# source key under a lock).
+# Compiled kernels by (configuration, signature, guard), so the KernelCalls a
+# later step builds find them without JITFunction.run (Triton keeps each of
+# them anyway).  A configuration (kernel and fixed arguments) is numbered when
+# a KernelCall is built.
 _CONFIGS: dict[tuple, int] = {}
 _COMPILED: dict[tuple, Any] = {}
 _MAX_COMPILED = 4096
@@ -102,29 +105,65 @@ class KernelCall:
             key.append((name, value))
         self._config = _CONFIGS.setdefault((kernel, tuple(key)), len(_CONFIGS))
         self._hip = relaunch_supported()[1]
-        self._device = triton.runtime.driver.active.get_current_device
-        self._index = {name: i for i, name in enumerate(names)}
-        self._tensor_names = frozenset(names) - fixed.keys()
-        # Every parameter's value in order; the tensors fill their slots.
-        self._args = [fixed.get(name) for name in names]
+        self._names = names
+        # The fixed kernel arguments (not the launch options), in order.
+        self._fixed_args = [name for name in fixed if name in set(names)]
+        self._fixed_values = tuple(fixed[name] for name in self._fixed_args)
+        # The launcher and argument order per guard value.
+        self._launchers: dict[tuple, tuple[Any, Any]] = {}
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
-        if not self._relaunch or torch.compiler.is_compiling():
-            self.kernel[self.grid](**self.fixed, **tensors)
+        if self._relaunch and not torch.compiler.is_compiling():
+            launcher = self._launchers.get(self.guard(tensors))
+            if launcher is not None:
+                run, order = launcher
+                run(*order((*self._fixed_values, *tensors.values())))
+                return
+        self._launch(tensors)
+
+    def guard(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
+        """What a relaunch depends on per call (None: ``kernel[grid]``)."""
+        given = tuple(filter(_NOT_NONE, tensors.values()))
+        try:
+            if functools.reduce(operator.or_, map(_DATA_PTR, given), 0) & 15:
+                return None  # a pointer not 16-byte aligned
+            dtypes = tuple(map(_DTYPE, given))
+            within = tuple(map(_within_buffer, given)) if self._hip else None
+        except (AttributeError, TypeError):  # not a tensor: Triton decides
+            return None
+        # The keywords in order (the launcher takes the arguments in it),
+        # which are None and the others' dtypes.
+        return (*tensors, *map(_IS_NONE, tensors.values()), *dtypes, within)
+
+    def _launch(self, tensors: dict[str, torch.Tensor | None]) -> None:
+        """A call the relaunch path does not take (the first of each guard
+        value, a misaligned pointer, anything unknown): through
+        ``kernel[grid]``, or the kernel an earlier KernelCall of this
+        configuration compiled; keeps what a relaunch needs."""
+        guard = None
+        given: list[str] = []
+        if self._relaunch and not torch.compiler.is_compiling():
+            guard = self.guard(tensors)
+            given = [*self._fixed_args, *tensors]
+        if guard is None or sorted(given) != sorted(self._names):
+            self.kernel[self.grid](**self.fixed, **tensors)  # Triton decides
             return
-        key = self.variant(tensors)
-        compiled = _COMPILED.get(key) if key is not None else None
-        if compiled is None:
+        device = triton.runtime.driver.active.get_current_device()
+        key = (self._config, device, guard)
+        compiled = _COMPILED.get(key)
+        launched = compiled is None
+        if launched:
             compiled = self.kernel[self.grid](**self.fixed, **tensors)
-            full = len(_COMPILED) >= _MAX_COMPILED
-            if key is not None and compiled is not None and not full:
+            if compiled is None:
+                return
+            if len(_COMPILED) < _MAX_COMPILED:
                 _COMPILED[key] = compiled
-            return
-        args = self._args.copy()
-        index = self._index
-        for name, tensor in tensors.items():
-            args[index[name]] = tensor
-        compiled[self.grid](*args)
+        # The kernel's arguments in order, taken from (*fixed, *tensors).
+        order = operator.itemgetter(*(given.index(n) for n in self._names))
+        # (Launched on this device: a KernelCall serves one step.)
+        self._launchers[guard] = (compiled[self.grid], order)
+        if not launched:
+            compiled[self.grid](*order((*self._fixed_values, *tensors.values())))
 
     def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
         """Compile without launching (``JITFunction.warmup``, for vLLM's JIT
@@ -137,27 +176,15 @@ class KernelCall:
         }
         self.kernel.warmup(**self.fixed, **args, grid=self.grid)
 
-    def variant(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
-        """The per-call guard (None: launch through ``kernel[grid]``)."""
-        if tensors.keys() != self._tensor_names:
-            return None  # a parameter missing or given twice: Triton says which
-        # The configuration, the device and the tensors' names in call order,
-        # then per tensor: its dtype, whether it is 16-byte aligned and, on AMD,
-        # whether its storage is within the buffer ops' 2 GiB (None: a pointer
-        # the kernel does not read, a constexpr to Triton).
-        key: list[Any] = [self._config, self._device(), *tensors]
-        try:
-            for t in tensors.values():
-                if t is None:
-                    key.append(None)
-                    continue
-                key.append(t.dtype)
-                key.append(not t.data_ptr() & 15)
-                if self._hip:
-                    key.append(t.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES)
-        except AttributeError:  # not a tensor: Triton decides
-            return None
-        return tuple(key)
+
+_IS_NONE = functools.partial(operator.is_, None)
+_NOT_NONE = functools.partial(operator.is_not, None)
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = operator.methodcaller("data_ptr")
+
+
+def _within_buffer(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES
 
 
 class _Pointer:

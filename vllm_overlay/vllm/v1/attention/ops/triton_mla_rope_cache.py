@@ -536,13 +536,6 @@ class MLARopeLaunch:
     reads_q_scale: bool
 
 
-def _geometry(*tensors: torch.Tensor | None) -> tuple:
-    """What the checks below depend on: shapes, strides, dtypes, devices."""
-    return tuple(
-        None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors
-    )
-
-
 def _check_and_launch(
     fn: str,
     *,
@@ -567,46 +560,98 @@ def _check_and_launch(
 
     ``launches``: the step's launches by layer geometry (``MLARopeStepRows``
     keeps one per form).  A layer whose tensors have the geometry of one
-    already there (the same shapes, strides, dtypes and devices, so the same
-    checks) launches it; otherwise the checks run and the launch is built and
-    kept there."""
-    key = None
+    already there (the same shapes, strides and dtypes, so the same checks)
+    launches it; otherwise the checks run and the launch is built and kept
+    there."""
+    key = launch = None
     # (A decode call without q_out allocates one: checked, never kept.)
     if launches is not None and (q_out is not None or ql_nope is None):
         key = (
             is_neox,
             kv_cache_dtype,
-            _geometry(
-                ql_nope,
-                q_pe,
-                q_out,
-                kv_c,
-                k_pe,
-                kv_cache,
-                slot_mapping,
-                positions,
-                cos_sin_cache,
-                k_scale,
-                q_scale,
-            ),
+            None
+            if ql_nope is None
+            else (ql_nope.shape, ql_nope.stride(), ql_nope.dtype),
+            None if q_out is None else (q_out.shape, q_out.stride(), q_out.dtype),
+            q_pe.shape,
+            q_pe.stride(),
+            q_pe.dtype,
+            kv_c.shape,
+            kv_c.stride(),
+            kv_c.dtype,
+            k_pe.shape,
+            k_pe.stride(),
+            k_pe.dtype,
+            kv_cache.shape,
+            kv_cache.stride(),
+            kv_cache.dtype,
+            slot_mapping.shape,
+            positions.shape,
+            cos_sin_cache.shape,
+            cos_sin_cache.stride(),
+            cos_sin_cache.dtype,
+            k_scale is None,
+            q_scale is None,
         )
         launch = launches.get(key)
-        if launch is not None:
-            _launch(
-                launch,
-                ql_nope,
-                q_pe,
-                q_out,
-                kv_c,
-                k_pe,
-                kv_cache,
-                slot_mapping,
-                positions,
-                cos_sin_cache,
-                k_scale,
-                q_scale,
-            )
+    if launch is None:
+        q_out, launch = _check(
+            fn,
+            ql_nope=ql_nope,
+            q_pe=q_pe,
+            q_out=q_out,
+            kv_c=kv_c,
+            k_pe=k_pe,
+            kv_cache=kv_cache,
+            slot_mapping=slot_mapping,
+            positions=positions,
+            cos_sin_cache=cos_sin_cache,
+            is_neox=is_neox,
+            kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            q_scale=q_scale,
+        )
+        if launch is None:  # nothing to launch
             return q_out
+        if key is not None:
+            launches[key] = launch  # type: ignore[index]
+    if kv_cache.dtype != launch.cache_dtype:
+        kv_cache = kv_cache.view(launch.cache_dtype)
+    launch.call(
+        ql_nope_ptr=ql_nope,
+        q_pe_ptr=q_pe,
+        q_out_ptr=q_out,
+        kv_c_ptr=kv_c,
+        k_pe_ptr=k_pe,
+        kv_cache_ptr=kv_cache,
+        slot_mapping_ptr=slot_mapping,
+        positions_ptr=positions,
+        cos_sin_ptr=cos_sin_cache,
+        k_scale_ptr=k_scale if launch.reads_k_scale else None,
+        q_scale_ptr=q_scale if launch.reads_q_scale else None,
+    )
+    return q_out
+
+
+def _check(
+    fn: str,
+    *,
+    ql_nope: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    q_out: torch.Tensor | None,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, MLARopeLaunch | None]:
+    """The checks of one layer geometry and its launch (None: no tokens);
+    returns ``q_out`` too (the decode form allocates one when None)."""
     decode = ql_nope is not None
     model_dtype = q_pe.dtype
     same = kv_c.dtype == k_pe.dtype == model_dtype
@@ -675,7 +720,7 @@ def _check_and_launch(
     for t in (ql_nope, q_pe, q_out, kv_c, k_pe, kv_cache, cos_sin_cache):
         assert t is None or t.stride(-1) == 1, f"{fn}: unit last stride"
     if num_tokens == 0 or num_heads == 0:
-        return q_out
+        return q_out, None
 
     block_l, block_half, block_t, block_h, num_warps = _tile_config(
         num_tokens, num_heads, lora_rank, rot_dim, decode
@@ -714,60 +759,11 @@ def _check_and_launch(
         # RoPE, and both forms (compiled separately) write identical bytes.
         enable_fp_fusion=False,
     )
-    launch = MLARopeLaunch(
+    return q_out, MLARopeLaunch(
         call=call,
         cache_dtype=stored,
         reads_k_scale=bool(kv_fp8_max),
         reads_q_scale=bool(q_fp8_max),
-    )
-    if key is not None:
-        launches[key] = launch  # type: ignore[index]
-    _launch(
-        launch,
-        ql_nope,
-        q_pe,
-        q_out,
-        kv_c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        k_scale,
-        q_scale,
-    )
-    return q_out
-
-
-def _launch(
-    launch: MLARopeLaunch,
-    ql_nope,
-    q_pe,
-    q_out,
-    kv_c,
-    k_pe,
-    kv_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    k_scale,
-    q_scale,
-) -> None:
-    """Launch one layer's tensors (None for the pointers not read)."""
-    if kv_cache.dtype != launch.cache_dtype:
-        kv_cache = kv_cache.view(launch.cache_dtype)
-    launch.call(
-        ql_nope_ptr=ql_nope,
-        q_pe_ptr=q_pe,
-        q_out_ptr=q_out,
-        kv_c_ptr=kv_c,
-        k_pe_ptr=k_pe,
-        kv_cache_ptr=kv_cache,
-        slot_mapping_ptr=slot_mapping,
-        positions_ptr=positions,
-        cos_sin_ptr=cos_sin_cache,
-        k_scale_ptr=k_scale if launch.reads_k_scale else None,
-        q_scale_ptr=q_scale if launch.reads_q_scale else None,
     )
 
 

@@ -892,10 +892,47 @@ def paged_context_workspace_size(
     return num_heads * max_tokens, rows * num_heads * head_size, rows * num_heads
 
 
-def _check_layer(ws, query, key_cache, value_cache, key, value, out, lse, window):
+def _check_layer(
+    ws,
+    query,
+    key_cache,
+    value_cache,
+    key,
+    value,
+    out,
+    lse,
+    seq_lens,
+    num_splits,
+    window,
+):
     """What a layer's tensors must be for ``ws``'s step (the step's first
     call of each geometry)."""
     fn = "paged_context_attention"
+    if num_splits not in (None, ws.num_splits):
+        raise ValueError(f"{fn}: num_splits differs from the workspace's")
+    if seq_lens.shape != (ws.num_reqs,):
+        raise ValueError(
+            f"{fn}: a workspace for {ws.num_reqs} requests; the call has "
+            f"{tuple(seq_lens.shape)} seq_lens"
+        )
+    num_tokens, num_heads, head_size = query.shape
+    if (num_tokens, num_heads, head_size, key_cache.shape[2]) != (
+        ws.num_tokens,
+        ws.num_heads,
+        ws.head_size,
+        ws.num_kv_heads,
+    ):
+        raise ValueError(f"{fn}: the workspace was made for other shapes")
+    if query.dtype != ws.dtype:
+        raise TypeError(f"{fn}: the workspace was made for {ws.dtype} queries")
+    for name, t in (("key", key), ("value", value)):
+        assert t is None or t.shape == (num_tokens, ws.num_kv_heads, head_size), (
+            f"{fn}: {name} shape"
+        )
+    if out.shape != query.shape:
+        raise ValueError(f"{fn}: out must be like the query")
+    if lse.shape != (num_heads, num_tokens):
+        raise ValueError(f"{fn}: lse must be ({num_heads}, {num_tokens}) float32")
     q_dtype, cache_dtype = query.dtype, key_cache.dtype
     fp8 = cache_dtype in _FP8_DTYPES
     if value_cache.dtype != cache_dtype:
@@ -1059,78 +1096,67 @@ def paged_context_attention(
     read again, the call uses its buffers and split count and checks only its
     own tensors against it.  Never reads device values on the host.
     """
-    fn = "paged_context_attention"
-    num_tokens, num_heads, head_size = query.shape
-    _, _, num_kv_heads, _ = key_cache.shape
     if workspace is None:
+        num_tokens, num_heads, head_size = query.shape
         workspace = paged_context_workspace(
             block_table,
             cu_seqlens_q,
             seq_lens,
             num_tokens=num_tokens,
             num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
+            num_kv_heads=key_cache.shape[2],
             head_size=head_size,
             dtype=query.dtype,
             max_context_len=max_context_len,
             num_splits=num_splits,
         )
     elif not isinstance(workspace, PagedContextWorkspace):
-        raise TypeError(f"{fn}: workspace must be a paged_context_workspace")
-    elif num_splits not in (None, workspace.num_splits):
-        raise ValueError(f"{fn}: num_splits differs from the workspace's")
-    elif seq_lens.shape != (workspace.num_reqs,):
-        raise ValueError(
-            f"{fn}: a workspace for {workspace.num_reqs} requests; the call has "
-            f"{tuple(seq_lens.shape)} seq_lens"
+        raise TypeError(
+            "paged_context_attention: workspace must be a paged_context_workspace"
         )
-
-    # This layer's tensors against the step's workspace.
     ws = workspace
-    if (num_tokens, num_heads, head_size, num_kv_heads) != (
-        ws.num_tokens,
-        ws.num_heads,
-        ws.head_size,
-        ws.num_kv_heads,
-    ):
-        raise ValueError(f"{fn}: the workspace was made for other shapes")
-    if query.dtype != ws.dtype:
-        raise TypeError(f"{fn}: the workspace was made for {ws.dtype} queries")
-    if key is not None:
-        assert key.shape == (num_tokens, num_kv_heads, head_size), f"{fn}: key shape"
-    if value is not None:
-        assert value.shape == (num_tokens, num_kv_heads, head_size), (
-            f"{fn}: value shape"
-        )
     if out is None:
         out = torch.empty_like(query)
-    elif out.shape != query.shape:
-        raise ValueError(f"{fn}: out must be like the query")
     if lse is None:
         lse = ws.lse
-    elif lse.shape != (num_heads, num_tokens):
-        raise ValueError(f"{fn}: lse must be ({num_heads}, {num_tokens}) float32")
-    # Everything the checks and the launches depend on but the metadata's
-    # and the shapes checked above: one step's layers share one or two.
+    # This layer's tensors against the step's workspace: checked by the step's
+    # first call of each geometry, which builds the launches the others reuse.
     geometry = (
+        query.shape,
         query.stride(),
         key_cache.shape,
         key_cache.stride(),
         value_cache.shape,
         value_cache.stride(),
-        None if key is None else (key.stride(), key.dtype, key.device),
-        None if value is None else (value.stride(), value.dtype, value.device),
+        None if key is None else (key.shape, key.stride(), key.dtype),
+        None if value is None else (value.shape, value.stride(), value.dtype),
+        out.shape,
         out.stride(),
+        lse.shape,
         lse.stride(),
-        (query.dtype, key_cache.dtype, value_cache.dtype, out.dtype, lse.dtype),
-        (query.device, key_cache.device, value_cache.device, out.device, lse.device),
+        query.dtype,
+        key_cache.dtype,
+        value_cache.dtype,
+        out.dtype,
+        lse.dtype,
         scale,
         sliding_window,
+        num_splits,
     )
     calls = ws.calls.get(geometry)
-    if calls is None:  # this step's first layer of this geometry
+    if calls is None:
         _check_layer(
-            ws, query, key_cache, value_cache, key, value, out, lse, sliding_window
+            ws,
+            query,
+            key_cache,
+            value_cache,
+            key,
+            value,
+            out,
+            lse,
+            seq_lens,
+            num_splits,
+            sliding_window,
         )
         calls = _layer_calls(
             ws,

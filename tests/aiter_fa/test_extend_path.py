@@ -697,6 +697,10 @@ def test_kv_sharing_layer_fetches_new_tokens(make_backend, spies, fake_aiter, de
 
     assert meta.extend_metadata.paged_context
     assert len(spies["fetch_kv"]) == 1 and len(spies["paged_context_attention"]) == 1
+    # The gather's work plan is the step's, built by the builder for every layer.
+    plan = spies["fetch_kv"][0]["plan"]
+    assert plan is not None and plan is meta.kv_sharing_metadata.fetch_kv_plan
+    assert plan.table is not None and plan.num_tokens == spies["fetch_kv"][0]["key_out"].shape[0]
     assert_matches_reference(output, step)
 
 
@@ -713,6 +717,9 @@ def test_sliding_window_extend(make_backend, spies, fake_aiter, device):
     assert not meta.extend_metadata.paged_context
     assert len(spies["fetch_kv"]) == 1 and not spies["paged_context_attention"]
     assert spies["fetch_kv"][0]["kv_cache_layout"] == "NHD"
+    swa = meta.extend_metadata.chunk_context_metadata.swa_metadata
+    assert spies["fetch_kv"][0]["plan"] is swa.fetch_kv_plan is not None
+    assert swa.fetch_kv_plan.num_tokens == swa.swa_total_tokens
     swa_calls = [c for c in fake_aiter.varlen_calls if c["window"] == 23]
     assert [c["k_lens"] for c in swa_calls if c["q_lens"] == [6, 3]] == [[30, 22]]
     assert_matches_reference(output, step)

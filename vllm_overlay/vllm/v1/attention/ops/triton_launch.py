@@ -6,34 +6,26 @@ An attention op called once per layer between the pieces of a piecewise CUDA
 graph pays ``kernel[grid](...)`` on every layer: ``JITFunction.run`` binds,
 specialises and keys every argument (about 3x a torch op on the host).  The
 kernel it compiled can be launched again through its own launcher,
-``CompiledKernel[grid]`` (about 1.1x: it passes Triton's launch hooks and
-metadata as ``JITFunction.run`` does).
+``CompiledKernel[grid]`` (about 1.1x; Triton's launch hooks and metadata
+included).
 
 ``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and every argument
-that is not a tensor: scalars, constexprs, ``None`` for pointers the kernel
-does not read, and launch options (``num_warps``, ``num_stages``).  Calling
-it with the tensors by keyword, ``call(q_ptr=q, ...)``, launches
-``kernel[grid](**fixed, **tensors)`` the first time and relaunches the kernel
-Triton compiled afterwards.
-
-Per call it guards what Triton specialised on: the tensors' names in call
-order, which are None, the others' dtypes, whether every pointer is 16-byte
-aligned (a call where one is not goes through ``kernel[grid]``, which picks
-its own specialisation) and, on AMD, whether each tensor's storage is within
-the buffer ops' 2 GiB; the fixed arguments are the KernelCall's own (an int
-that Triton does not specialise, ``do_not_specialize``, counts only by
-whether it fits int32).  A KernelCall serves one step on one device: the
-wrappers build one per layer geometry when a step's first layer of that
-geometry has been checked.
+that is not a tensor (scalars, constexprs, ``None`` for pointers the kernel
+does not read, ``num_warps`` ...).  ``call(q_ptr=q, ...)`` launches
+``kernel[grid](**fixed, **tensors)`` the first time for each guard value and
+relaunches that compiled kernel afterwards.  The guard, read on every call, is
+what Triton specialises on beyond the fixed arguments: the tensors' names in
+call order, which are None, the others' dtypes and, on AMD, whether each
+storage is within the buffer ops' 2 GiB; a call with a pointer that is not
+16-byte aligned goes through ``kernel[grid]``.  An int Triton does not
+specialise (``do_not_specialize``) counts only by whether it fits int32.
 
 ``kernel[grid]`` runs instead whenever anything is unknown: not a compiled
 ``JITFunction`` (``TRITON_INTERPRET=1``), a Triton release outside
 ``TESTED_TRITON``, a non-tensor argument given per call, or while
 torch.compile traces.  Launches go to the current stream, so CUDA graphs
-capture them as they capture ``kernel[grid]``.  (Inductor's
-``StaticallyLaunchedCudaKernel`` launches as cheaply but needs the binary on
-disk and Triton's implied constants filtered out: one more thing to keep in
-step with Triton.)
+capture them as they capture ``kernel[grid]``.  A KernelCall serves one step
+on one device: the wrappers build one per layer geometry of a step.
 """
 
 from __future__ import annotations
@@ -52,7 +44,7 @@ __all__ = ["TESTED_TRITON", "KernelCall", "relaunch_supported"]
 TESTED_TRITON = ((3, 4), (3, 9))
 _INT32 = range(-(2**31), 2**31)
 _MAX_BUFFER_BYTES = 2**31 - 1
-# Compiled kernels by (configuration, signature, guard), so the KernelCalls a
+# Compiled kernels by (configuration, device, guard), so the KernelCalls a
 # later step builds find them without JITFunction.run (Triton keeps each of
 # them anyway).  A configuration (kernel and fixed arguments) is numbered when
 # a KernelCall is built.
@@ -160,7 +152,6 @@ class KernelCall:
                 _COMPILED[key] = compiled
         # The kernel's arguments in order, taken from (*fixed, *tensors).
         order = operator.itemgetter(*(given.index(n) for n in self._names))
-        # (Launched on this device: a KernelCall serves one step.)
         self._launchers[guard] = (compiled[self.grid], order)
         if not launched:
             compiled[self.grid](*order((*self._fixed_values, *tensors.values())))

@@ -31,6 +31,7 @@ on one device: the wrappers build one per layer geometry of a step.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from typing import Any
 
@@ -114,18 +115,23 @@ class KernelCall:
         self._launch(tensors)
 
     def guard(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
-        """What a relaunch depends on per call (None: ``kernel[grid]``)."""
-        given = tuple(filter(_NOT_NONE, tensors.values()))
+        """What a relaunch depends on per call (None: ``kernel[grid]``): the
+        keywords in order (the launcher takes the arguments in it), the
+        tensors' dtypes (None for None) and, on AMD, each storage's bound."""
+        pointers = 0
         try:
-            if functools.reduce(operator.or_, map(_DATA_PTR, given), 0) & 15:
-                return None  # a pointer not 16-byte aligned
-            dtypes = tuple(map(_DTYPE, given))
-            within = tuple(map(_within_buffer, given)) if self._hip else None
-        except (AttributeError, TypeError):  # not a tensor: Triton decides
+            for t in tensors.values():
+                if t is not None:
+                    pointers |= t.data_ptr()
+            within = None
+            if self._hip:
+                within = tuple(_within_buffer(t) for t in tensors.values() if t is not None)
+        except AttributeError:  # not a tensor: Triton decides
             return None
-        # The keywords in order (the launcher takes the arguments in it),
-        # which are None and the others' dtypes.
-        return (*tensors, *map(_IS_NONE, tensors.values()), *dtypes, within)
+        if pointers & 15:
+            return None  # a pointer not 16-byte aligned
+        dtypes = map(getattr, tensors.values(), _DTYPE, _NO_DTYPE)
+        return (*tensors, *dtypes, within)
 
     def _launch(self, tensors: dict[str, torch.Tensor | None]) -> None:
         """A call the relaunch path does not take (the first of each guard
@@ -168,10 +174,8 @@ class KernelCall:
         self.kernel.warmup(**self.fixed, **args, grid=self.grid)
 
 
-_IS_NONE = functools.partial(operator.is_, None)
-_NOT_NONE = functools.partial(operator.is_not, None)
-_DTYPE = operator.attrgetter("dtype")
-_DATA_PTR = operator.methodcaller("data_ptr")
+_DTYPE = itertools.repeat("dtype")
+_NO_DTYPE = itertools.repeat(None)
 
 
 def _within_buffer(t: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Extend step with cached context: paged context attention vs gather + attention.
+"""Extend step with cached context: paged context attention vs gather + attention
+and vs upstream's ``unified_attention``.
 
 One extend step of a layer (32 query / 4 kv heads, D 128, bf16, block 16,
 vLLM 0.34.0's packed cache) for ``R`` requests, each with ``C`` cached tokens
@@ -25,10 +26,22 @@ and the same merge:
                      kernel (non-causal, with LSE) over the workspace, then
                      merge: a vendor dense kernel behind the gather, as on ROCm
                      (AITER's CK kernel); decides where the gather path wins;
-  * ``gather_only`` -- the gather alone (its share of the step).
+  * ``gather_only`` -- the gather alone (its share of the step);
+  * ``upstream_unified`` -- vLLM 0.34.0's ``unified_attention`` (loaded at run
+                     time from the pinned tree, benchmarks/upstream_kernels.py),
+                     called as the ``triton_attn`` backend's forward calls it
+                     for this batch: the paged cache (the step's new K/V
+                     already in it, written outside the timed region as the
+                     backend's cache update does), ``seq_lens`` / ``max_seqlen``
+                     of context + new tokens, causal, no window or softcap,
+                     unit K/V descales, and the backend's split-K threshold and
+                     scratch (extends of more than 8 tokens run its 2D kernel).
+                     Recorded as unavailable, with the reason, when the pinned
+                     tree is not there.
 
-New-token part (all variants but ``ours``): FlashAttention-2 varlen causal with LSE on the
-step's K/V (a float64-checked torch fallback if the aten op is unavailable).
+New-token part (``ours_split``, ``baseline``, ``gather_fa2``): FlashAttention-2
+varlen causal with LSE on the step's K/V (a float64-checked torch fallback if
+the aten op is unavailable).
 Merge: a small Triton kernel with ``merge_attn_states``'s semantics.
 
 ``nbytes`` = cached K/V bytes read once + query and output bytes.  Every
@@ -58,6 +71,11 @@ from vllm.v1.attention.ops import triton_paged_context_attention as pca
 from vllm.v1.attention.ops.triton_paged_context_attention import paged_context_attention
 
 from benchmarks.timing import device_cache_bytes, plan_rotation
+from benchmarks.upstream_kernels import (
+    UpstreamUnavailable,
+    load_unified_attention,
+    triton_attn_split_k_args,
+)
 
 try:
     from vllm.v1.attention.ops.triton_fetch_kv import fetch_kv
@@ -66,9 +84,16 @@ except ImportError:  # another topic's kernel; the torch gather stands in
 
 pytestmark = pytest.mark.gpu
 
+try:
+    _UNIFIED = load_unified_attention()
+    _UNIFIED_MISSING = ""
+except UpstreamUnavailable as exc:
+    _UNIFIED = None
+    _UNIFIED_MISSING = f"upstream_unified skipped: {exc}"
+
 # What "baseline" is in this suite (recorded with every case by kernel_bench).
 BASELINE = (
-    'gather with fetch_kv + the same Triton attention kernel over the workspace + merge; gather_fa2 = same gather + PyTorch FlashAttention-2 varlen (the dense-vendor-kernel stand-in)'
+    'gather with fetch_kv + the same Triton attention kernel over the workspace + merge; gather_fa2 = same gather + PyTorch FlashAttention-2 varlen (the dense-vendor-kernel stand-in); upstream_unified = vLLM 0.34.0 unified_attention on the paged cache as the triton_attn backend calls it'
 )
 
 NUM_HEADS = 32
@@ -159,18 +184,22 @@ def _pick_varlen():
         return _torch_varlen, "torch"
 
 
-def make_env(max_tokens: int = MAX_CONTEXT_TOKENS, min_blocks: int = 0) -> dict:
-    """Cache (random, packed layout) and the new-token attention kernel.
+def make_env(max_tokens: int = MAX_CONTEXT_TOKENS, min_blocks: int = 0,
+             device: str = "cuda") -> dict:
+    """Cache (random, packed layout), the new-token attention kernel, and
+    ``unified_attention``'s split-K arguments (the ``triton_attn`` backend's).
 
     ``min_blocks``: at least this many blocks (the buffer sets of the largest
     rotation, ``rotation_blocks``)."""
     varlen, varlen_name = _pick_varlen()
     num_blocks = max(max_tokens // BLOCK_SIZE + 64, min_blocks)
-    cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="cuda",
+    cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device=device,
                         dtype=DTYPE)
     key_cache, value_cache = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    split_k = (triton_attn_split_k_args(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, device)
+               if _UNIFIED is not None else None)
     return dict(varlen=varlen, varlen_name=varlen_name, cache=cache, key_cache=key_cache,
-                value_cache=value_cache, num_blocks=num_blocks,
+                value_cache=value_cache, num_blocks=num_blocks, split_k=split_k,
                 gather_name="fetch_kv" if fetch_kv is not None else "torch_index")
 
 
@@ -240,6 +269,14 @@ def make_step(env, reqs, context, new, set_index: int = 0, check: bool = True):
     k_new = torch.randn(total_new, NUM_KV_HEADS, HEAD_SIZE, device=dev, dtype=DTYPE)
     v_new = torch.randn_like(k_new)
     seq_starts = torch.zeros(reqs, dtype=torch.int32, device=dev)
+    # The new tokens' K/V in their cache slots (as the backend's cache update
+    # leaves them before attention), for upstream_unified, which reads every
+    # token from the cache; the other routes take them from k_new / v_new.
+    new_pos = torch.arange(context, context + new, device=dev)
+    new_blk = block_table[:, new_pos // BLOCK_SIZE].reshape(-1).long()
+    new_slot = (new_pos % BLOCK_SIZE).repeat(reqs)
+    env["key_cache"][new_blk, new_slot] = k_new
+    env["value_cache"][new_blk, new_slot] = v_new
     # Workspace for the gather path, and its view as a cache with an identity table.
     k_ws = torch.empty(total_ctx, NUM_KV_HEADS, HEAD_SIZE, device=dev, dtype=DTYPE)
     v_ws = torch.empty_like(k_ws)
@@ -292,24 +329,44 @@ def make_step(env, reqs, context, new, set_index: int = 0, check: bool = True):
         o_ctx, l_ctx = varlen(q, k_ws, v_ws, cu_q, cu_ctx, new, context, False)
         merge(out, o_ctx, l_ctx, o_new, l_new)
 
+    # TritonAttentionImpl.forward's call for this batch (bf16 cache: no q
+    # descale, K/V descales of 1.0 expanded to [requests, kv heads]; no window,
+    # softcap, ALiBi, sinks or output scale: their defaults).
+    descale = torch.ones(1, dtype=torch.float32, device=dev).expand(reqs, NUM_KV_HEADS)
+
+    def upstream_unified():
+        _UNIFIED(q=q, k=env["key_cache"], v=env["value_cache"], out=out, cu_seqlens_q=cu_q,
+                 max_seqlen_q=new, seqused_k=seq_lens, max_seqlen_k=context + new,
+                 softmax_scale=SCALE, causal=True, window_size=(-1, -1),
+                 block_table=block_table, softcap=0, q_descale=None, k_descale=descale,
+                 v_descale=descale, **env["split_k"])
+
     impls = {"ours": ours, "ours_split": ours_split, "baseline": baseline,
-             "gather_only": gather}
+             "gather_only": gather,
+             "upstream_unified": upstream_unified if _UNIFIED is not None else None}
     if env["varlen_name"] == "fa2":
         impls["gather_fa2"] = gather_fa2
     if not check:
         return impls, step_bytes(reqs, context, new)
     # Check once that the routes agree before timing them: the same kernel over
-    # the same values in another layout is bit-identical; the fused call and
-    # FA2 (other summation orders) agree to bf16 rounding (relative RMS error).
+    # the same values in another layout is bit-identical; the fused call, FA2
+    # and unified_attention (other summation orders) agree to bf16 rounding
+    # (relative RMS error).
     ours_split()
     ref = out.clone()
     baseline()
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), "gather route differs"
-    others = {"ours": ours, "gather_fa2": impls.get("gather_fa2")}
+    others = {"ours": ours, "gather_fa2": impls.get("gather_fa2"),
+              "upstream_unified": impls["upstream_unified"]}
     for name, fn in others.items():
         if fn is None:
             continue
-        fn()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a baseline that cannot run here: the
+            if name == "ours":  # harness records its error as unavailable
+                raise
+            continue
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < 1e-2, f"{name} vs the split paged route: relative RMS error {rel:.2e}"
     return impls, step_bytes(reqs, context, new)
@@ -347,6 +404,7 @@ def test_extend_step(kernel_bench, env, reqs, context, new):
         buffer_sets=lambda sets: [make_step(env, reqs, context, new, set_index=i, check=i == 0)[0]
                                   for i in range(sets)],
         graph=flops <= GRAPH_MAX_FLOPS,
+        notes=_UNIFIED_MISSING,
     )
     torch.cuda.empty_cache()
 

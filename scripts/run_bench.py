@@ -20,8 +20,8 @@ The commit and the tree's state are read once, here, and passed to the suites
 state is recorded as "unknown", and ``make report`` does not use the file.
 
 ``--stage DIR`` (on the machine with ``build/vllm``) copies the few upstream
-files the baselines load at run time (AITER FA's gather kernel, the CUDA MLA
-kernel's csrc closure) to DIR; on the GPU machine ``VLLM_PINNED_TREE=DIR``.
+files the baselines load at run time (AITER FA's gather kernel, the Triton
+merge, ``unified_attention`` and what it imports, the CUDA MLA kernel's csrc closure) to DIR; on the GPU machine ``VLLM_PINNED_TREE=DIR``.
 """
 
 from __future__ import annotations
@@ -42,15 +42,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmarks import provenance  # noqa: E402
+from benchmarks.upstream_kernels import PINNED_PY  # noqa: E402  (stdlib only)
 from seriestool import results  # noqa: E402  (stdlib only)
 
-# What the baselines read from the pinned tree (benchmarks/upstream_kernels.py,
-# bench_mla_rope_cache.build_cuda_fused).
-PINNED_FILES = (
-    "vllm/v1/attention/backends/rocm_aiter_fa.py",
-    # The eager-step baseline's merge when its CUDA build fails.
-    "vllm/v1/attention/ops/triton_merge_attn_states.py",
-)
+# What the baselines read from the pinned tree: the Triton sources
+# benchmarks/upstream_kernels.py loads (gather, merge, unified_attention).
+PINNED_FILES = PINNED_PY
 # csrc files the baselines compile, each with its include closure.
 PINNED_CSRC = ("attention/merge_attn_states.cu",)
 

@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import textwrap
 import tomllib
 from pathlib import Path
 
@@ -51,41 +50,21 @@ def test_claim_ids_are_unique_and_every_doc_with_rocm_claims_has_some():
 
 def test_checks_are_judged_from_pytests_own_junit_xml(tmp_path):
     (tmp_path / "tests" / "mla").mkdir(parents=True)
-    (tmp_path / "tests" / "mla" / "test_x.py").write_text(textwrap.dedent("""
-        import pytest
-
-        @pytest.mark.parametrize("p", ["auto", "fp8"])
-        def test_a(p):
-            assert p == "auto", "fp8 differs"
-
-        def test_b():
-            pytest.skip("needs ROCm with AITER")
-
-        class TestC:
-            def test_d(self):
-                pass
-    """))
-    out = tmp_path / "out"
-    out.mkdir()
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    "--rootdir", str(tmp_path), "tests", f"--junitxml={out / 'x.xml'}"],
-                   cwd=tmp_path, capture_output=True, check=False, timeout=300)
+    (tmp_path / "tests" / "mla" / "test_x.py").write_text(
+        "import pytest\n@pytest.mark.parametrize('p', ['auto', 'fp8'])\ndef test_a(p):\n"
+        "    assert p == 'auto', 'fp8 differs'\nclass TestB:\n    def test_c(self):\n"
+        "        pytest.skip('needs ROCm with AITER')\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests",
+                    f"--junitxml={tmp_path / 'x.xml'}"], cwd=tmp_path, timeout=300)
     ran = {"kernels": 1, "bench": "not asked for (PARTS=)"}
-    verdict = {c: vr.judge(c, ran, out, "gfx942") for c in (
-        "test:tests/mla/test_x.py::test_a[auto]", "test:tests/mla/test_x.py::test_a",
-        "test:tests/mla/test_x.py::test_b", "test:tests/mla/test_x.py::TestC",
-        "test:tests/mla/test_x.py::test_", "test:tests/mla/test_y.py", "part:kernels",
-        "part:rocm-tests", "bench:paged_context>=1.0")}
-    assert verdict == {
-        "test:tests/mla/test_x.py::test_a[auto]": ("passed", "1 passed"),
-        "test:tests/mla/test_x.py::test_a": ("failed", "1 of 2 failed: AssertionError: fp8 differs"),
-        "test:tests/mla/test_x.py::test_b": ("not run", "needs ROCm with AITER"),
-        "test:tests/mla/test_x.py::TestC": ("passed", "1 passed"),
-        "test:tests/mla/test_x.py::test_": ("not run", "did not run (bench: not asked for (PARTS=))"),
-        "test:tests/mla/test_y.py": ("not run", "did not run (bench: not asked for (PARTS=))"),
-        "part:kernels": ("failed", "kernels exited 1 (its log: kernels.log)"),
-        "part:rocm-tests": ("not run", "rocm-tests: not asked for"),
-        "bench:paged_context>=1.0": ("not run", "bench: not asked for (PARTS=)")}
+    prefix = "test:tests/mla/test_x.py::"
+    assert [vr.judge(prefix + c, ran, tmp_path, "gfx942") for c in (
+        "test_a[auto]", "test_a", "TestB", "test_")] == [
+        ("passed", "1 passed"), ("failed", "1 of 2 failed: AssertionError: fp8 differs"),
+        ("not run", "needs ROCm with AITER"),
+        ("not run", "did not run (bench: not asked for (PARTS=))")]
+    assert vr.judge("part:kernels", ran, tmp_path, None) == (
+        "failed", "kernels exited 1 (its log: kernels.log)")
 
 
 def test_bench_cases_against_the_roofline_of_docs_roofline_amd(tmp_path):
@@ -97,7 +76,6 @@ def test_bench_cases_against_the_roofline_of_docs_roofline_amd(tmp_path):
     assert "| nhd_bf16_h1_d128_b16_4k | 4.0 MiB | — | — | 0.791 mem | 0.524 mem |" in (
         ROOT / "docs/roofline-amd.md").read_text()
     assert vr.fraction_of_bound(case, "gfx942") == pytest.approx(0.791 / 3.56, rel=2e-3)
-    assert vr.fraction_of_bound(case, "gfx950") == pytest.approx(0.524 / 3.56, rel=2e-3)
     assert vr.fraction_of_bound(case, "sm_90") is None
     ran = {"bench": 0}
     assert vr.judge("roofline:*", ran, tmp_path, "gfx942")[0] == "passed"
@@ -107,27 +85,20 @@ def test_bench_cases_against_the_roofline_of_docs_roofline_amd(tmp_path):
 
 
 def test_a_rocm_run_judges_every_claim(tmp_path, monkeypatch):
-    """The probe says MI300X; each part's command is replaced by one that exits 0 and
-    writes no results: every claim is judged, none held without its results."""
-    env = {"device": "AMD Instinct MI300X", "arch": "gfx942", "hip": "7.0", "torch": "2.9",
-           "triton": vr.pins()["TRITON_VERSION"], "aiter": vr.pins()["AITER_REF"][1:],
-           "commit": "0123456789"}
-    monkeypatch.setattr(vr, "probe", lambda: env)
-    monkeypatch.setattr(vr, "TREE", tmp_path)
-    (tmp_path / "vllm").mkdir()
+    """A stand-in MI300X whose parts exit 0 and write nothing: no claim holds on a test."""
+    pin = vr.pins()
+    monkeypatch.setattr(vr, "probe", lambda: {
+        "device": "AMD Instinct MI300X", "arch": "gfx942", "hip": "7.0", "torch": "2.9",
+        "triton": pin["TRITON_VERSION"], "aiter": pin["AITER_REF"][1:], "commit": "0123"})
+    monkeypatch.setattr(vr, "TREE", ROOT / "vllm_overlay")  # a tree with vllm/
     monkeypatch.setattr(vr, "run", lambda argv, extra, log: log.write_text("stub") and 0)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    rc = vr.main(["--model", str(tmp_path / "model"), "--upstream", "u", "--patched", "p",
-                  "--out", str(tmp_path / "out")])
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert vr.main(["--parts", "rocm-tests,bench", "--out", str(tmp_path)]) == 1
+    results = json.loads((tmp_path / "results.json").read_text())
     verdict = {c["id"]: c["verdict"] for c in results["claims"]}
-    assert verdict["rocm-tier-real-op"] == verdict["engine-e2e-rocm"] == "held"
-    assert verdict["fakes-behave-like-aiter"] == "not run"
-    assert verdict["roofline-floor"] == "failed"  # make bench exited 0 and wrote nothing
-    assert rc == 1 and set(results["parts"]) == {*vr.PARTS, *(f"e2e-{r}" for r in vr.RECIPES)}
+    assert verdict["rocm-tier-real-op"] == "held" and verdict["roofline-floor"] == "failed"
+    assert verdict["fakes-behave-like-aiter"] == verdict["engine-e2e-rocm"] == "not run"
     assert "| held | the ROCm tier (tests marked rocm) passes |" in (
-        tmp_path / "out" / "REPORT.md").read_text()
+        tmp_path / "REPORT.md").read_text()
 
 
 def test_the_verb_on_this_machine_says_what_is_missing_and_runs_nothing(tmp_path):
@@ -139,6 +110,3 @@ def test_the_verb_on_this_machine_says_what_is_missing_and_runs_nothing(tmp_path
     assert "kernels: no GPU visible to torch" in proc.stderr
     assert "bench: no GPU visible to torch" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts/validate_rocm.py"), "--parts",
-                          "facts"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "unknown part(s) facts" in bad.stderr

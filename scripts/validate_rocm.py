@@ -86,6 +86,9 @@ def cannot_run(part: str, env: dict, args) -> str | None:
     if env["device"] is None:
         return (f"no GPU visible to torch {env['torch']}: run on an MI300X / MI355X (a "
                 "container needs --device /dev/kfd --device /dev/dri --group-add video)")
+    for module, needed in (("pytest", part != "e2e"), ("pytest_benchmark", part == "bench")):
+        if needed and _version(module)[0] is None:
+            return f"{module} does not import: pip install {module.replace('_', '-')}"
     if part in ROCM_ONLY or not args.allow_cuda:
         if not env["hip"]:
             return (f"torch {env['torch']} is not a ROCm build: {IMAGE} (on a CUDA GPU, "
@@ -148,19 +151,18 @@ def run(argv: list[str], env: dict, log: Path) -> int:
 # --- judging ------------------------------------------------------------------------------
 
 
-def junit_tests(out: Path) -> dict[str, tuple[str, str]]:
-    """{"<classname>::<name>": (passed | failed | skipped, message)} over <out>/*.xml."""
+def junit_tests(xml: Path) -> dict[str, tuple[str, str]]:
+    """{"<classname>::<name>": (passed | failed | skipped, message)} of a pytest part."""
     tests = {}
-    for path in sorted(out.glob("*.xml")):
-        for case in ET.parse(path).getroot().iter("testcase"):
-            outcome, message = "passed", ""
-            for tag in ("failure", "error", "skipped"):
-                found = case.find(tag)
-                if found is not None:
-                    outcome = "skipped" if tag == "skipped" else "failed"
-                    message = (found.get("message") or "").splitlines()[0][:200]
-                    break
-            tests[f"{case.get('classname')}::{case.get('name')}"] = (outcome, message)
+    for case in ET.parse(xml).getroot().iter("testcase") if xml.is_file() else ():
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                message = (found.get("message") or "").splitlines()[0][:200]
+                break
+        tests[f"{case.get('classname')}::{case.get('name')}"] = (outcome, message)
     return tests
 
 
@@ -200,24 +202,27 @@ def fraction_of_bound(case: dict, arch: str | None) -> float | None:
 def judge(check: str, ran: dict, out: Path, arch: str | None) -> tuple[str, str]:
     """(passed | failed | not run, why) of one check; ``ran``: {part or log name: rc or reason}."""
     kind, _, arg = check.partition(":")
+    part = {"part": arg, "e2e": "e2e", "bench": "bench", "roofline": "bench"}.get(kind)
+    if kind == "test":  # tests/kernels and tests/compile run in their parts, the rest in rocm-tests
+        part = next((p for p in ("kernels", "compile") if arg.startswith(f"tests/{p}/")),
+                    "rocm-tests")
+    if not isinstance(ran.get(part), int):
+        return "not run", f"{part}: {ran.get(part, 'not asked for')}"
     if kind == "test":
-        found = [v for k, v in junit_tests(out).items() if _matches(k, arg)]
+        found = [v for k, v in junit_tests(out / f"{part}.xml").items() if _matches(k, arg)]
         failed = [m for outcome, m in found if outcome == "failed"]
         passed = sum(outcome == "passed" for outcome, _ in found)
         if failed:
             return "failed", f"{len(failed)} of {len(found)} failed: {failed[0]}"
         if passed:
             return "passed", f"{passed} passed"
-        why = "; ".join(f"{k}: {v}" for k, v in ran.items() if isinstance(v, str))
-        return "not run", found[0][1] if found else f"did not run ({why or 'not collected'})"
-    part = {"part": arg, "e2e": f"e2e-{arg}"}.get(kind, "bench")
-    if not isinstance(ran.get(part), int):
-        return "not run", f"{part}: {ran.get(part, 'not asked for')}"
+        return "not run", found[0][1] if found else f"not in {part}'s results ({part}.log)"
     if kind in ("part", "e2e"):
-        if ran[part] == 5:  # pytest: no test collected
-            return "not run", f"{part}: no test ran"
-        return ("passed", f"{part} passed") if ran[part] == 0 else (
-            "failed", f"{part} exited {ran[part]} (its log: {part}.log)")
+        name = f"e2e-{arg}" if kind == "e2e" else part
+        if ran[name] == 5:  # pytest: no test collected
+            return "not run", f"{name}: no test ran"
+        return ("passed", f"{name} passed") if ran[name] == 0 else (
+            "failed", f"{name} exited {ran[name]} (its log: {name}.log)")
     cases = bench_cases(out)
     if not cases:
         return "failed", "make bench wrote no results"
@@ -252,6 +257,8 @@ def report(claims: list[dict], env: dict, ran: dict, out: Path) -> str:
              f"{env['device']} ({env['arch']}); HIP {env['hip']}; torch {env['torch']}; Triton "
              f"{env['triton']}; AITER {env['aiter']}; commit {env['commit']}; "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
+             "Parts: " + "; ".join(f"{k} " + (f"exit {v} ({k}.log)" if isinstance(v, int)
+                                              else f"not run: {v}") for k, v in ran.items()), "",
              "| verdict | claim | where | checks |", "|---|---|---|---|"]
     for c in claims:
         checks = "; ".join(f"`{check}`: {v} ({why})" for check, v, why in c["results"])
@@ -259,8 +266,8 @@ def report(claims: list[dict], env: dict, ran: dict, out: Path) -> str:
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps({"environment": env, "parts": ran,
                                                   "claims": claims}, indent=1) + "\n")
-    return "\n".join(f"{c['verdict']:>8}  {c['id']}: " + "; ".join(
-        f"{check} {v} ({why})" for check, v, why in c["results"]) for c in claims)
+    return "\n".join(f"{c['verdict']:>8}  {c['id']}" + "".join(
+        f"; {check}: {why}" for check, v, why in c["results"] if v != "passed") for c in claims)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ FORCE      ?=
 # make bench writes here (default benchmarks/results/); make bench-host defaults to an ignored folder.
 BENCH_OUT  ?=
 HOST_BENCH_OUT ?= $(BUILD)/results
-# make validate-rocm PARTS=kernels,facts,bench ALLOW_CUDA=1 (docs/rocm.md); writes
+# make validate-rocm PARTS=kernels,compile,bench ALLOW_CUDA=1 (docs/rocm.md); writes
 # build/validate-rocm/<date>-<device>-<commit>/ unless VALIDATE_OUT= is given.
 PARTS      ?=
 ALLOW_CUDA ?=

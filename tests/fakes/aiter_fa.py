@@ -3,8 +3,9 @@
 Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``, the newest readable snapshot).
 The pinned AITER is v0.1.28.post1 (pins.env ``AITER_REF``; v0.1.26 before the
 vLLM 0.34.0 port); neither tag is readable here, so every file:line below is at
-e4048607 and was not re-checked at v0.1.28.post1 (``conformance.py`` compares
-these fakes with the installed AITER on ROCm).
+e4048607 and was not re-checked at v0.1.28.post1
+(tests/validate_rocm/test_conformance.py checks the constraints it cites against that source,
+and these fakes against the installed AITER on ROCm).
 
 ``install_fa_fakes(export)`` registers, on an ``aiter_export.AiterExport``,
 what ``rocm_aiter_fa.py`` reaches:
@@ -334,7 +335,7 @@ class FakeAiterFA:
         csrc/cpp_itfs/mha_fwd.cu l.288).
 
         Checks: fp16/bf16 (fp8) q, k and v of q's dtype, int32 contiguous
-        cu_seqlens, last strides 1, head sizes <= 256 and multiples of 8,
+        cu_seqlens (``CHECK_CONTIGUOUS``, csrc/include/mha_common.h l.17), last strides 1, head sizes <= 256 and multiples of 8,
         nhead_q % nhead_k == 0, batch >= 1, q/k/v shapes (total, heads, D),
         out of q's dtype, shape and last stride 1.  Reads q/k/v/out with their
         row and head strides (``stride(0)``, ``stride(1)``).  Sequence b covers

@@ -4,8 +4,8 @@ Mirrors ROCm/aiter at e4048607 (``v0.1.20-46``, the newest readable snapshot).
 The pinned AITER is v0.1.28.post1 (pins.env ``AITER_REF``; v0.1.26 before the
 vLLM 0.34.0 port); neither tag is readable here, so every file:line below is at
 e4048607 and was not re-checked at v0.1.28.post1 (the op's schema is re-checked
-at layer build, and ``conformance.py`` compares this fake with the installed
-AITER on ROCm):
+at layer build; tests/validate_rocm/test_conformance.py checks the constraints
+cited here against that source, and this fake against the installed AITER on ROCm):
 
 * export: ``aiter/ops/cache.py`` ``fused_qk_rope_concat_and_cache_mla`` (the
   stub, l.156-176), ``@compile_ops("module_cache", develop=True)``
@@ -33,7 +33,10 @@ it were dense, exactly as the HIP kernel would.  It rejects what the launcher
 rejects (the AITER_CHECK messages), an fp8 tensor that is not the target's
 native e4m3 (gfx942: e4m3fnuz; gfx950: e4m3fn), which AITER's dtype
 conversion refuses with ``AssertionError("Unsupported dtype: ...")``
-(aiter/utility/dtypes.py l.51-57), and what the kernel would silently misread:
+(aiter/utility/dtypes.py l.51-57, reached from ``compile_ops``' develop path,
+aiter/jit/core.py l.1940-1951, for every tensor argument: so does any dtype
+outside AITER's ``AiterDtype`` enum, e.g. float64), and what the kernel would
+silently misread:
 int32 positions / slots (read as int64), non-fp32 scales (read as float),
 cos / sin not in the kv_c dtype, a non-unit last stride.
 fp8 stores saturate to the finite range (assumed for opus's hardware cvt).
@@ -124,10 +127,21 @@ class FakeMlaRopeOp:
                     positions=positions, cos_cache=cos_cache, sin_cache=sin_cache,
                     is_neox=is_neox, is_nope_first=is_nope_first,
                     compute_all_q_rope=compute_all_q_rope)
+        for name, value in args.items():  # torch_to_aiter_pybind, before the launcher
+            if isinstance(value, Tensor) and value.dtype not in self._aiter_dtypes():
+                raise AssertionError(f"Unsupported dtype: {value.dtype}")
         target = self._launch(**args)
         self.calls.append({**args, "target": target})
 
     # --- what the host code checks -----------------------------------------
+
+    def _aiter_dtypes(self) -> set:
+        """The torch dtypes of AITER's ``AiterDtype`` enum (csrc/include/aiter_enum.h
+        l.34-50; aiter/utility/dtypes.py l.11-48): fp8 is the target's own."""
+        optional = ("float8_e8m0fnu", "int4", "float4_e2m1fn_x2")
+        return {NATIVE_FP8[self.arch], torch.float16, torch.bfloat16, torch.float32,
+                torch.uint32, torch.int32, torch.int16, torch.int8, torch.uint8, torch.int64,
+                torch.uint64, *(getattr(torch, n) for n in optional if hasattr(torch, n))}
 
     def _dtype_kind(self, dtype: torch.dtype, what: str) -> str:
         if dtype in (torch.float32, torch.float16, torch.bfloat16):

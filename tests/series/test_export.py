@@ -136,10 +136,10 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
         text = (dist / name).read_text()
         assert text.count(f"Signed-off-by: {ADA}") == 1 and f"From: {ADA}" in text
 
-    # No PR template in this fake upstream: the classic sections.
+    # No PR template in this fake upstream: the sections of vLLM's.
     description = (dist / "PR_DESCRIPTION.md").read_text()
-    for heading in ("## Purpose", "## Test Plan", "## Test Result"):
-        assert heading in description
+    assert [ln for ln in description.splitlines() if ln.startswith("## ")] == [
+        "## Overview", "## Claims", "## Validation", "## Details"]
     assert "because the test says so, on two lines." in description
     assert 'FILES="vllm/envs.py vllm/ops/new_kernel.py vllm/utils.py"\n' in description
     assert "ruff format --check $FILES && ruff check $FILES" in description
@@ -266,7 +266,7 @@ def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
     kernel.write_text("return 42\n")  # ruff (E501 only) accepts it; Python does not
     proc = fs.run("pr", "--topic", "fetch-kv", env=env)
     assert proc.returncode == 2
-    assert "vllm/ops/new_kernel.py: python -m py_compile failed" in proc.stderr
+    assert "python -m py_compile vllm/ops/new_kernel.py failed" in proc.stderr
     assert "'return' outside function" in proc.stderr
 
 
@@ -281,7 +281,6 @@ def test_overlay_topics_are_linted(fake_series):
     topics.write_text("vllm/ops/*.py misc\n")
     out = fs.run("check").stdout
     assert "patches/overlay-topics:1: unknown topic 'misc'" in out
-    assert "vllm_overlay/vllm/ops/new_kernel.py: unknown topic 'misc'" in out
     topics.write_text("vllm/**/*.py fetch-kv\nvllm/ops/new_kernel.py mla-fusion\nvllm/gone.py fetch-kv\n")
     out = fs.run("check").stdout
     assert "new_kernel.py: matches rules of several topics (fetch-kv, mla-fusion)" in out

@@ -141,7 +141,7 @@ repos:
   - id: ruff-format
 """)
     hooks, _, _ = precommit.load_hooks(tree)
-    assert [hook.requirements for hook in hooks] == [["ruff==0.17.2"], ["typos==1.51.1"], ["ruff==0.14.0"]]
+    assert [hook["requirements"] for hook in hooks] == [["ruff==0.17.2"], ["typos==1.51.1"], ["ruff==0.14.0"]]
 
 
 def test_a_hook_that_cannot_get_its_environment_is_a_finding_and_the_others_still_run(tmp_path, monkeypatch):

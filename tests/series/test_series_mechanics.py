@@ -340,8 +340,3 @@ def test_overlay_shadowing_stops_apply(fake_series):
     proc = fs.run("apply")
     assert proc.returncode == 2
     assert "vllm_overlay/vllm/envs.py" in proc.stderr and "patch instead" in proc.stderr
-
-
-def test_upstream_file_layout_of_fake(fake_series):
-    """Guard for the fixture itself: the overlay adds, never replaces."""
-    assert "vllm/ops/new_kernel.py" not in UPSTREAM

@@ -77,8 +77,8 @@ venv: apply ## Create/update .venv for the CPU tier (CPU torch, triton, vLLM's c
 test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRITON_INTERPRET=1 (TESTS= narrows)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS)
 
-test-upstream: apply venv ## Upstream's own tests, pristine vs patched tree, against tests/upstream/upstream_tests.toml
-	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(FILES),--files $(FILES))
+test-upstream: apply venv ## Upstream's own tests on the patched tree vs the pristine record (RECORD=1: rerecord it), against tests/upstream/upstream_tests.toml
+	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(RECORD),--record) $(if $(FILES),--files $(FILES))
 
 test-triton-next: apply venv ## Second leg: compile tier + KernelCall tests on pins.env TRITON_NEXT_VERSION; reports into build/triton-next/, never fails
 	@$(VPY) scripts/triton_next.py --tree $(TREE)

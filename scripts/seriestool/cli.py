@@ -1,4 +1,4 @@
-"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,status,readme,pr,pr-stack,topics,rebase}."""
+"""Command line: python3 scripts/series.py {apply,check,refresh,fetch,readme,pr,pr-stack,topics,rebase}."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import Interrupted, SeriesError, buildtree, export, gitrepo, lint, patchfile, progress, prstack, readme, rebase, sdist
+from . import Interrupted, SeriesError, buildtree, export, lint, patchfile, progress, prstack, readme, rebase, sdist
 from .pins import load_pins
 
 
@@ -23,7 +23,6 @@ def main(argv: list[str] | None = None) -> int:
                          help="discard uncommitted edits and unsaved commits in the build tree")
     sub.add_parser("check", help="lint the series")
     sub.add_parser("refresh", help="regenerate patches/ and vllm_overlay/ from the build tree")
-    sub.add_parser("status", help="print the build tree's state")
     sub.add_parser("readme", help="rewrite README.md's series table from the patch headers")
     pr_p = sub.add_parser("pr", help="export one topic as an upstream PR: branch pr/<topic>, dist/<topic>/")
     pr_p.add_argument("--topic", required=True, help="one of the patch header topics")
@@ -61,11 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "refresh":
             report = buildtree.refresh(layout)
             print("\n".join(report) if report else "refresh: nothing changed")
-        elif args.verb == "status":
-            state = buildtree.read_state(layout.build)
-            fresh = state.get("inputs") == buildtree.inputs_hash(layout)
-            print(f"build tree: {layout.build}\nhead: {gitrepo.head(layout.build)}\n"
-                  f"tree: {gitrepo.tree_of(layout.build)}\nup to date with patches/: {fresh}")
         elif args.verb == "pr":
             report = export.export(layout, args.topic, (args.dist or root / "dist").resolve(), ruff=args.ruff)
             print("\n".join(report))

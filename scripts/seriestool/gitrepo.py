@@ -8,9 +8,8 @@ from pathlib import Path
 
 from . import SeriesError
 
-# Fixed identity and dates make `make apply` reproduce the same commit ids,
-# not only the same trees. The date (vLLM 0.33.0's release day) stays fixed
-# across pins, so the overlay and patch commits keep their ids.
+# Fixed identity and dates make `make apply` reproduce the same commit ids, not only
+# the same trees; the date stays fixed across pins, so overlay and patch commits keep their ids.
 SERIES_IDENTITY = {
     "GIT_AUTHOR_NAME": "vllm-aiter-series",
     "GIT_AUTHOR_EMAIL": "series@localhost",
@@ -21,19 +20,17 @@ SERIES_IDENTITY = {
 }
 _CONFIG = ("-c", "core.autocrlf=false", "-c", "commit.gpgsign=false", "-c", "core.quotepath=false",
            "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "core.hooksPath=/dev/null")
+# What the series is made of; uncommitted changes here make a build or export "dirty".
+SERIES_INPUTS = ("patches", "vllm_overlay", "pins.env")
 
 
 def git(repo: Path, *args: str, check: bool = True, identity: bool = False,
         input_text: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    extra = env or {}
-    env = dict(os.environ)
-    env.pop("GIT_DIR", None)
-    env.pop("GIT_WORK_TREE", None)
-    if identity:
-        env.update(SERIES_IDENTITY)
-    env.update(extra)
+    full_env = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_WORK_TREE")}
+    full_env.update(SERIES_IDENTITY if identity else {})
+    full_env.update(env or {})
     proc = subprocess.run(["git", *_CONFIG, "-C", str(repo), *args], capture_output=True,
-                          text=True, env=env, input=input_text)
+                          text=True, env=full_env, input=input_text)
     if check and proc.returncode != 0:
         raise SeriesError(f"git {' '.join(args[:3])} failed in {repo}: "
                           f"{(proc.stderr or proc.stdout).strip()}")
@@ -66,6 +63,7 @@ def dirty(repo: Path) -> list[str]:
 
 
 def commit_all(repo: Path, message: str, paths: list[str] | None = None) -> str:
+    """Commit with the series identity: every file (paths None), these paths, or the index ([])."""
     if paths is None:
         git(repo, "add", "-A", "-f", ".")
     elif paths:
@@ -78,19 +76,13 @@ def files_at(repo: Path, rev: str) -> set[str]:
     return set(out(repo, "ls-tree", "-r", "--name-only", "-z", rev).split("\0")) - {""}
 
 
-_DIFF_FLAGS = ("--no-color", "--no-ext-diff", "--no-textconv", "--no-renames", "--diff-algorithm=myers",
-               "--src-prefix=a/", "--dst-prefix=b/")
-
-
 def diff(repo: Path, a: str, b: str, paths: list[str] | None, context: int = 3) -> str:
     """The series' diff format between two revisions; paths None means every file."""
     if paths is not None and not paths:
         return ""
-    return git(repo, "diff", *_DIFF_FLAGS, f"-U{context}", a, b, "--", *(paths or [])).stdout
-
-
-# What the series is made of; uncommitted changes here make a build or export "dirty".
-SERIES_INPUTS = ("patches", "vllm_overlay", "pins.env")
+    return git(repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
+               "--diff-algorithm=myers", "--src-prefix=a/", "--dst-prefix=b/", f"-U{context}",
+               a, b, "--", *(paths or [])).stdout
 
 
 def series_inputs_dirty(root: Path) -> bool:

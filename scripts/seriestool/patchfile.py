@@ -47,17 +47,7 @@ class Patch:
         return self.path.name
 
     def fields(self) -> dict[str, str]:
-        """Header fields; continuation lines are joined to their field."""
-        out: dict[str, str] = {}
-        current = None
-        for line in self.header:
-            match = _FIELD_RE.match(line)
-            if match and not line.startswith(" "):
-                current = match.group(1)
-                out[current] = (match.group(2) or "").strip()
-            elif current is not None:
-                out[current] = (out[current] + " " + line.strip()).strip()
-        return out
+        return header_fields(self.header)
 
     @property
     def subject(self) -> str:
@@ -68,44 +58,44 @@ class Patch:
         return self.fields().get("Topic", "")
 
     def commit_message(self) -> str:
-        subject = self.header[0].removeprefix("Subject:").strip() if self.header else self.name
-        body = "\n".join(self.header[1:])
-        return f"{subject}\n\n{body}\n\n{TRAILER}{self.name}\n" if body else \
-            f"{subject}\n\n{TRAILER}{self.name}\n"
-
-    def hunks(self) -> list[tuple[str, int, str]]:
-        """(file, index within file starting at 1, hunk header) for every hunk."""
-        out = []
-        current, index = "", 0
-        for line in self.diff.splitlines():
-            if line.startswith("+++ "):
-                target = line[4:].strip()
-                current = target[2:] if target.startswith("b/") else target
-                index = 0
-            elif line.startswith("--- ") and line[4:].strip() != "/dev/null":
-                source = line[4:].strip()
-                current = source[2:] if source.startswith("a/") else source
-            elif _HUNK_RE.match(line):
-                index += 1
-                out.append((current, index, line))
-        return out
+        subject = self.header[0].removeprefix("Subject:").strip()
+        body = "".join(line + "\n" for line in self.header[1:])
+        return f"{subject}\n\n{body}" + ("\n" if body else "") + f"{TRAILER}{self.name}\n"
 
     def files(self) -> list[str]:
-        names = []
-        for line in self.diff.splitlines():
-            if line.startswith("diff --git "):
-                names.append(line.split(" b/", 1)[-1])
-        return names
+        return [line.split(" b/", 1)[-1] for line in self.diff.splitlines() if line.startswith("diff --git ")]
+
+
+def header_fields(header: list[str]) -> dict[str, str]:
+    """Header fields; continuation lines are joined to their field."""
+    out: dict[str, str] = {}
+    current = None
+    for line in header:
+        match = _FIELD_RE.match(line)
+        if match and not line.startswith(" "):
+            current = match.group(1)
+            out[current] = (match.group(2) or "").strip()
+        elif current is not None:
+            out[current] = (out[current] + " " + line.strip()).strip()
+    return out
+
+
+def header_problems(header: list[str]) -> list[str]:
+    """What a header lacks: missing or empty fields, an unknown topic."""
+    fields = header_fields(header)
+    missing = [f for f in HEADER_FIELDS if not fields.get(f)]
+    problems = [f"lacks the header field(s) {', '.join(missing)}"] if missing else []
+    if fields.get("Topic") and fields["Topic"] not in TOPICS:
+        problems.append(f"unknown Topic {fields['Topic']!r} (one of {', '.join(TOPICS)})")
+    return problems
 
 
 @dataclass
 class Hunk:
-    file: str                  # the b/ side's path (the a/ side's for a deletion)
+    file: str                  # the b/ side's path
     index: int                 # within its file, from 1
     old_start: int
     old_len: int
-    new_start: int
-    new_len: int
     header: str                # the whole "@@ ... @@ context" line
     lines: list[str]           # the body: " ", "-", "+" and "\\ No newline" lines
 
@@ -116,41 +106,30 @@ def diff_hunks(diff: str) -> list[Hunk]:
     current, index = "", 0
     old_left = new_left = 0
     for line in diff.splitlines():
-        if old_left > 0 or new_left > 0:
+        if old_left > 0 or new_left > 0 or (hunks and line.startswith("\\")):
             tag = line[:1]
-            if tag == "\\":
-                hunks[-1].lines.append(line)
-                continue
             old_left -= tag in (" ", "-", "")
             new_left -= tag in (" ", "+", "")
             hunks[-1].lines.append(line)
-            continue
-        if hunks and line.startswith("\\"):
-            hunks[-1].lines.append(line)     # "\ No newline at end of file" after the last line
         elif line.startswith("diff --git "):
             current, index = line.split(" b/", 1)[-1], 0
-        elif line.startswith("+++ ") and line[4:].strip() != "/dev/null":
-            current = line[4:].strip().removeprefix("b/")
-        elif (match := _HUNK_RE.match(line)):
+        elif match := _HUNK_RE.match(line):
             index += 1
             old_left = 1 if match.group(2) is None else int(match.group(2))
             new_left = 1 if match.group(4) is None else int(match.group(4))
-            hunks.append(Hunk(current, index, int(match.group(1)), old_left, int(match.group(3)), new_left,
-                              line, []))
+            hunks.append(Hunk(current, index, int(match.group(1)), old_left, line, []))
     return hunks
 
 
 def parse(path: Path) -> Patch:
     text = path.read_text()
     lines = text.splitlines()
-    try:
-        sep = lines.index("---")
-    except ValueError:
-        raise SeriesError(f"{path}: no '---' line between the header and the diff") from None
+    if "---" not in lines:
+        raise SeriesError(f"{path}: no '---' line between the header and the diff")
     diff_start = text.find("\ndiff --git ")
     if diff_start < 0:
         raise SeriesError(f"{path}: no 'diff --git' section")
-    return Patch(path=path, header=lines[:sep], diff=text[diff_start + 1:])
+    return Patch(path=path, header=lines[:lines.index("---")], diff=text[diff_start + 1:])
 
 
 def render(header: list[str], diff: str) -> str:
@@ -162,15 +141,13 @@ def header_from_commit_message(message: str) -> tuple[list[str], str | None]:
     lines = message.rstrip("\n").splitlines()
     name = None
     if lines and lines[-1].startswith(TRAILER):
-        name = lines[-1][len(TRAILER):].strip()
-        lines = lines[:-1]
-        while lines and not lines[-1].strip():
-            lines.pop()
-    subject = lines[0] if lines else ""
+        name = lines.pop()[len(TRAILER):].strip()
+    while lines and not lines[-1].strip():
+        lines.pop()
     body = lines[1:]
     while body and not body[0].strip():
         body.pop(0)
-    return [f"Subject: {subject}", *body], name
+    return [f"Subject: {lines[0] if lines else ''}", *body], name
 
 
 def strip_index_lines(diff: str) -> str:
@@ -182,9 +159,8 @@ def strip_index_lines(diff: str) -> str:
             in_header = True
         elif line.startswith("@@"):
             in_header = False
-        if in_header and line.startswith("index "):
-            continue
-        out.append(line)
+        if not (in_header and line.startswith("index ")):
+            out.append(line)
     return "".join(out)
 
 
@@ -196,39 +172,27 @@ def read_series(patches_dir: Path) -> list[str]:
     series = patches_dir / "series"
     if not series.exists():
         return []
-    names = []
-    for raw in series.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
-    return names
+    lines = (raw.split("#", 1)[0].strip() for raw in series.read_text().splitlines())
+    return [line for line in lines if line]
 
 
 def write_series(patches_dir: Path, names: list[str]) -> None:
-    """Rewrite the entries of ``series`` in the given order, keeping its comments.
-
-    A comment block directly above an entry moves with that entry; comments at
-    the top of the file stay at the top.
-    """
+    """Rewrite the entries of ``series`` in this order; a comment block directly above an
+    entry moves with it, comments at the top of the file stay at the top."""
     series = patches_dir / "series"
-    lines = series.read_text().splitlines() if series.exists() else []
     top: list[str] = []
     attached: dict[str, list[str]] = {}
     pending: list[str] = []
-    seen_entry = False
-    for raw in lines:
+    for raw in series.read_text().splitlines() if series.exists() else []:
         entry = raw.split("#", 1)[0].strip()
         if entry:
             attached[entry] = pending
             pending = []
-            seen_entry = True
-        elif not seen_entry:
-            top.append(raw)
-        else:
+        elif attached:
             pending.append(raw)
+        else:
+            top.append(raw)
     out = list(top)
     for name in names:
-        out.extend(attached.get(name, []))
-        out.append(name)
-    out.extend(pending)
-    series.write_text("\n".join(out) + "\n")
+        out += attached.get(name, []) + [name]
+    series.write_text("\n".join(out + pending) + "\n")

@@ -143,63 +143,39 @@ def _commits(paths: Paths, base: str, tip: str) -> list[tuple[str, str]]:
     return [(_key(paths, c), c) for c in revs]
 
 
-def _normalized(diff: str) -> str:
-    """A diff without its hunk positions: equal for two diffs that differ only in where hunks sit."""
-    return "\n".join("@@" if ln.startswith("@@ ") else ln for ln in diff.splitlines())
+def _hunks_of(paths: Paths, commit: str) -> dict[str, str]:
+    """Per file, the commit's diff without hunk positions (equal when only the positions moved)."""
+    files = _git(paths, "diff-tree", "--no-commit-id", "--name-only", "-r", "--no-renames", commit).stdout.split()
+    return {f: "\n".join("@@" if ln.startswith("@@ ") else ln
+                         for ln in gitrepo.diff(paths.repo, f"{commit}^", commit, [f]).splitlines()
+                         if not ln.startswith("index ")) for f in files}
 
 
-def _per_file(diff: str) -> dict[str, str]:
-    files: dict[str, list[str]] = {}
-    current = None
-    for line in diff.splitlines():
-        if line.startswith("diff --git "):
-            current = line.split(" b/", 1)[-1]
-            files[current] = []
-        if current is not None:
-            files[current].append(line)
-    return {f: "\n".join(lines) for f, lines in files.items()}
-
-
-def _offsets(old: str, new: str) -> str:
-    shifts = [n.new_start - o.new_start for o, n in zip(patchfile.diff_hunks(old), patchfile.diff_hunks(new))]
-    moved = [s for s in shifts if s]
-    if not moved:
-        return ""
-    lo, hi = min(moved), max(moved)
-    span = f"{lo:+d}" if lo == hi else f"{lo:+d} to {hi:+d}"
-    return f"{len(moved)} of {len(shifts)} hunks moved {span} lines"
+def _diff(paths: Paths, commit: str) -> str:
+    return patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{commit}^", commit, None))
 
 
 def classify(paths: Paths, state: dict) -> list[dict]:
     """One row per commit of the old series: key, status, detail."""
-    old = _commits(paths, state["old_pristine"], state["old_tip"])
     new = dict(_commits(paths, state["new_pristine"], "HEAD"))
     stops = {s["key"]: s for s in state.get("stops", [])}
     rows = []
-    for key, old_commit in old:
-        stop = stops.get(key)
-        new_commit = new.get(key)
-        if new_commit is None:
-            if stop and stop.get("dropped_by_hand"):
-                rows.append({"key": key, "status": HAND_DROPPED,
-                             "detail": f"conflict in {', '.join(stop['files'])}; resolved to no change"})
-            else:
-                rows.append({"key": key, "status": EMPTY,
-                             "detail": f"became empty on vLLM {state['to']['VLLM_VERSION']}"})
-            continue
-        before = patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{old_commit}^", old_commit, None))
-        after = patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{new_commit}^", new_commit, None))
-        if stop:
-            rows.append({"key": key, "status": HAND, "detail": f"conflict in {', '.join(stop['files'])}"})
-        elif before == after:
-            rows.append({"key": key, "status": CLEAN, "detail": ""})
-        elif _normalized(before) == _normalized(after):
-            rows.append({"key": key, "status": MOVED, "detail": _offsets(before, after)})
+    for key, old_commit in _commits(paths, state["old_pristine"], state["old_tip"]):
+        stop, new_commit = stops.get(key), new.get(key)
+        if new_commit is None and stop and stop.get("dropped_by_hand"):
+            row = (HAND_DROPPED, f"conflict in {', '.join(stop['files'])}; resolved to no change")
+        elif new_commit is None:
+            row = (EMPTY, f"became empty on vLLM {state['to']['VLLM_VERSION']}")
+        elif stop:
+            row = (HAND, f"conflict in {', '.join(stop['files'])}")
+        elif _diff(paths, old_commit) == _diff(paths, new_commit):
+            row = (CLEAN, "")
         else:
-            a, b = _per_file(before), _per_file(after)
-            changed = sorted(f for f in set(a) | set(b) if _normalized(a.get(f, "")) != _normalized(b.get(f, "")))
-            rows.append({"key": key, "status": MERGED,
-                         "detail": "three-way merge changed the hunks of " + ", ".join(changed)})
+            before, after = _hunks_of(paths, old_commit), _hunks_of(paths, new_commit)
+            changed = sorted(f for f in before.keys() | after.keys() if before.get(f) != after.get(f))
+            row = (MERGED, "three-way merge changed the hunks of " + ", ".join(changed)) if changed \
+                else (MOVED, "same hunks at other lines")
+        rows.append({"key": key, "status": row[0], "detail": row[1]})
     return rows
 
 

@@ -61,7 +61,7 @@ def test_series_verbs_leave_the_checkout_clean(fake_series, tmp_path):
     config = tmp_path / "gitconfig"
     config.write_text("[user]\n\tname = Ada\n\temail = ada@example.com\n")
     env = {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
-    for args in (("apply",), ("check",), ("refresh",), ("status",), ("pr", "--topic", "fetch-kv")):
+    for args in (("apply",), ("check",), ("refresh",), ("pr", "--topic", "fetch-kv")):
         proc = fs.run(*args, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert fs.git("status", "--porcelain", "--ignored=no", cwd=fs.root) == "", args

@@ -98,17 +98,6 @@ def test_hooks_that_fix_files_fail_and_touch_nothing(fake_series):
         fs.build / "vllm/ops/new_kernel.py").read_text()
 
 
-def test_a_torch_cuda_call_in_a_patched_file_fails_make_check(fake_series):
-    fs = fake_series
-    _with_upstream_hooks(fs)
-    kernel = fs.root / "vllm_overlay/vllm/ops/new_kernel.py"
-    kernel.write_text(SPDX + "import torch\n\n\ndef kernel():\n    return torch.cuda.current_device()\n")
-    proc = fs.run("check")
-    assert proc.returncode == 1
-    assert "vllm/ops/new_kernel.py:7: error: Found torch.cuda API call." in proc.stdout
-    assert "use torch.accelerator API instead" in proc.stdout
-
-
 SHA = "f368fb366ff7f2f808dd324b83a6d32267799e19"
 
 
@@ -141,7 +130,7 @@ repos:
   - id: ruff-format
 """)
     hooks, _, _ = precommit.load_hooks(tree)
-    assert [hook.requirements for hook in hooks] == [["ruff==0.17.2"], ["typos==1.51.1"], ["ruff==0.14.0"]]
+    assert [hook["requirements"] for hook in hooks] == [["ruff==0.17.2"], ["typos==1.51.1"], ["ruff==0.14.0"]]
 
 
 def test_a_hook_that_cannot_get_its_environment_is_a_finding_and_the_others_still_run(tmp_path, monkeypatch):

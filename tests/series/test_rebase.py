@@ -110,7 +110,7 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     out = proc.stdout
     rows = {line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| ")}
     assert rows["overlay (new files)"].endswith("| clean |  |")
-    assert "| moved | 1 of 1 hunks moved +5 lines |" in rows["`0001-add-series-flag.patch`"]
+    assert "| moved | same hunks at other lines |" in rows["`0001-add-series-flag.patch`"]
     assert "| resolved by hand | conflict in vllm/utils.py |" in rows["`0002-check-sub.patch`"]
     assert "| merged | three-way merge changed the hunks of vllm/envs.py |" in rows["`0003-other-flag.patch`"]
     assert rows["`0004-init-marker.patch`"].endswith("| clean |  |")

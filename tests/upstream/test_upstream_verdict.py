@@ -97,3 +97,25 @@ def test_the_committed_expectations_load():
         assert test.split("::")[0] in exp.files
     for entry in exp.environment:
         assert entry["reason"].strip()
+
+
+def test_the_committed_pristine_record_is_this_pins_and_selections():
+    exp = ut.Expectations.load(ut.DEFAULT_CONFIG)
+    record = ut.load_record(ut.RECORD, exp.files)
+    assert record["tests"] and set(record["tests"].values()) <= set(ut.FAILED) | {"passed", "skipped",
+                                                                                  "xfailed", "xpassed"}
+    # Every file of the selection ran (or failed to collect) in the recorded run.
+    ran = {t.split("::")[0] for t in record["tests"]} | set(record["collect_errors"])
+    assert ran == set(exp.files)
+
+
+def test_a_record_of_another_pin_or_selection_is_refused(tmp_path):
+    exp = ut.Expectations.load(ut.DEFAULT_CONFIG)
+    good = ut.json.loads(ut.RECORD.read_text())
+    for key, value in (("sdist_sha256", "0" * 64), ("files_sha256", ut.files_hash(exp.files[1:]))):
+        path = tmp_path / "pristine.json"
+        path.write_text(ut.json.dumps({**good, key: value}))
+        with pytest.raises(ut.SetupError, match=f"{key}: record .*regenerate it with `make test-upstream RECORD=1`"):
+            ut.load_record(path, exp.files)
+    with pytest.raises(ut.SetupError, match="no pristine record"):
+        ut.load_record(tmp_path / "absent.json", exp.files)

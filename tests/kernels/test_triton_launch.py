@@ -32,7 +32,13 @@ class _Compiled:
 class _FakeJIT:
     arg_names = NAMES
     params = [
-        types.SimpleNamespace(name=n, do_not_specialize=n == "n") for n in NAMES
+        types.SimpleNamespace(
+            name=n,
+            is_constexpr=n == "BLOCK",
+            do_not_specialize=n == "n",
+            do_not_specialize_on_alignment=n == "y_ptr",
+        )
+        for n in NAMES
     ]
 
     def __init__(self):
@@ -128,6 +134,17 @@ def test_amd_keys_the_2gib_buffer_bound(jit, monkeypatch):
         dtype=torch.float32, data_ptr=lambda: 0,
         untyped_storage=lambda: types.SimpleNamespace(nbytes=lambda: 2**31))
     call(x_ptr=small, y_ptr=big)
+    assert len(jit.launches) == 2
+
+
+def test_an_int_of_the_same_class_and_an_unspecialised_pointer_relaunch(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    _call(jit, stride=16)(x_ptr=x, y_ptr=y)
+    # stride 32: like 16, a multiple of 16 that is not 1; y_ptr is taken with
+    # do_not_specialize_on_alignment, so its offset selects nothing.
+    _call(jit, stride=32)(x_ptr=x, y_ptr=y[1:])
+    assert len(jit.launches) == 1 and len(jit.compiled[0].calls) == 1
+    _call(jit, BLOCK=32)(x_ptr=x, y_ptr=y)  # a constexpr: another kernel
     assert len(jit.launches) == 2
 
 

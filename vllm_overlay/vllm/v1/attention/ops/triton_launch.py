@@ -17,8 +17,10 @@ relaunches that compiled kernel afterwards.  The guard, read on every call, is
 what Triton specialises on beyond the fixed arguments: the tensors' names in
 call order, which are None, the others' dtypes and, on AMD, whether each
 storage is within the buffer ops' 2 GiB; a call with a pointer that is not
-16-byte aligned goes through ``kernel[grid]``.  An int Triton does not
-specialise (``do_not_specialize``) counts only by whether it fits int32.
+16-byte aligned goes through ``kernel[grid]`` (unless the kernel takes that
+pointer with ``do_not_specialize_on_alignment``).  A fixed int argument
+counts by what Triton specialises on: whether it fits int32, is 1, is a
+multiple of 16 (only the first with ``do_not_specialize``).
 
 ``kernel[grid]`` runs instead whenever anything is unknown: not a compiled
 ``JITFunction`` (``TRITON_INTERPRET=1``), a Triton release outside
@@ -33,7 +35,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,10 +47,10 @@ __all__ = ["TESTED_TRITON", "KernelCall", "relaunch_supported"]
 TESTED_TRITON = ((3, 4), (3, 9))
 _INT32 = range(-(2**31), 2**31)
 _MAX_BUFFER_BYTES = 2**31 - 1
-# Compiled kernels by (configuration, device, guard), so the KernelCalls a
-# later step builds find them without JITFunction.run (Triton keeps each of
-# them anyway).  A configuration (kernel and fixed arguments) is numbered when
-# a KernelCall is built.
+# Compiled kernels and their argument order by (configuration, device, guard),
+# so the KernelCalls a later step builds find them without JITFunction.run
+# (Triton keeps each kernel anyway).  A configuration (kernel and fixed
+# arguments) is numbered when a KernelCall is built.
 _CONFIGS: dict[tuple, int] = {}
 _COMPILED: dict[tuple, Any] = {}
 _MAX_COMPILED = 4096
@@ -80,27 +82,25 @@ class KernelCall:
         # Three dimensions: CompiledKernel[grid] reads grid[0], grid[1], grid[2].
         self.grid = (*grid, 1, 1)[:3]
         self.fixed = fixed
-        names: list[str] = list(getattr(kernel, "arg_names", None) or ())
-        params: list[Any] = list(getattr(kernel, "params", None) or ())
-        self._relaunch = (
-            isinstance(kernel, getattr(triton.runtime, "JITFunction", ()))
-            and bool(names)
-            and len(params) == len(names)
-            and relaunch_supported()[0]
+        self._relaunch = relaunch_supported()[0] and isinstance(
+            kernel, getattr(triton.runtime, "JITFunction", ())
         )
         if not self._relaunch:
             return
-        loose = {p.name for p in params if getattr(p, "do_not_specialize", False)}
+        params = _parameters(kernel)
         key = []
         for name, value in fixed.items():
-            if name in loose and type(value) is int:
-                value = value in _INT32  # Triton still picks i32 or i64
+            if type(value) is int and name in params.runtime:
+                # Triton specialises an int argument by its class, not its value.
+                value = (value in _INT32,) + (
+                    () if name in params.loose else (value == 1, value % 16 == 0)
+                )
             key.append((name, value))
         self._config = _CONFIGS.setdefault((kernel, tuple(key)), len(_CONFIGS))
         self._hip = relaunch_supported()[1]
-        self._names = names
+        self._any_alignment = params.any_alignment
         # The fixed kernel arguments (not the launch options), in order.
-        self._fixed_args = [name for name in fixed if name in set(names)]
+        self._fixed_args = [name for name in fixed if name in params.names]
         self._fixed_values = tuple(fixed[name] for name in self._fixed_args)
         # The launcher and argument order per guard value.
         self._launchers: dict[tuple, tuple[Any, Any]] = {}
@@ -119,9 +119,10 @@ class KernelCall:
         keywords in order (the launcher takes the arguments in it), the
         tensors' dtypes (None for None) and, on AMD, each storage's bound."""
         pointers = 0
+        any_alignment = self._any_alignment
         try:
-            for t in tensors.values():
-                if t is not None:
+            for name, t in tensors.items():
+                if t is not None and name not in any_alignment:
                     pointers |= t.data_ptr()
             within = None
             if self._hip:
@@ -139,28 +140,28 @@ class KernelCall:
         ``kernel[grid]``, or the kernel an earlier KernelCall of this
         configuration compiled; keeps what a relaunch needs."""
         guard = None
-        given: list[str] = []
         if self._relaunch and not torch.compiler.is_compiling():
             guard = self.guard(tensors)
-            given = [*self._fixed_args, *tensors]
-        if guard is None or sorted(given) != sorted(self._names):
+        if guard is None:
             self.kernel[self.grid](**self.fixed, **tensors)  # Triton decides
             return
-        device = triton.runtime.driver.active.get_current_device()
-        key = (self._config, device, guard)
-        compiled = _COMPILED.get(key)
-        launched = compiled is None
-        if launched:
+        key = (self._config, triton.runtime.driver.active.get_current_device(), guard)
+        found = _COMPILED.get(key)
+        if found is None:
             compiled = self.kernel[self.grid](**self.fixed, **tensors)
-            if compiled is None:
-                return
+            names = _parameters(self.kernel).names
+            given = [*self._fixed_args, *tensors]
+            if compiled is None or sorted(given) != sorted(names):
+                return  # (Triton launched it, or said what is missing)
+            # The kernel's arguments in order, taken from (*fixed, *tensors).
+            order = operator.itemgetter(*(given.index(n) for n in names))
             if len(_COMPILED) < _MAX_COMPILED:
-                _COMPILED[key] = compiled
-        # The kernel's arguments in order, taken from (*fixed, *tensors).
-        order = operator.itemgetter(*(given.index(n) for n in self._names))
+                _COMPILED[key] = (compiled, order)
+            self._launchers[guard] = (compiled[self.grid], order)
+            return
+        compiled, order = found
         self._launchers[guard] = (compiled[self.grid], order)
-        if not launched:
-            compiled[self.grid](*order((*self._fixed_values, *tensors.values())))
+        compiled[self.grid](*order((*self._fixed_values, *tensors.values())))
 
     def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
         """Compile without launching (``JITFunction.warmup``, for vLLM's JIT
@@ -176,6 +177,26 @@ class KernelCall:
 
 _DTYPE = itertools.repeat("dtype")
 _NO_DTYPE = itertools.repeat(None)
+
+
+class _Parameters(NamedTuple):
+    names: tuple[str, ...]
+    runtime: frozenset[str]  # not constexprs
+    loose: frozenset[str]  # ints Triton does not specialise
+    any_alignment: frozenset[str]  # pointers Triton does not specialise
+
+
+@functools.cache
+def _parameters(kernel) -> _Parameters:
+    params = kernel.params
+    return _Parameters(
+        names=tuple(p.name for p in params),
+        runtime=frozenset(p.name for p in params if not p.is_constexpr),
+        loose=frozenset(p.name for p in params if p.do_not_specialize),
+        any_alignment=frozenset(
+            p.name for p in params if p.do_not_specialize_on_alignment
+        ),
+    )
 
 
 def _within_buffer(t: torch.Tensor) -> bool:

@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
-"""Entry point of the Ray benchmark sweep; see scripts/sweep/ and the README section
-"Sweeps and end-to-end recipes"."""
+"""Entry point of the Ray benchmark sweep; see scripts/sweep/ and docs/sweeps-and-e2e.md."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sweep.cli import main  # noqa: E402
+from sweep.run import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

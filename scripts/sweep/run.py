@@ -1,0 +1,164 @@
+"""python3 scripts/sweep.py run CONFIG [--address A] [--out DIR] [--force] | report DIR
+
+``run``: every cell without an ``ok`` record in DIR becomes one Ray task asking for
+the cell's GPUs and CPUs (``--address``: a cluster; default RAY_ADDRESS, else a
+local Ray); each record is written as ``DIR/<label>-<key>.json`` as its task
+returns, then DIR/REPORT.md.  ``report``: rewrite and print DIR/REPORT.md.
+Exit status: 0 all cells ok, 1 some cell failed, 2 a config or usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from . import SweepError, config
+from .cells import run_cell
+
+ROOT = Path(__file__).resolve().parents[2]
+# Not shipped to the nodes as Ray's working_dir.
+EXCLUDES = ["/build/", "/.venv/", "/.git/", "/benchmarks/results/", "__pycache__/"]
+
+
+def records(out: Path) -> dict[str, dict]:
+    """key -> record of every cell file in ``out``."""
+    found = {}
+    for path in sorted(out.glob("*.json")):
+        record = json.loads(path.read_text())
+        if record.get("format") == "sweep-cell/1":
+            found[record["key"]] = record
+    return found
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Through a temporary file: a half-written record is never read as finished."""
+    tmp = path.with_name(f".{path.name}.part")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def failure(spec: dict, exc: Exception) -> dict:
+    """The record of a cell whose task returned none (worker died, node lost, no node fits)."""
+    return {"format": "sweep-cell/1", "key": spec["key"], "label": spec["label"],
+            "status": "error", "cell": spec["cell"], "commit": spec["commit"], "metrics": {},
+            "error": {"type": type(exc).__name__, "message": str(exc)[:4000]}}
+
+
+def connect(address: str | None = None, **init_kwargs) -> None:
+    """``ray.init`` with the sweep package as a py_module and this checkout as the tasks'
+    working_dir: every node runs the same code."""
+    import ray
+
+    ray.init(address=address, runtime_env={"py_modules": [str(ROOT / "scripts" / "sweep")],
+                                           "working_dir": str(ROOT), "excludes": EXCLUDES},
+             **init_kwargs)
+
+
+def run(data: dict, cells: list, out: Path, *, address=None, force=False, log=print) -> dict:
+    """Run the cells without an ok record in ``out`` on Ray; write REPORT.md; the counts."""
+    import ray
+    from ray.util import as_completed
+
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    write_json(out / "sweep.json", {"name": data["name"], "config": data, "commit": commit,
+                                    "cells": [{"key": c.key, "label": c.label} for c in cells]})
+    done = set() if force else {k for k, r in records(out).items() if r["status"] == "ok"}
+    todo = [c for c in cells if c.key not in done]
+    counts = {"cells": len(cells), "skipped": len(cells) - len(todo), "ok": 0, "error": 0}
+    log(f"[sweep] {data['name']}: {len(todo)} of {len(cells)} cell(s) to run; results in {out}")
+    if todo and not ray.is_initialized():
+        connect(address)
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]] if todo else []
+    task = ray.remote(run_cell)
+
+    def save(record: dict) -> None:
+        name = re.sub(r"[^A-Za-z0-9.=_-]+", "-", record["label"])[:80]
+        write_json(out / f"{name}-{record['key']}.json", record)
+        counts[record["status"]] += 1
+        log(f"[sweep] {counts['ok'] + counts['error']}/{len(todo)} {record['status']}: "
+            f"{record['label']}")
+
+    specs = {}
+    for cell in todo:
+        spec = {"key": cell.key, "label": cell.label, "cell": dataclasses.asdict(cell),
+                "commit": commit, "installs": data.get("installs")}
+        if any(n.get("GPU", 0) >= cell.gpus and n.get("CPU", 0) >= cell.cpus for n in nodes):
+            ref = task.options(num_gpus=cell.gpus, num_cpus=cell.cpus, max_retries=cell.retries,
+                               name=f"sweep:{cell.label}"[:200]).remote(spec)
+            specs[ref] = spec
+        else:  # Ray would keep it queued, waiting for a node that may never join
+            save(failure(spec, SweepError(f"no node of the cluster has {cell.gpus:g} GPU(s) "
+                                          f"and {cell.cpus:g} CPU(s)")))
+    for ref in as_completed(list(specs), chunk_size=1, yield_obj_refs=True):
+        try:
+            save(ray.get(ref))
+        except Exception as exc:  # the worker died, a node was lost, ...
+            save(failure(specs[ref], exc))
+    (out / "REPORT.md").write_text(render(out))
+    log(f"[sweep] {counts['ok']} ok, {counts['error']} failed, {counts['skipped']} done before; "
+        f"{out / 'REPORT.md'}")
+    return counts
+
+
+def _fmt(value) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(out: Path) -> str:
+    """REPORT.md: every cell's numbers (e2e: patched / upstream), failures, cells not run."""
+    manifest = json.loads((out / "sweep.json").read_text())
+    found = records(out)
+    lines = [f"# Sweep `{manifest['name']}`", "",
+             "Generated by `scripts/sweep.py report` from the cell files of this folder; every "
+             "number is copied from the cell file of its row.", "",
+             "| cell | status | metrics | device | s |", "|---|---|---|---|---:|"]
+    for cell in manifest["cells"]:
+        r = found.get(cell["key"])
+        if r:
+            metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in r["metrics"].items())
+            lines.append(f"| {r['label']} | {r['status']} | {metrics} | {r.get('device', '')} | "
+                         f"{r.get('duration_s', 0):.1f} |")
+    failed = [r for r in found.values() if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## failures (the cell files hold tracebacks and output)", ""]
+        lines += [f"- {r['label']}: {r['error']['type']}: "
+                  f"{_fmt(r['error']['message'].strip()[:300])}" for r in failed]
+    missing = [c["label"] for c in manifest["cells"] if c["key"] not in found]
+    if missing:
+        lines += ["", "## not run yet", "", *[f"- {label}" for label in missing]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sweep.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("verb", choices=("run", "report"))
+    parser.add_argument("path", type=Path, help="run: a config; report: a results folder")
+    parser.add_argument("--out", type=Path, help="results folder (default: the config's `out`, "
+                                                 "else benchmarks/results/sweeps/NAME)")
+    parser.add_argument("--address", help="Ray cluster: auto, HOST:6379 or ray://HOST:10001")
+    parser.add_argument("--force", action="store_true", help="run every cell again")
+    args = parser.parse_args(argv)
+    try:
+        if args.verb == "report":
+            if not (args.path / "sweep.json").is_file():
+                raise SweepError(f"{args.path} is not a sweep's results folder (no sweep.json)")
+            (args.path / "REPORT.md").write_text(render(args.path))
+            print((args.path / "REPORT.md").read_text(), end="")
+            return 0
+        data, cells = config.load(args.path)
+        out = args.out or Path(data.get("out") or ROOT / "benchmarks/results/sweeps" / data["name"])
+        counts = run(data, cells, out.resolve(), address=args.address, force=args.force)
+        return 1 if counts["error"] else 0
+    except SweepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_ints, default=[4, 8, 16, 32, 64, 128],
                    help="serve: max concurrencies (default 4,8,16,32,64,128)")
     p.add_argument("--limit", type=int, default=None, help="gsm8k: first N questions (smoke)")
-    p.add_argument("--gate-sigmas", type=float, default=3.0, help="gsm8k gate (default 3)")
-    p.add_argument("--min-accuracy", type=float, default=None, help="gsm8k gate: a floor")
+    p.add_argument("--gate-sigmas", type=float, default=3.0,
+                   help="gsm8k gate: patched >= upstream - N combined stderr (default 3)")
     return p
 
 
@@ -187,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for name in names:
         doc = recipes.run_recipe(name, installs, args, env, probes)
-        print(recipes.summary(doc), flush=True)
+        print(f"\n### {name}: {doc['path']}\n\n| case | metric | upstream | patched | ratio |")
+        for row in doc["comparison"]:
+            print(f"| {row['case']} | {row['metric']} | {row['upstream']:.4g} | "
+                  f"{row['patched']:.4g} | {row['ratio'] or 0:.3f} |")
+        if doc["gate"]:
+            print(f"gate passed: {doc['gate']['passed']} ({doc['gate']['rule']})")
+        for line in doc["failed"] or []:
+            print(f"FAILED {line}", file=sys.stderr)
         failed = failed or bool(doc["failed"])
     return 1 if failed else 0

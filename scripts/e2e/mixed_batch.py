@@ -1,20 +1,10 @@
 #!/usr/bin/env python3
-"""The order-contract case, run by an install's Python (needs vLLM and a GPU).
+"""The order-contract case (docs/sweeps-and-e2e.md), run by an install's Python with vLLM.
 
-Makes engine steps that hold a **decode**, an **extend** (a later chunk of a long
-prompt's chunked prefill, attending to the chunks already cached) and **fresh
-prefills** together: vLLM 0.34.0's Model Runner V2 orders such a batch
-[decode | prefill | extend], AITER FA's split assumes [decode | extend | prefill].
-The engine core runs in this process, so a request added between two ``step()``
-calls joins the next schedule: a short "decoder" prompt is prefilled, then the
-long prompt is added (``--chunk`` tokens per step), and after every step a fresh
-prompt while the long one is still prefilling.  The long prompt starts with a
-secret number and ends asking for it: an extend computed without its cached
-context cannot answer.  ``--mode reference`` runs every prompt alone, unchunked.
-
-Writes ``--out``: each request's generated tokens and text, whether the answer
-holds the needle, each step's kinds (decode / extend / prefill per request) and
-how many steps held all three.
+With the engine core in this process, steps hold a decode, an extend (a later chunk of a
+long prompt that starts with a secret number and ends asking for it) and a fresh prefill
+together; ``--mode reference`` runs each prompt alone, unchunked.  Writes ``--out``: each
+request's tokens and text, whether the answer holds the number, each step's kinds.
 """
 
 from __future__ import annotations
@@ -30,16 +20,10 @@ FILLER = ("Note {i}: the river passes the old mill, turns east near the orchard 
           "house {j}, and reaches the harbour before dusk.\n")
 QUESTION = ("\nQuestion: what is the secret code given at the very beginning of this text? "
             "Answer with the number only.\nAnswer: The secret code is")
-SHORT_PROMPTS = (
-    "Count from one to twenty in words: one, two, three,",
-    "The planets of the solar system, in order from the Sun: Mercury, Venus,",
-    "The days of the week, starting on Monday: Monday, Tuesday,",
-    "The months of the year: January, February, March,",
-    "The first ten prime numbers: 2, 3, 5,",
-    "The colours of the rainbow, in order: red, orange,",
-    "The letters of the English alphabet: A, B, C, D,",
-    "The even numbers from two to forty: 2, 4, 6,",
-)
+SHORT_PROMPTS = ("Count from one to twenty in words: one, two, three,",
+                 "The days of the week, starting on Monday: Monday, Tuesday,",
+                 "The months of the year: January, February, March,",
+                 "The first ten prime numbers: 2, 3, 5,")
 DECODER_PROMPT = "Write the numbers from 1 to 200 separated by commas: 1, 2, 3, 4,"
 
 
@@ -64,15 +48,13 @@ def classify(scheduled: dict[str, int], computed: dict[str, int],
     """Kind of each scheduled request: decode (prompt done), extend (part cached), prefill."""
     kinds = {}
     for rid in scheduled:
-        done, plen = computed.get(rid, 0), prompt_lens.get(rid)
-        if plen is None:
+        done = computed.get(rid, 0)
+        if rid not in prompt_lens:
             kinds[rid] = "other"
-        elif done >= plen:
+        elif done >= prompt_lens[rid]:
             kinds[rid] = "decode"
-        elif done > 0:
-            kinds[rid] = "extend"
         else:
-            kinds[rid] = "prefill"
+            kinds[rid] = "extend" if done > 0 else "prefill"
     return kinds
 
 
@@ -90,26 +72,25 @@ def is_mixed(kinds: dict[str, str]) -> bool:
 
 
 def parse_engine_args(tokens: list[str]) -> dict:
-    """['--max-num-seqs', '64', '--enforce-eager'] -> {'max_num_seqs': 64,
-    'enforce_eager': True}."""
+    """['--max-num-seqs', '64', '--enforce-eager', '--dtype=half'] -> {'max_num_seqs': 64,
+    'enforce_eager': True, 'dtype': 'half'}: the LLM(...) keywords of vLLM's flags."""
     out: dict = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("--"):
-            raise ValueError(f"engine argument {tok!r} does not start with --")
-        name, sep, value = tok[2:].partition("=")
-        if not sep:
-            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-                value, i = tokens[i + 1], i + 1
-            else:
-                value = "true"
+    name = None
+    for tok in tokens:
+        if tok.startswith("--"):
+            flag, sep, value = tok[2:].partition("=")
+            name = flag.replace("-", "_")
+            out[name] = True  # a flag without a value
+            if not sep:
+                continue
+        elif name is None:
+            raise ValueError(f"engine argument {tok!r} does not follow a --flag")
+        else:
+            value = tok
         try:
-            parsed = json.loads(value)
+            out[name] = json.loads(value)
         except json.JSONDecodeError:
-            parsed = value
-        out[name.replace("-", "_")] = parsed
-        i += 1
+            out[name] = value
     return out
 
 
@@ -175,11 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                             "text": out.outputs[0].text}
     else:
         engine = llm.llm_engine
-        try:
-            scheduler = engine.engine_core.engine_core.scheduler
-        except AttributeError as exc:
-            raise SystemExit("mixed_batch: cannot reach the in-process scheduler "
-                             f"({exc}); this vLLM's engine layout differs from 0.34.0") from exc
+        scheduler = engine.engine_core.engine_core.scheduler  # vLLM 0.34.0's in-process layout
         original = scheduler.schedule
 
         def schedule(*a, **k):
@@ -225,13 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     mixed = [i for i, s in enumerate(steps) if is_mixed(s["kinds"])]
     result = {
         "mode": args.mode, "model": args.model, "vllm": getattr(vllm, "__version__", None),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},
         "needle": code,
         "needle_found": code in outputs.get("long", {}).get("text", ""),
         "requests": {rid: {"prompt_len": len(requests[rid][0]), "max_tokens": requests[rid][1],
                            **outputs.get(rid, {})} for rid in requests},
-        "steps": steps, "mixed_steps": len(mixed), "first_mixed_step": mixed[0] if mixed else None,
+        "steps": steps, "mixed_steps": len(mixed),
     }
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -69,12 +69,11 @@ def run_e2e(cell: dict, installs: dict, out: Path) -> dict:
     return {"device": doc["machine_info"]["series"]["device"], "metrics": metrics, "e2e": doc}
 
 
-def run_cell(spec: dict) -> dict:
-    """Run ``spec["cell"]``: the record of its result or of its error."""
-    cell = spec["cell"]
+def run_cell(cell: dict, commit: str, installs: dict | None) -> dict:
+    """Run ``cell``: the record of its result or of its error."""
     t0 = time.monotonic()
-    record = {"format": "sweep-cell/1", "key": spec["key"], "label": spec["label"],
-              "status": "error", "cell": cell, "commit": spec["commit"],
+    record = {"format": "sweep-cell/1", "key": cell["key"], "label": cell["label"],
+              "status": "error", "cell": cell, "commit": commit,
               "datetime": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "node": socket.gethostname(), "metrics": {}}
     try:
@@ -82,7 +81,7 @@ def run_cell(spec: dict) -> dict:
             if cell["kind"] == "fake":
                 record.update(run_fake(cell["params"]))
             else:
-                record.update(run_e2e(cell, spec["installs"], Path(tmp)))
+                record.update(run_e2e(cell, installs, Path(tmp)))
         record["status"] = "ok"
     except Exception as exc:
         record["error"] = {"type": type(exc).__name__, "message": str(exc),

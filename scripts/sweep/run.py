@@ -10,7 +10,6 @@ Exit status: 0 all cells ok, 1 some cell failed, 2 a config or usage error.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -43,10 +42,10 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def failure(spec: dict, exc: Exception) -> dict:
+def failure(cell: dict, commit: str, exc: Exception) -> dict:
     """The record of a cell whose task returned none (worker died, node lost, no node fits)."""
-    return {"format": "sweep-cell/1", "key": spec["key"], "label": spec["label"],
-            "status": "error", "cell": spec["cell"], "commit": spec["commit"], "metrics": {},
+    return {"format": "sweep-cell/1", "key": cell["key"], "label": cell["label"],
+            "status": "error", "cell": cell, "commit": commit, "metrics": {},
             "error": {"type": type(exc).__name__, "message": str(exc)[:4000]}}
 
 
@@ -69,9 +68,9 @@ def run(data: dict, cells: list, out: Path, *, address=None, force=False, log=pr
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
     write_json(out / "sweep.json", {"name": data["name"], "config": data, "commit": commit,
-                                    "cells": [{"key": c.key, "label": c.label} for c in cells]})
+                                    "cells": [{"key": c["key"], "label": c["label"]} for c in cells]})
     done = set() if force else {k for k, r in records(out).items() if r["status"] == "ok"}
-    todo = [c for c in cells if c.key not in done]
+    todo = [c for c in cells if c["key"] not in done]
     counts = {"cells": len(cells), "skipped": len(cells) - len(todo), "ok": 0, "error": 0}
     log(f"[sweep] {data['name']}: {len(todo)} of {len(cells)} cell(s) to run; results in {out}")
     if todo and not ray.is_initialized():
@@ -86,22 +85,20 @@ def run(data: dict, cells: list, out: Path, *, address=None, force=False, log=pr
         log(f"[sweep] {counts['ok'] + counts['error']}/{len(todo)} {record['status']}: "
             f"{record['label']}")
 
-    specs = {}
+    submitted = {}
     for cell in todo:
-        spec = {"key": cell.key, "label": cell.label, "cell": dataclasses.asdict(cell),
-                "commit": commit, "installs": data.get("installs")}
-        if any(n.get("GPU", 0) >= cell.gpus and n.get("CPU", 0) >= cell.cpus for n in nodes):
-            ref = task.options(num_gpus=cell.gpus, num_cpus=cell.cpus, max_retries=cell.retries,
-                               name=f"sweep:{cell.label}"[:200]).remote(spec)
-            specs[ref] = spec
+        if any(n.get("GPU", 0) >= cell["gpus"] and n.get("CPU", 0) >= cell["cpus"] for n in nodes):
+            ref = task.options(num_gpus=cell["gpus"], num_cpus=cell["cpus"],
+                               max_retries=cell["retries"], name=f"sweep:{cell['label']}"[:200])
+            submitted[ref.remote(cell, commit, data.get("installs"))] = cell
         else:  # Ray would keep it queued, waiting for a node that may never join
-            save(failure(spec, SweepError(f"no node of the cluster has {cell.gpus:g} GPU(s) "
-                                          f"and {cell.cpus:g} CPU(s)")))
-    for ref in as_completed(list(specs), chunk_size=1, yield_obj_refs=True):
+            save(failure(cell, commit, SweepError(f"no node of the cluster has {cell['gpus']:g} "
+                                                  f"GPU(s) and {cell['cpus']:g} CPU(s)")))
+    for ref in as_completed(list(submitted), chunk_size=1, yield_obj_refs=True):
         try:
             save(ray.get(ref))
         except Exception as exc:  # the worker died, a node was lost, ...
-            save(failure(specs[ref], exc))
+            save(failure(submitted[ref], commit, exc))
     (out / "REPORT.md").write_text(render(out))
     log(f"[sweep] {counts['ok']} ok, {counts['error']} failed, {counts['skipped']} done before; "
         f"{out / 'REPORT.md'}")

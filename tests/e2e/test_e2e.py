@@ -103,12 +103,10 @@ def _gsm8k(install: str, acc: float) -> dict:
 
 
 @pytest.mark.parametrize("upstream, patched, passed", [
-    (0.80, 0.80, True), (0.80, 0.76, True), (0.80, 0.75, False)])
+    (0.80, 0.80, True), (0.80, 0.76, True), (0.80, 0.75, False), (None, 0.80, None)])
 def test_gsm8k_gate_allows_three_combined_standard_errors(upstream, patched, passed):
-    gate = recipes.gsm8k_gate([_gsm8k("upstream", upstream), _gsm8k("patched", patched)], 3, None)
-    assert gate["passed"] is passed   # 3 x sqrt(0.01^2 + 0.01^2) = 0.0424
-    floor = recipes.gsm8k_gate([_gsm8k("patched", patched)], 3, 0.76)
-    assert floor["passed"] is (patched >= 0.76)
+    sides = [_gsm8k(i, acc) for i, acc in (("upstream", upstream), ("patched", patched)) if acc]
+    assert recipes.gsm8k_gate(sides, 3)["passed"] is passed  # 3 x sqrt(2 x 0.01^2) = 0.0424
 
 
 def test_mixed_verdict_and_gate():

@@ -35,48 +35,37 @@ matrix:
       size: [{size: 1, gpus: 0.5}, {size: 2, gpus: 0}]
 """
 
-TOML = """
-name = "demo"
-installs = {upstream = "/opt/up/bin/python", patched = "docker exec vllm-patched python3"}
-defaults = {gpus = 1, env = {VLLM_ROCM_USE_AITER = "1"}}
-[[matrix]]
-kind = "e2e"
-recipe = "throughput"
-model = "org/m"
-axes = {lengths = ["2048/16", "8192/16"], env = [{}, {VLLM_ROCM_USE_AITER_MHA = "0"}]}
-[[matrix]]
-kind = "fake"
-axes = {size = [{size = 1, gpus = 0.5}, {size = 2, gpus = 0}]}
-"""
-
-
-def _load(tmp_path: Path, text: str, name: str = "demo.yaml"):
-    (tmp_path / name).write_text(text)
-    return config.load(tmp_path / name)
+def _load(tmp_path: Path, text: str):
+    (tmp_path / "demo.yaml").write_text(text)
+    return config.load(tmp_path / "demo.yaml")
 
 
 def test_matrix_expansion_and_keys(tmp_path):
     _, cells = _load(tmp_path, YAML)
-    assert [c.label for c in cells] == [
-        "e2e throughput m lengths=2048/16 VLLM_ROCM_USE_AITER=1",
-        "e2e throughput m lengths=2048/16 VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MHA=0",
-        "e2e throughput m lengths=8192/16 VLLM_ROCM_USE_AITER=1",
-        "e2e throughput m lengths=8192/16 VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MHA=0",
+    assert [c["label"] for c in cells] == [
+        "e2e recipe=throughput model=org/m lengths=2048/16 VLLM_ROCM_USE_AITER=1",
+        "e2e recipe=throughput model=org/m lengths=2048/16 VLLM_ROCM_USE_AITER=1 "
+        "VLLM_ROCM_USE_AITER_MHA=0",
+        "e2e recipe=throughput model=org/m lengths=8192/16 VLLM_ROCM_USE_AITER=1",
+        "e2e recipe=throughput model=org/m lengths=8192/16 VLLM_ROCM_USE_AITER=1 "
+        "VLLM_ROCM_USE_AITER_MHA=0",
         "fake size=1 VLLM_ROCM_USE_AITER=1", "fake size=2 VLLM_ROCM_USE_AITER=1"]
-    assert [(c.gpus, c.params) for c in cells[4:]] == [(0.5, {"size": 1}), (0, {"size": 2})]
-    _, toml_cells = _load(tmp_path, TOML, "demo.toml")
-    assert [c.key for c in toml_cells] == [c.key for c in cells]
-    assert len({c.key for c in cells}) == 6
+    assert [(c["gpus"], c["params"]) for c in cells[4:]] == [(0.5, {"size": 1}), (0, {"size": 2})]
+    assert len({c["key"] for c in cells}) == 6
+    # The key is what defines the result: not the timeout, not the order of the keys.
+    _, again = _load(tmp_path, YAML.replace("defaults: {gpus: 1,", "defaults: {timeout_s: 9, gpus: 1,")
+                     .replace("recipe: throughput\n    model: org/m", "model: org/m\n    recipe: throughput"))
+    assert [c["key"] for c in again] == [c["key"] for c in cells]
 
 
 @pytest.mark.parametrize("text, message", [
-    ("matrix:\n  - kind: nope\n", "kind must be one of fake, e2e"),
-    ("matrix:\n  - kind: e2e\n    recipe: mixed\n    model: m\n", "runs the `upstream` install"),
+    ("matrix:\n  - kind: nope\n", "kind must be fake or e2e"),
+    ("matrix:\n  - kind: e2e\n    recipe: mixed\n    model: m\n", "run the upstream and the patched"),
     ("matrix:\n  - kind: e2e\n    model: m\n", "needs `recipe` and `model`"),
     ("matrix:\n  - kind: fake\n  - kind: fake\n", "is the same as"),
     ("matrix:\n  - kind: fake\n    gpus: -1\n", "gpus must be a number >= 0"),
     ("matrix:\n  - kind: fake\n    axes: {size: 3}\n", "must be a non-empty list"),
-    ("matrix:\n  - kind: fake\n    env: {1X: a}\n", "env must map variable names"),
+    ("matrix:\n  - kind: fake\n    env: [a]\n", "env must map variable names"),
     ("name: x/y\nmatrix:\n  - kind: fake\n", "plain folder name"),
     ("matrx: []\n", "unknown top-level key"),
     ("matrix: [a: b\n", "ParserError"),
@@ -131,17 +120,16 @@ def test_sweep_records_every_cell_resumes_and_reports(local_ray, tmp_path):
 
 def test_e2e_cell_runs_both_installs_and_keeps_the_ratios(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    cell = config.Cell("e2e", {"recipe": "throughput", "model": "org/m",
-                               "lengths": ["128/4"], "num_prompts": 8}, gpus=1, timeout_s=60)
     installs = {"upstream": e2e_standin.install(tmp_path, rate=2.0, acc=0.8),
                 "patched": e2e_standin.install(tmp_path, rate=3.0, acc=0.8)}
-    record = run_cell({"key": cell.key, "label": cell.label, "cell": cell.__dict__,
-                       "commit": "abc", "installs": installs})
+    [cell] = config.expand({"name": "t", "installs": installs, "matrix": [
+        {"kind": "e2e", "recipe": "throughput", "model": "org/m", "lengths": ["128/4", "64/4"],
+         "num_prompts": 8, "timeout_s": 60}]})
+    record = run_cell(cell, "abc", installs)
     assert record["status"] == "ok", record.get("error")
     assert record["metrics"]["128/4 requests_per_second ratio"] == pytest.approx(1.5)
+    assert record["metrics"]["64/4 requests_per_second ratio"] == pytest.approx(1.5)
     assert record["device"] == "Stand-in MI300X"
     assert record["e2e"]["benchmarks"][0]["extra_info"]["params"]["num_prompts"] == 8
-    installs["patched"] = "/no/such/python"
-    record = run_cell({"key": cell.key, "label": cell.label, "cell": cell.__dict__,
-                       "commit": "abc", "installs": installs})
+    record = run_cell(cell, "abc", {**installs, "patched": "/no/such/python"})
     assert record["status"] == "error" and "e2e preflight failed" in record["error"]["output"]

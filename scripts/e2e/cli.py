@@ -24,24 +24,33 @@ from .recipes import Install
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_ENV = {"upstream": "E2E_UPSTREAM", "patched": "E2E_PATCHED"}
 PROBE_TIMEOUT_S = 180
-# Run by each install's Python; it never imports vLLM (found, not imported).
+# Run by each install's Python with TP and NEED_LM_EVAL as arguments; never imports vLLM.
 PROBE = r'''
-import json
+import json, sys
 from importlib.util import find_spec
-info = {"vllm": find_spec("vllm") is not None, "lm_eval": find_spec("lm_eval") is not None}
+tp, need_lm_eval = int(sys.argv[1]), sys.argv[2] == "1"
+info, problems = {}, []
 try:
     import torch
     info.update(torch=torch.__version__, hip=torch.version.hip, gpus=torch.cuda.device_count())
-    if info["hip"] and info["gpus"]:
+    if not torch.version.hip:
+        problems.append(f"torch {torch.__version__} is not a ROCm build (torch.version.hip is None)")
+    elif info["gpus"] < tp:
+        problems.append(f"sees {info['gpus']} GPU(s), the run needs {tp} (HIP_VISIBLE_DEVICES?)")
+    else:
         info["device"] = torch.cuda.get_device_name(0)
 except BaseException as exc:
-    info["torch_error"] = f"{type(exc).__name__}: {exc}"
+    problems.append(f"torch does not import ({type(exc).__name__}: {exc}): a ROCm torch is needed")
 try:
     import aiter
     info["aiter"] = getattr(aiter, "__version__", None) or "unknown"
 except BaseException as exc:
-    info["aiter_error"] = f"{type(exc).__name__}: {exc}"
-print("E2E-PROBE " + json.dumps(info))
+    problems.append(f"import aiter failed ({type(exc).__name__}: {exc})")
+if find_spec("vllm") is None:
+    problems.append("vllm is not installed in this Python")
+if need_lm_eval and find_spec("lm_eval") is None:
+    problems.append("lm_eval is not installed (pip install 'lm_eval[api]' in that install)")
+print("E2E-PROBE " + json.dumps({**info, "problems": problems}))
 '''
 
 
@@ -118,50 +127,28 @@ def run_env(pairs: list[str], environ=os.environ) -> dict:
     return env
 
 
-def probe(install: Install, env: dict) -> dict:
-    """What the install's Python has; {"error": ...} when it does not run."""
+def probe(install: Install, env: dict, tp: int, need_lm_eval: bool) -> dict:
+    """What the install's Python has, and its ``problems``."""
     who = shlex.join(install.argv)
     try:
-        proc = subprocess.run(install.command(["-c", PROBE], env), capture_output=True, text=True,
-                              env=env, timeout=PROBE_TIMEOUT_S)
+        proc = subprocess.run(install.command(["-c", PROBE, tp, int(need_lm_eval)], env),
+                              capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
-        return {"error": f"cannot run `{who}`: {exc.strerror or exc}"}
+        return {"problems": [f"cannot run `{who}`: {exc.strerror or exc}"]}
     except subprocess.TimeoutExpired:
-        return {"error": f"`{who}` did not answer the probe in {PROBE_TIMEOUT_S} s"}
+        return {"problems": [f"`{who}` did not answer the probe in {PROBE_TIMEOUT_S} s"]}
     for line in proc.stdout.splitlines():
         if line.startswith("E2E-PROBE "):
             return json.loads(line.removeprefix("E2E-PROBE "))
-    return {"error": f"`{who}` is not a working Python (exit {proc.returncode}): "
-                     f"{(proc.stderr or proc.stdout).strip()[-300:]}"}
-
-
-def problems(info: dict, tp: int, need_lm_eval: bool) -> list[str]:
-    if "error" in info:
-        return [info["error"]]
-    found = []
-    if "torch_error" in info:
-        found.append(f"torch does not import ({info['torch_error']}): a ROCm build of torch is "
-                     "needed")
-    elif not info["hip"]:
-        found.append(f"torch {info['torch']} is not a ROCm build (torch.version.hip is None)")
-    elif info["gpus"] < tp:
-        found.append(f"sees {info['gpus']} GPU(s), the run needs {tp} (HIP_VISIBLE_DEVICES?)")
-    if "aiter_error" in info:
-        found.append(f"import aiter failed ({info['aiter_error']})")
-    if not info["vllm"]:
-        found.append("vllm is not installed in this Python")
-    if need_lm_eval and not info["lm_eval"]:
-        found.append("lm_eval is not installed (pip install 'lm_eval[api]' in that install)")
-    return found
+    return {"problems": [f"`{who}` is not a working Python (exit {proc.returncode}): "
+                         f"{(proc.stderr or proc.stdout).strip()[-300:]}"]}
 
 
 def preflight(installs: list[Install], env: dict, tp: int, need_lm_eval: bool) -> dict:
     """The probe of every install; UsageError listing every problem of all of them."""
-    probes, found = {}, []
-    for install in installs:
-        probes[install.name] = probe(install, env)
-        who = f"{install.name} (`{shlex.join(install.argv)}`)"
-        found += [f"  - {who}: {p}" for p in problems(probes[install.name], tp, need_lm_eval)]
+    probes = {i.name: probe(i, env, tp, need_lm_eval) for i in installs}
+    found = [f"  - {i.name} (`{shlex.join(i.argv)}`): {problem}"
+             for i in installs for problem in probes[i.name]["problems"]]
     if found:
         raise UsageError("e2e preflight failed: these recipes need a ROCm machine (MI300X/MI355X "
                          "class) with AITER and the vLLM installs to compare; nothing was run.\n"
@@ -187,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for name in names:
         doc = recipes.run_recipe(name, installs, args, env, probes)
-        print(f"\n### {name}: {doc['path']}\n\n| case | metric | upstream | patched | ratio |")
+        print(f"[e2e] {name}: {doc['path']}")
         for row in doc["comparison"]:
-            print(f"| {row['case']} | {row['metric']} | {row['upstream']:.4g} | "
-                  f"{row['patched']:.4g} | {row['ratio'] or 0:.3f} |")
+            print(f"  {row['case']} {row['metric']}: upstream {row['upstream']:.4g}, patched "
+                  f"{row['patched']:.4g}, ratio {row['ratio'] or 0:.3f}")
         if doc["gate"]:
-            print(f"gate passed: {doc['gate']['passed']} ({doc['gate']['rule']})")
+            print(f"  gate passed: {doc['gate']['passed']} ({doc['gate']['rule']})")
         for line in doc["failed"] or []:
-            print(f"FAILED {line}", file=sys.stderr)
+            print(f"  FAILED {line}", file=sys.stderr)
         failed = failed or bool(doc["failed"])
     return 1 if failed else 0

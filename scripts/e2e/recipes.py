@@ -318,10 +318,7 @@ def run_recipe(name: str, installs: list[Install], args, env: dict, probes: dict
     if gate and gate["passed"] is False:
         run.failed.append(f"gate failed: {gate['rule']}")
     doc = {"format": "e2e/1", "recipe": name, "datetime": stamp.isoformat(timespec="seconds"),
-           "machine_info": {"node": socket.gethostname(),
-                            "series": {**series, "device": device, "gpu_count": first.get("gpus"),
-                                       "torch": first.get("torch"), "hip": first.get("hip"),
-                                       "aiter": first.get("aiter")}},
+           "machine_info": {"node": socket.gethostname(), "series": {**series, "device": device}},
            "installs": {i.name: {"command": shlex.join(i.argv), "probe": probes[i.name]}
                         for i in installs},
            "env": recorded_env(env), "engine_args": args.engine_args,

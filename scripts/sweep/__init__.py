@@ -1,10 +1,5 @@
-"""Benchmark sweep on Ray (``scripts/sweep.py``; docs/sweeps-and-e2e.md).
-
-  * ``config`` -- a YAML or TOML config expanded into cells;
-  * ``cells``  -- what one Ray task runs: a fake, kernel or e2e cell, as a record;
-  * ``run``    -- submit the cells as Ray tasks, write each record as it arrives,
-                  resume, the merged REPORT.md, the command line.
-"""
+"""The Ray benchmark sweep (``scripts/sweep.py``, docs/sweeps-and-e2e.md): ``config`` expands a
+YAML config into cells, ``run`` runs them as Ray tasks and writes the records and REPORT.md."""
 
 
 class SweepError(Exception):

@@ -10,15 +10,20 @@ Exit status: 0 all cells ok, 1 some cell failed, 2 a config or usage error.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
+import shlex
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 from . import SweepError, config
-from .cells import run_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 # Not shipped to the nodes as Ray's working_dir.
@@ -40,6 +45,69 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.part")
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def run_fake(params: dict) -> dict:
+    """Tests and dry runs: sleep, fail or kill the worker as configured; ``numbers`` are the
+    metrics."""
+    time.sleep(float(params.get("sleep_s", 0)))
+    if params.get("crash"):
+        os._exit(3)
+    if params.get("raise"):
+        raise RuntimeError(str(params["raise"]))
+    if params.get("raise_unless_exists") and not Path(params["raise_unless_exists"]).exists():
+        raise FileNotFoundError(f"{params['raise_unless_exists']} does not exist yet")
+    return {"device": "fake", "metrics": params.get("numbers") or {}}
+
+
+def run_e2e(cell: dict, installs: dict, out: Path) -> dict:
+    """``scripts/e2e.py RECIPE`` (from Ray's copy of the checkout, the task's working
+    directory) with both installs; every other parameter is an e2e.py option."""
+    params = dict(cell["params"])
+    cmd = [sys.executable, "scripts/e2e.py", params.pop("recipe"), "--out", str(out),
+           "--work", str(out / "work"), "--upstream", installs["upstream"],
+           "--patched", installs["patched"]]
+    if cell["timeout_s"]:
+        cmd += ["--timeout-s", str(cell["timeout_s"])]
+    for name, value in cell["env"].items():
+        cmd += ["--env", f"{name}={value}"]
+    for name, value in params.items():
+        text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        cmd += [f"--{name.replace('_', '-')}", text]
+    proc = subprocess.run(cmd, capture_output=True, text=True)  # e2e.py applies the timeout
+    files = sorted(out.glob("*.json"))
+    if proc.returncode not in (0, 1) or not files:  # 1: a run or a gate failed, recorded
+        raise RuntimeError(f"exit {proc.returncode}: {shlex.join(cmd)}\n"
+                           f"{(proc.stdout + proc.stderr)[-8000:]}")
+    doc = json.loads(files[-1].read_text())
+    failed = [f for f in doc["failed"] or [] if not f.startswith("gate failed")]
+    if failed:  # a run that failed; a failed gate is a result (gate_passed: false)
+        raise RuntimeError("\n".join(failed))
+    metrics = {f"{row['case']} {row['metric']} ratio": row["ratio"] for row in doc["comparison"]}
+    if doc["gate"]:
+        metrics["gate_passed"] = doc["gate"]["passed"]
+    return {"device": doc["machine_info"]["series"]["device"], "metrics": metrics, "e2e": doc}
+
+
+def run_cell(cell: dict, commit: str, installs: dict | None) -> dict:
+    """What one Ray task runs: the record of the cell's result or of its error."""
+    t0 = time.monotonic()
+    record = {"format": "sweep-cell/1", "key": cell["key"], "label": cell["label"],
+              "status": "error", "cell": cell, "commit": commit,
+              "datetime": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "node": socket.gethostname(), "metrics": {}}
+    try:
+        with tempfile.TemporaryDirectory(prefix="sweep-") as tmp:
+            if cell["kind"] == "fake":
+                record.update(run_fake(cell["params"]))
+            else:
+                record.update(run_e2e(cell, installs, Path(tmp)))
+        record["status"] = "ok"
+    except Exception as exc:
+        record["error"] = {"type": type(exc).__name__, "message": str(exc),
+                           "traceback": traceback.format_exc()}
+    record["duration_s"] = round(time.monotonic() - t0, 3)
+    return record
 
 
 def failure(cell: dict, commit: str, exc: Exception) -> dict:

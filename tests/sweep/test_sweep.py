@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 import e2e_standin  # noqa: E402
 from sweep import SweepError, config, run  # noqa: E402
-from sweep.cells import run_cell  # noqa: E402
+from sweep.run import run_cell  # noqa: E402
 
 YAML = """
 name: demo
@@ -132,4 +132,4 @@ def test_e2e_cell_runs_both_installs_and_keeps_the_ratios(tmp_path, monkeypatch)
     assert record["device"] == "Stand-in MI300X"
     assert record["e2e"]["benchmarks"][0]["extra_info"]["params"]["num_prompts"] == 8
     record = run_cell(cell, "abc", {**installs, "patched": "/no/such/python"})
-    assert record["status"] == "error" and "e2e preflight failed" in record["error"]["output"]
+    assert record["status"] == "error" and "e2e preflight failed" in record["error"]["message"]

@@ -24,6 +24,7 @@ SHORT_PROMPTS = ("Count from one to twenty in words: one, two, three,",
                  "The days of the week, starting on Monday: Monday, Tuesday,",
                  "The months of the year: January, February, March,",
                  "The first ten prime numbers: 2, 3, 5,")
+ANSWER_TOKENS = 16
 DECODER_PROMPT = "Write the numbers from 1 to 200 separated by commas: 1, 2, 3, 4,"
 
 
@@ -103,16 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-prompt-len", type=int, default=12288)
     parser.add_argument("--chunk", type=int, default=2048,
                         help="long_prefill_token_threshold: the long prompt's tokens per step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--fresh-prompts", type=int, default=4)
-    parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--attention-backend", default="ROCM_AITER_FA",
                         help="the backend whose order contract is tested; auto: vLLM's choice")
-    parser.add_argument("--seed", type=int, default=0)
     args, engine_tokens = parser.parse_known_args(argv)
-    if args.chunk + 512 > args.max_num_batched_tokens:
-        parser.error("--max-num-batched-tokens must leave room (>= 512 tokens) beside --chunk "
-                     "for the decode and the fresh prompts")
     # In-process engine core: a request added between two steps joins the next schedule.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
@@ -120,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
 
     max_model_len = args.long_prompt_len + 512
     kwargs = dict(model=args.model, tensor_parallel_size=args.tp, max_model_len=max_model_len,
-                  enable_prefix_caching=False, seed=args.seed, **parse_engine_args(engine_tokens))
+                  enable_prefix_caching=False, seed=0, **parse_engine_args(engine_tokens))
     if args.attention_backend != "auto":
         kwargs["attention_backend"] = args.attention_backend
     if args.mode == "mixed":
         kwargs.update(enable_chunked_prefill=True,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_batched_tokens=args.chunk + 2048,  # room for the short ones
                       long_prefill_token_threshold=args.chunk)
     else:  # every prompt whole in one step: no chunking, no extend
         kwargs.update(max_num_batched_tokens=max_model_len, long_prefill_token_threshold=0)
@@ -135,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     def encode(text: str, special: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=special)
 
-    code = str(random.Random(args.seed).randint(100000, 999999))
+    code = str(random.Random(0).randint(100000, 999999))
     long_steps = -(-args.long_prompt_len // args.chunk)
     requests = {"decoder": (encode(DECODER_PROMPT, True), long_steps + 16),
-                "long": (build_long_prompt(encode, args.long_prompt_len, code), args.answer_tokens)}
+                "long": (build_long_prompt(encode, args.long_prompt_len, code), ANSWER_TOKENS)}
     for i in range(args.fresh_prompts):
         requests[f"fresh-{i}"] = (encode(SHORT_PROMPTS[i % len(SHORT_PROMPTS)], True),
-                                  args.answer_tokens)
+                                  ANSWER_TOKENS)
     prompt_lens = {rid: len(ids) for rid, (ids, _) in requests.items()}
 
     def params(max_tokens: int):

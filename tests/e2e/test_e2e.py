@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_standin  # noqa: E402
-from e2e import mixed_batch, recipes  # noqa: E402
+from e2e import cli, mixed_batch  # noqa: E402
 
 
 def _e2e(*args: str) -> subprocess.CompletedProcess:
@@ -106,20 +106,20 @@ def _gsm8k(install: str, acc: float) -> dict:
     (0.80, 0.80, True), (0.80, 0.76, True), (0.80, 0.75, False), (None, 0.80, None)])
 def test_gsm8k_gate_allows_three_combined_standard_errors(upstream, patched, passed):
     sides = [_gsm8k(i, acc) for i, acc in (("upstream", upstream), ("patched", patched)) if acc]
-    assert recipes.gsm8k_gate(sides, 3)["passed"] is passed  # 3 x sqrt(2 x 0.01^2) = 0.0424
+    assert cli.gsm8k_gate(sides, 3)["passed"] is passed  # 3 x sqrt(2 x 0.01^2) = 0.0424
 
 
 def test_mixed_verdict_and_gate():
     ref = {"needle_found": True, "requests": {}}
     good = {"needle_found": True, "mixed_steps": 3, "steps": [{}] * 8, "requests": {}}
-    assert recipes.compare_mixed(good, ref)["verdict"] == "pass"
-    assert recipes.compare_mixed({**good, "needle_found": False}, ref)["verdict"] == "fail"
-    assert recipes.compare_mixed({**good, "mixed_steps": 0}, ref)["verdict"] == "not-triggered"
-    assert recipes.compare_mixed(good, {**ref, "needle_found": False})["verdict"] == "inconclusive"
+    assert cli.compare_mixed(good, ref)["verdict"] == "pass"
+    assert cli.compare_mixed({**good, "needle_found": False}, ref)["verdict"] == "fail"
+    assert cli.compare_mixed({**good, "mixed_steps": 0}, ref)["verdict"] == "not-triggered"
+    assert cli.compare_mixed(good, {**ref, "needle_found": False})["verdict"] == "inconclusive"
     benches = [{"extra_info": {"install": i, "results": {"verdict": v}}}
                for i, v in (("upstream", "fail"), ("patched", "pass"))]
-    assert recipes.mixed_gate(benches)["passed"] is True   # upstream's verdict is not gated
-    assert recipes.mixed_gate(benches[:1])["passed"] is None
+    assert cli.mixed_gate(benches)["passed"] is True   # upstream's verdict is not gated
+    assert cli.mixed_gate(benches[:1])["passed"] is None
 
 
 def test_mixed_batch_classifies_steps_and_builds_the_needle_prompt():
@@ -144,9 +144,9 @@ def test_a_container_install_gets_the_recorded_env_inside():
     secrets) are set inside; a plain Python path inherits the environment."""
     env = {"VLLM_ROCM_USE_AITER": "1", "VLLM_API_KEY": "s3cret", "PATH": "/bin",
            "HIP_VISIBLE_DEVICES": "2"}
-    image = recipes.Install("patched", ("docker", "exec", "vllm-patched", "python3"))
+    image = cli.Install("patched", ("docker", "exec", "vllm-patched", "python3"))
     assert image.command(["-c", "pass"], env) == [
         "docker", "exec", "vllm-patched", "env", "HIP_VISIBLE_DEVICES=2",
         "VLLM_ROCM_USE_AITER=1", "python3", "-c", "pass"]
-    venv = recipes.Install("upstream", ("/opt/up/bin/python",))
+    venv = cli.Install("upstream", ("/opt/up/bin/python",))
     assert venv.command(["-c", "pass"], env) == ["/opt/up/bin/python", "-c", "pass"]

@@ -115,7 +115,7 @@ def test_sweep_records_every_cell_resumes_and_reports(local_ray, tmp_path):
     report = (out / "REPORT.md").read_text()
     assert "| fake size=1 | ok | tokens_per_s=125 | fake |" in report
     assert f"| fake raise_unless_exists={marker} | ok | n=7 | fake |" in report
-    assert "- fake raise=boom: this cell always fails: RuntimeError: boom" in report
+    assert "| fake raise=boom: this cell always fails | error | RuntimeError: boom" in report
 
 
 def test_e2e_cell_runs_both_installs_and_keeps_the_ratios(tmp_path, monkeypatch):

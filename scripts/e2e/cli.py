@@ -1,11 +1,9 @@
 """python3 scripts/e2e.py RECIPE... --model MODEL [options] [-- VLLM ARGS]
 
-Each recipe (throughput, mixed, serve, gsm8k, or all) runs vLLM's own tools with the
-upstream, then the patched install, and writes <out>/<date>-<device>-<commit>-<recipe>.json:
-the numbers copied from the tools' output files, the patched / upstream ratios, the gate.
-A preflight first checks every install (ROCm torch, AITER, vLLM, lm_eval for gsm8k, --tp
-GPUs).  Exit status: 0 all measured and every gate passed, 1 a run or a gate failed, 2 the
-preflight or the arguments failed (nothing ran).
+Each recipe (throughput, mixed, serve, gsm8k, or all) runs vLLM's own tools with the upstream,
+then the patched install, after a preflight of both, and writes one JSON (docs/sweeps-and-e2e.md).
+Exit status: 0 all measured and every gate passed, 1 a run or a gate failed, 2 the preflight
+or the arguments failed (nothing ran).
 """
 
 from __future__ import annotations
@@ -189,9 +187,8 @@ def compare_mixed(mixed: dict, reference: dict) -> dict:
         verdict = "inconclusive"    # the model cannot do the task even unchunked
     else:
         verdict = "pass" if mixed.get("needle_found") else "fail"
-    return {"verdict": verdict, "needle_found": bool(mixed.get("needle_found")),
-            "needle_found_reference": bool(reference.get("needle_found")),
-            "mixed_steps": mixed.get("mixed_steps", 0), "steps": len(mixed.get("steps", []))}
+    return {"verdict": verdict, "mixed_steps": mixed.get("mixed_steps", 0),
+            "steps": len(mixed.get("steps", []))}
 
 
 def mixed(run: Run, install: Install) -> None:
@@ -203,12 +200,6 @@ def mixed(run: Run, install: Install) -> None:
     run.measure(install, "order-contract", {}, cmds, run.work / f"mixed-{install.name}.log",
                 lambda: compare_mixed(*(json.loads(outs[m].read_text())
                                         for m in ("mixed", "reference"))))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_ready(server: subprocess.Popen, port: int) -> str | None:
@@ -227,7 +218,9 @@ def _wait_ready(server: subprocess.Popen, port: int) -> str | None:
 
 def serve(run: Run, install: Install) -> None:
     a = run.args
-    port = _free_port()
+    with socket.socket() as sock:  # a free port: sweep cells may share a node
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     log = run.work / f"serve-{install.name}-server.log"
     cmd = install.command([*VLLM, "serve", a.model, "--port", port, "--tensor-parallel-size", a.tp,
                            "--max-model-len", 2 * SERVE_LEN + MODEL_LEN_MARGIN, "--seed", "0",
@@ -358,7 +351,6 @@ def run_recipe(name: str, installs: list[Install], args, env: dict, probes: dict
     return doc
 
 
-
 class UsageError(Exception):
     pass
 
@@ -386,7 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
                                       "/opt/up/bin/python or 'docker exec up python3' "
                                       "(default $E2E_UPSTREAM)")
     p.add_argument("--patched", help="the same for the patched install ($E2E_PATCHED)")
-    p.add_argument("--only", choices=tuple(INSTALL_ENV), help="run this install only")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set (and record) for every run; VLLM_ROCM_USE_AITER=1 unless set")
@@ -409,12 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def installs_from(args, environ=os.environ) -> list[Install]:
     installs = []
-    for name in [args.only] if args.only else list(INSTALL_ENV):
+    for name in INSTALL_ENV:
         command = getattr(args, name) or environ.get(INSTALL_ENV[name])
         if not command:
             raise UsageError(f"no {name} install: pass --{name} 'PYTHON' (a path, or a command "
                              f"such as 'docker exec CONTAINER python3') or set "
-                             f"{INSTALL_ENV[name]}; --only runs one side")
+                             f"{INSTALL_ENV[name]}")
         try:
             installs.append(Install(name, tuple(shlex.split(command))))
         except ValueError as exc:
@@ -426,7 +417,7 @@ def run_env(pairs: list[str], environ=os.environ) -> dict:
     env = {"VLLM_ROCM_USE_AITER": "1", **environ}
     for pair in pairs:
         name, sep, value = pair.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        if not sep or not name.isidentifier():
             raise UsageError(f"--env expects NAME=VALUE, got {pair!r}")
         env[name] = value
     return env

@@ -44,11 +44,13 @@ def build_long_prompt(encode, length: int, code: str) -> list[int]:
     return head + filler[:room] + tail
 
 
-def classify(scheduled: dict[str, int], computed: dict[str, int],
-             prompt_lens: dict[str, int]) -> dict[str, str]:
-    """Kind of each scheduled request: decode (prompt done), extend (part cached), prefill."""
+def step_kinds(out, prompt_lens: dict[str, int]) -> dict[str, str]:
+    """Each request of a SchedulerOutput: decode (prompt done), extend (part cached), prefill."""
+    computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
     kinds = {}
-    for rid in scheduled:
+    for rid in out.num_scheduled_tokens:
         done = computed.get(rid, 0)
         if rid not in prompt_lens:
             kinds[rid] = "other"
@@ -57,19 +59,6 @@ def classify(scheduled: dict[str, int], computed: dict[str, int],
         else:
             kinds[rid] = "extend" if done > 0 else "prefill"
     return kinds
-
-
-def step_composition(scheduler_output, prompt_lens: dict[str, int]) -> dict:
-    """{"tokens": {rid: n}, "kinds": {rid: kind}} of one SchedulerOutput."""
-    scheduled = dict(scheduler_output.num_scheduled_tokens)
-    computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-    cached = scheduler_output.scheduled_cached_reqs
-    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    return {"tokens": scheduled, "kinds": classify(scheduled, computed, prompt_lens)}
-
-
-def is_mixed(kinds: dict[str, str]) -> bool:
-    return {"decode", "extend", "prefill"} <= set(kinds.values())
 
 
 def parse_engine_args(tokens: list[str]) -> dict:
@@ -157,44 +146,39 @@ def main(argv: list[str] | None = None) -> int:
         def schedule(*a, **k):
             result = original(*a, **k)
             if result.total_num_scheduled_tokens:
-                steps.append(step_composition(result, prompt_lens))
+                steps.append({"tokens": dict(result.num_scheduled_tokens),
+                              "kinds": step_kinds(result, prompt_lens)})
             return result
 
         scheduler.schedule = schedule
         fresh = [rid for rid in requests if rid.startswith("fresh-")]
         internal: dict[str, str] = {}   # vLLM appends a random suffix to request ids
 
-        def add(rid: str) -> None:
+        def add(rid: str) -> str:
             ids, max_tokens = requests[rid]
             engine_id = engine.add_request(rid, {"prompt_token_ids": ids}, params(max_tokens))
             internal[engine_id] = rid
             prompt_lens[engine_id] = prompt_lens[rid]
+            return engine_id
 
         def collect(results) -> None:
             for out in results:
                 if out.finished:
-                    rid = internal.get(out.request_id, out.request_id)
-                    outputs[rid] = {"token_ids": list(out.outputs[0].token_ids),
-                                    "text": out.outputs[0].text}
-
-        def long_kind() -> str | None:
-            if not steps:
-                return None
-            kinds = steps[-1]["kinds"]
-            return next((k for eid, k in kinds.items() if internal.get(eid, eid) == "long"), None)
+                    outputs[internal[out.request_id]] = {
+                        "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text}
 
         add("decoder")
         collect(engine.step())          # the decoder's prefill: from now on it decodes
-        add("long")
+        long_id = add("long")
         while engine.has_unfinished_requests():
             collect(engine.step())
-            if fresh and long_kind() in ("prefill", "extend"):
+            if fresh and steps and steps[-1]["kinds"].get(long_id) in ("prefill", "extend"):
                 add(fresh.pop(0))       # arrives while the long prompt is mid-prefill
         scheduler.schedule = original
         for step in steps:              # report our names, not the engine's
             step["tokens"] = {internal.get(k, k): v for k, v in step["tokens"].items()}
             step["kinds"] = {internal.get(k, k): v for k, v in step["kinds"].items()}
-    mixed = [i for i, s in enumerate(steps) if is_mixed(s["kinds"])]
+    mixed = [s for s in steps if {"decode", "extend", "prefill"} <= set(s["kinds"].values())]
     result = {
         "mode": args.mode, "model": args.model, "vllm": getattr(vllm, "__version__", None),
         "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},

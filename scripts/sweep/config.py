@@ -1,10 +1,6 @@
-"""Sweep configs (YAML, docs/sweeps-and-e2e.md) expanded into cells.
-
-A cell is a dict: ``kind``, ``gpus``, ``cpus``, ``timeout_s``, ``retries`` and ``env``
-from ``defaults``, the block or an axis, and ``params``: every other key.  An axis
-value that is a mapping is merged key by key (``{model: X, gpus: 8, tp: 8}``); env
-mappings merge onto the inherited env.  ``key`` hashes what defines the cell's result
-(kind, gpus, env, params); ``label`` names it (the scalar parameters, the env).
+"""Sweep configs (YAML, docs/sweeps-and-e2e.md) expanded into cells: dicts of ``kind``,
+``gpus``, ``cpus``, ``timeout_s``, ``retries``, ``env`` and ``params`` (every other key), with
+``key``, a hash of what defines the cell's result (kind, gpus, env, params), and ``label``.
 """
 
 from __future__ import annotations

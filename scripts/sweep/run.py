@@ -1,15 +1,7 @@
-"""python3 scripts/sweep.py run CONFIG [--address A] [--out DIR] [--force] | report DIR
-
-``run``: every cell without an ``ok`` record in DIR becomes one Ray task asking for
-the cell's GPUs and CPUs (``--address``: a cluster; default RAY_ADDRESS, else a
-local Ray); each record is written as ``DIR/<label>-<key>.json`` as its task
-returns, then DIR/REPORT.md.  ``report``: rewrite and print DIR/REPORT.md.
-Exit status: 0 all cells ok, 1 some cell failed, 2 a config or usage error.
-"""
+"""Run a sweep's cells as Ray tasks (``run``), one record per cell, and its REPORT.md."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -48,15 +40,13 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def run_fake(params: dict) -> dict:
-    """Tests and dry runs: sleep, fail or kill the worker as configured; ``numbers`` are the
+    """Tests and dry runs: sleep, raise or kill the worker as configured; ``numbers`` are the
     metrics."""
     time.sleep(float(params.get("sleep_s", 0)))
     if params.get("crash"):
         os._exit(3)
     if params.get("raise"):
         raise RuntimeError(str(params["raise"]))
-    if params.get("raise_unless_exists") and not Path(params["raise_unless_exists"]).exists():
-        raise FileNotFoundError(f"{params['raise_unless_exists']} does not exist yet")
     return {"device": "fake", "metrics": params.get("numbers") or {}}
 
 
@@ -195,29 +185,3 @@ def render(out: Path) -> str:
         lines.append(f"| {r['label']} | {r['status']} | {_fmt(text)} | {r.get('device', '')} | "
                      f"{r.get('duration_s', 0):.1f} |")
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sweep.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("verb", choices=("run", "report"))
-    parser.add_argument("path", type=Path, help="run: a config; report: a results folder")
-    parser.add_argument("--out", type=Path, help="results folder (default: the config's `out`, "
-                                                 "else benchmarks/results/sweeps/NAME)")
-    parser.add_argument("--address", help="Ray cluster: auto, HOST:6379 or ray://HOST:10001")
-    parser.add_argument("--force", action="store_true", help="run every cell again")
-    args = parser.parse_args(argv)
-    try:
-        if args.verb == "report":
-            if not (args.path / "sweep.json").is_file():
-                raise SweepError(f"{args.path} is not a sweep's results folder (no sweep.json)")
-            (args.path / "REPORT.md").write_text(render(args.path))
-            print((args.path / "REPORT.md").read_text(), end="")
-            return 0
-        data, cells = config.load(args.path)
-        out = args.out or Path(data.get("out") or ROOT / "benchmarks/results/sweeps" / data["name"])
-        counts = run(data, cells, out.resolve(), address=args.address, force=args.force)
-        return 1 if counts["error"] else 0
-    except SweepError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_preflight_fails_fast_off_rocm_and_names_every_problem(tmp_path):
     assert "lm_eval is not installed" in err
     assert "patched (`env PYTHONPATH=" in err and "torch does not import (ImportError" in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
-    missing = _e2e("mixed", "--model", "m", "--only", "patched", "--patched", "/no/such/python")
+    missing = _e2e("mixed", "--model", "m", "--upstream", "python3", "--patched", "/no/such/python")
     assert missing.returncode == 2 and "cannot run `/no/such/python`" in missing.stderr
 
 
@@ -123,11 +124,13 @@ def test_mixed_verdict_and_gate():
 
 
 def test_mixed_batch_classifies_steps_and_builds_the_needle_prompt():
-    kinds = mixed_batch.classify({"decoder": 1, "long": 2048, "fresh-0": 40},
-                                 {"decoder": 30, "long": 4096, "fresh-0": 0},
-                                 {"decoder": 20, "long": 12288, "fresh-0": 40})
-    assert kinds == {"decoder": "decode", "long": "extend", "fresh-0": "prefill"}
-    assert mixed_batch.is_mixed(kinds) and not mixed_batch.is_mixed({"a": "decode"})
+    step = SimpleNamespace(  # vLLM 0.34.0's SchedulerOutput fields that step_kinds reads
+        num_scheduled_tokens={"decoder": 1, "long": 2048, "fresh-0": 40},
+        scheduled_new_reqs=[SimpleNamespace(req_id="fresh-0", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["decoder", "long"],
+                                              num_computed_tokens=[30, 4096]))
+    assert mixed_batch.step_kinds(step, {"decoder": 20, "long": 12288, "fresh-0": 40}) == {
+        "decoder": "decode", "long": "extend", "fresh-0": "prefill"}
     ids = mixed_batch.build_long_prompt(lambda text, bos: [0] * bos + [ord(c) for c in text],
                                         3000, "123456")
     text = "".join(map(chr, ids[1:]))

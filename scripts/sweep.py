@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
 """python3 scripts/sweep.py run CONFIG [--address A] [--out DIR] [--force] | report DIR
 
-``run``: every cell of CONFIG without an ``ok`` record in DIR becomes one Ray task asking
-for the cell's GPUs and CPUs (``--address``: a cluster; default RAY_ADDRESS, else a local
-Ray); each record is written to DIR as its task returns, then DIR/REPORT.md.  ``report``:
-rewrite and print DIR/REPORT.md.  docs/sweeps-and-e2e.md has the config format.
+``run``: each cell of CONFIG without an ``ok`` record in DIR runs as one Ray task asking for
+its GPUs and CPUs, on a cluster (``--address``) or a local Ray; each record is written as its
+task returns, then DIR/REPORT.md (``report`` rewrites and prints it).  docs/sweeps-and-e2e.md.
 Exit status: 0 all cells ok, 1 some cell failed, 2 a config or usage error.
 """
 
@@ -15,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sweep import SweepError, config, run  # noqa: E402
+from sweep import config, run  # noqa: E402
+from sweep.config import SweepError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             print((args.path / "REPORT.md").read_text(), end="")
             return 0
         data, cells = config.load(args.path)
-        out = args.out or Path(data.get("out") or run.ROOT / "benchmarks/results/sweeps" / data["name"])
+        default = run.ROOT / "benchmarks" / "results" / "sweeps" / data["name"]
+        out = args.out or Path(data.get("out") or default)
         counts = run.run(data, cells, out.resolve(), address=args.address, force=args.force)
         return 1 if counts["error"] else 0
     except SweepError as exc:

@@ -1,2 +1,1 @@
-"""The end-to-end ROCm recipes (``scripts/e2e.py``, docs/sweeps-and-e2e.md): ``cli`` runs
-them, ``mixed_batch`` is the order-contract case an install's Python runs."""
+"""End-to-end ROCm recipes: ``cli`` (scripts/e2e.py), ``mixed_batch`` (the order-contract case)."""

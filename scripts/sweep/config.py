@@ -11,7 +11,9 @@ import json
 import re
 from pathlib import Path
 
-from . import SweepError
+
+class SweepError(Exception):
+    """A failure the user can act on: one message, no traceback."""
 
 FIELDS = {"kind": None, "gpus": 0, "cpus": 1, "timeout_s": 3600, "retries": 0}
 
@@ -71,7 +73,7 @@ def expand(data: dict) -> list[dict]:
     matrix = data.get("matrix")
     if not isinstance(matrix, list) or not matrix or not all(isinstance(b, dict) for b in matrix):
         raise SweepError("`matrix` must be a non-empty list of blocks (mappings with `kind`)")
-    cells, seen = [], {}
+    cells, seen = [], set()
     for index, block in enumerate(matrix):
         where = f"matrix[{index}]"
         base = {**FIELDS, "env": {}, "params": {}}
@@ -89,8 +91,7 @@ def expand(data: dict) -> list[dict]:
                     _set(cell, name, sub, f"{where}.axes.{axis}")
             cell = _check(cell, where, data.get("installs") or {})
             if cell["key"] in seen:
-                raise SweepError(f"{where}: cell {cell['label']!r} is the same as "
-                                 f"{seen[cell['key']]!r}")
-            seen[cell["key"]] = cell["label"]
+                raise SweepError(f"{where}: the cell {cell['label']!r} is in the matrix twice")
+            seen.add(cell["key"])
             cells.append(cell)
     return cells

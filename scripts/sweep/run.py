@@ -15,21 +15,19 @@ import time
 import traceback
 from pathlib import Path
 
-from . import SweepError, config
+from .config import SweepError
 
 ROOT = Path(__file__).resolve().parents[2]
-# Not shipped to the nodes as Ray's working_dir.
-EXCLUDES = ["/build/", "/.venv/", "/.git/", "/benchmarks/results/", "__pycache__/"]
+# Every node runs this checkout (Ray's working_dir, without build outputs and results) and
+# the sweep package (a py_module: the tasks' code).
+RUNTIME_ENV = {"working_dir": str(ROOT), "py_modules": [str(ROOT / "scripts" / "sweep")],
+               "excludes": ["/build/", "/.venv/", "/.git/", "/benchmarks/results/", "__pycache__/"]}
 
 
 def records(out: Path) -> dict[str, dict]:
     """key -> record of every cell file in ``out``."""
-    found = {}
-    for path in sorted(out.glob("*.json")):
-        record = json.loads(path.read_text())
-        if record.get("format") == "sweep-cell/1":
-            found[record["key"]] = record
-    return found
+    found = (json.loads(path.read_text()) for path in sorted(out.glob("*.json")))
+    return {r["key"]: r for r in found if r.get("format") == "sweep-cell/1"}
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -50,7 +48,7 @@ def run_fake(params: dict) -> dict:
     return {"device": "fake", "metrics": params.get("numbers") or {}}
 
 
-def run_e2e(cell: dict, installs: dict, out: Path) -> dict:
+def run_e2e(cell: dict, installs: dict, commit: str, out: Path) -> dict:
     """``scripts/e2e.py RECIPE`` (from Ray's copy of the checkout, the task's working
     directory) with both installs; every other parameter is an e2e.py option."""
     params = dict(cell["params"])
@@ -64,7 +62,8 @@ def run_e2e(cell: dict, installs: dict, out: Path) -> dict:
     for name, value in params.items():
         text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
         cmd += [f"--{name.replace('_', '-')}", text]
-    proc = subprocess.run(cmd, capture_output=True, text=True)  # e2e.py applies the timeout
+    proc = subprocess.run(cmd, capture_output=True, text=True,  # e2e.py applies the timeout
+                          env={**os.environ, "SERIES_COMMIT": commit})  # Ray's copy has no .git
     files = sorted(out.glob("*.json"))
     if proc.returncode not in (0, 1) or not files:  # 1: a run or a gate failed, recorded
         raise RuntimeError(f"exit {proc.returncode}: {shlex.join(cmd)}\n"
@@ -91,7 +90,7 @@ def run_cell(cell: dict, commit: str, installs: dict | None) -> dict:
             if cell["kind"] == "fake":
                 record.update(run_fake(cell["params"]))
             else:
-                record.update(run_e2e(cell, installs, Path(tmp)))
+                record.update(run_e2e(cell, installs, commit, Path(tmp)))
         record["status"] = "ok"
     except Exception as exc:
         record["error"] = {"type": type(exc).__name__, "message": str(exc),
@@ -107,16 +106,6 @@ def failure(cell: dict, commit: str, exc: Exception) -> dict:
             "error": {"type": type(exc).__name__, "message": str(exc)[:4000]}}
 
 
-def connect(address: str | None = None, **init_kwargs) -> None:
-    """``ray.init`` with the sweep package as a py_module and this checkout as the tasks'
-    working_dir: every node runs the same code."""
-    import ray
-
-    ray.init(address=address, runtime_env={"py_modules": [str(ROOT / "scripts" / "sweep")],
-                                           "working_dir": str(ROOT), "excludes": EXCLUDES},
-             **init_kwargs)
-
-
 def run(data: dict, cells: list, out: Path, *, address=None, force=False, log=print) -> dict:
     """Run the cells without an ok record in ``out`` on Ray; write REPORT.md; the counts."""
     import ray
@@ -125,14 +114,15 @@ def run(data: dict, cells: list, out: Path, *, address=None, force=False, log=pr
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
+    planned = [{"key": cell["key"], "label": cell["label"]} for cell in cells]
     write_json(out / "sweep.json", {"name": data["name"], "config": data, "commit": commit,
-                                    "cells": [{"key": c["key"], "label": c["label"]} for c in cells]})
+                                    "cells": planned})
     done = set() if force else {k for k, r in records(out).items() if r["status"] == "ok"}
     todo = [c for c in cells if c["key"] not in done]
     counts = {"cells": len(cells), "skipped": len(cells) - len(todo), "ok": 0, "error": 0}
     log(f"[sweep] {data['name']}: {len(todo)} of {len(cells)} cell(s) to run; results in {out}")
     if todo and not ray.is_initialized():
-        connect(address)
+        ray.init(address=address, runtime_env=RUNTIME_ENV)
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]] if todo else []
     task = ray.remote(run_cell)
 

@@ -4,7 +4,6 @@ report; an e2e cell running scripts/e2e.py with stand-in installs (tests/e2e).""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,7 +15,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 import e2e_standin  # noqa: E402
-from sweep import SweepError, config, run  # noqa: E402
+from sweep import config, run  # noqa: E402
+from sweep.config import SweepError  # noqa: E402
 from sweep.run import run_cell  # noqa: E402
 
 YAML = """
@@ -53,16 +53,17 @@ def test_matrix_expansion_and_keys(tmp_path):
     assert [(c["gpus"], c["params"]) for c in cells[4:]] == [(0.5, {"size": 1}), (0, {"size": 2})]
     assert len({c["key"] for c in cells}) == 6
     # The key is what defines the result: not the timeout, not the order of the keys.
-    _, again = _load(tmp_path, YAML.replace("defaults: {gpus: 1,", "defaults: {timeout_s: 9, gpus: 1,")
-                     .replace("recipe: throughput\n    model: org/m", "model: org/m\n    recipe: throughput"))
+    reordered = YAML.replace("defaults: {gpus: 1,", "defaults: {timeout_s: 9, gpus: 1,").replace(
+        "recipe: throughput\n    model: org/m", "model: org/m\n    recipe: throughput")
+    _, again = _load(tmp_path, reordered)
     assert [c["key"] for c in again] == [c["key"] for c in cells]
 
 
 @pytest.mark.parametrize("text, message", [
     ("matrix:\n  - kind: nope\n", "kind must be fake or e2e"),
-    ("matrix:\n  - kind: e2e\n    recipe: mixed\n    model: m\n", "run the upstream and the patched"),
+    ("matrix:\n  - kind: e2e\n    recipe: mixed\n    model: m\n", "run the upstream and"),
     ("matrix:\n  - kind: e2e\n    model: m\n", "needs `recipe` and `model`"),
-    ("matrix:\n  - kind: fake\n  - kind: fake\n", "is the same as"),
+    ("matrix:\n  - kind: fake\n  - kind: fake\n", "in the matrix twice"),
     ("matrix:\n  - kind: fake\n    gpus: -1\n", "gpus must be a number >= 0"),
     ("matrix:\n  - kind: fake\n    axes: {size: 3}\n", "must be a non-empty list"),
     ("matrix:\n  - kind: fake\n    env: [a]\n", "env must map variable names"),
@@ -79,7 +80,8 @@ def test_config_errors_are_clear(tmp_path, text, message):
 def local_ray():
     ray = pytest.importorskip("ray", reason="the sweep's Ray tests need ray in the venv")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns token auth on for a local Ray
-    run.connect(None, num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             runtime_env=run.RUNTIME_ENV)
     yield
     ray.shutdown()
     os.environ.pop("RAY_AUTH_MODE")

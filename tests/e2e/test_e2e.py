@@ -30,6 +30,7 @@ def _docs(out: Path) -> dict:
 
 
 def test_preflight_fails_fast_off_rocm_and_names_every_problem(tmp_path):
+    """Through scripts/e2e.py and then `make e2e`: exit 2, every problem, nothing written."""
     no_torch = tmp_path / "site" / "torch"
     no_torch.mkdir(parents=True)
     (no_torch / "__init__.py").write_text("raise ImportError('no torch here')\n")
@@ -47,8 +48,9 @@ def test_preflight_fails_fast_off_rocm_and_names_every_problem(tmp_path):
     assert "lm_eval is not installed" in err
     assert "patched (`env PYTHONPATH=" in err and "torch does not import (ImportError" in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
-    missing = _e2e("mixed", "--model", "m", "--upstream", "python3", "--patched", "/no/such/python")
-    assert missing.returncode == 2 and "cannot run `/no/such/python`" in missing.stderr
+    make = subprocess.run(["make", "e2e", "RECIPES=mixed", "MODEL=m", "UPSTREAM=python3",
+                           "PATCHED=/no/such/python"], cwd=REPO, capture_output=True, text=True)
+    assert make.returncode == 2 and "cannot run `/no/such/python`" in make.stderr
 
 
 def test_recipes_measure_both_installs_compare_and_gate(tmp_path):

@@ -5,6 +5,7 @@ report; an e2e cell running scripts/e2e.py with stand-in installs (tests/e2e).""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,6 +75,21 @@ def test_matrix_expansion_and_keys(tmp_path):
 def test_config_errors_are_clear(tmp_path, text, message):
     with pytest.raises(SweepError, match=message):
         _load(tmp_path, text)
+
+
+def test_make_sweep_then_make_sweep_report(tmp_path):
+    """The make verbs on ci/sweeps/smoke-fake.yaml: a local Ray of their own (this test runs
+    before the module's Ray starts); one cell fails on purpose, so make says Error 1."""
+    pytest.importorskip("ray", reason="the sweep needs ray in the venv")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    out = tmp_path / "smoke"
+    sweep = subprocess.run(["make", "sweep", "CONFIG=ci/sweeps/smoke-fake.yaml", f"SWEEP_OUT={out}"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert sweep.returncode == 2 and "[sweep] 3 ok, 1 failed" in sweep.stdout, sweep.stderr
+    report = subprocess.run(["make", "sweep-report", f"DIR={out}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0
+    assert "| fake sleep_s=1 size=4 | ok | tokens_per_second=100 | fake |" in report.stdout
 
 
 @pytest.fixture(scope="module")

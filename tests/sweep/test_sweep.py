@@ -83,8 +83,9 @@ def test_make_sweep_then_make_sweep_report(tmp_path):
     pytest.importorskip("ray", reason="the sweep needs ray in the venv")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     out = tmp_path / "smoke"
-    sweep = subprocess.run(["make", "sweep", "CONFIG=ci/sweeps/smoke-fake.yaml", f"SWEEP_OUT={out}"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    sweep = subprocess.run(["make", "sweep", "CONFIG=ci/sweeps/smoke-fake.yaml",
+                            f"SWEEP_OUT={out}"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=600)
     assert sweep.returncode == 2 and "[sweep] 3 ok, 1 failed" in sweep.stdout, sweep.stderr
     report = subprocess.run(["make", "sweep-report", f"DIR={out}"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)

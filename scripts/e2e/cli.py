@@ -61,8 +61,8 @@ MODEL_LEN_MARGIN = 64
 SERVE_LEN = 1024          # serve: random input and output length
 SERVER_START_S = 1800
 GSM8K = "exact_match,strict-match"
-GATE_SIGMAS = 3  # gsm8k: patched >= upstream - 3 combined standard errors
 GSM8K_STDERR = "exact_match_stderr,strict-match"
+GATE_SIGMAS = 3  # gsm8k: patched >= upstream - 3 combined standard errors
 RECORDED = re.compile(r"VLLM_|AITER_|(HIP|CUDA|ROCR)_VISIBLE_DEVICES$|HSA_OVERRIDE_GFX_VERSION$")
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 

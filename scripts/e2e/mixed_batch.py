@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         def collect(results) -> None:
             for out in results:
                 if out.finished:
-                    outputs[internal[out.request_id]] = {
+                    outputs[internal.get(out.request_id, out.request_id)] = {
                         "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text}
 
         add("decoder")

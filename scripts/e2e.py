@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Entry point of the end-to-end ROCm recipes; see scripts/e2e/README.md."""
+"""Entry point of the end-to-end ROCm recipes; see docs/sweeps-and-e2e.md."""
 
 import os
 import sys

@@ -1,28 +1,10 @@
 #!/usr/bin/env python3
-"""The order-contract case, run by an install's Python (needs vLLM and a GPU).
+"""The order-contract case (docs/sweeps-and-e2e.md), run by an install's Python with vLLM.
 
-Builds engine steps that hold, together, a **decode**, an **extend** (a long
-prompt's later chunked-prefill chunk, attending to the chunks already cached)
-and **fresh prefills**: the batch vLLM 0.34.0's Model Runner V2 orders
-[decode | prefill | extend] while AITER FA's split assumes [decode | extend |
-prefill] (BRIEF §3).  How:
-
-  * the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a
-    request added between two ``step()`` calls joins the very next schedule;
-  * chunked prefill with ``long_prefill_token_threshold`` = ``--chunk`` caps the
-    long prompt's share of each step, leaving budget for fresh prompts;
-  * step 1 prefills a short "decoder" request; then the long prompt is added, and
-    after every step another short fresh prompt, while the long prompt is still
-    prefilling.
-
-The long prompt hides a needle (a secret number) at its start and asks for it at
-its end: an extend computed without its cached context cannot answer.  A
-``--mode reference`` run generates every prompt alone, unchunked, for comparison.
-The scheduler's output of every step is classified (decode / extend / prefill per
-request) to prove the mixed batches happened.
-
-Writes one JSON (``--out``): requests (prompt length, generated token ids, text),
-the needle and whether the answer holds it, per-step composition, mixed-step count.
+With the engine core in this process, steps hold a decode, an extend (a later chunk of a
+long prompt that starts with a secret number and ends asking for it) and a fresh prefill
+together; ``--mode reference`` runs each prompt alone, unchunked.  Writes ``--out``: each
+request's tokens and text, whether the answer holds the number, each step's kinds.
 """
 
 from __future__ import annotations
@@ -32,23 +14,17 @@ import json
 import os
 import random
 import sys
-import time
 
 NEEDLE = "Remember this carefully: the secret code is {code}.\n"
 FILLER = ("Note {i}: the river passes the old mill, turns east near the orchard of "
           "house {j}, and reaches the harbour before dusk.\n")
 QUESTION = ("\nQuestion: what is the secret code given at the very beginning of this text? "
             "Answer with the number only.\nAnswer: The secret code is")
-SHORT_PROMPTS = (
-    "Count from one to twenty in words: one, two, three,",
-    "The planets of the solar system, in order from the Sun: Mercury, Venus,",
-    "The days of the week, starting on Monday: Monday, Tuesday,",
-    "The months of the year: January, February, March,",
-    "The first ten prime numbers: 2, 3, 5,",
-    "The colours of the rainbow, in order: red, orange,",
-    "The letters of the English alphabet: A, B, C, D,",
-    "The even numbers from two to forty: 2, 4, 6,",
-)
+SHORT_PROMPTS = ("Count from one to twenty in words: one, two, three,",
+                 "The days of the week, starting on Monday: Monday, Tuesday,",
+                 "The months of the year: January, February, March,",
+                 "The first ten prime numbers: 2, 3, 5,")
+ANSWER_TOKENS = 16
 DECODER_PROMPT = "Write the numbers from 1 to 200 separated by commas: 1, 2, 3, 4,"
 
 
@@ -68,57 +44,43 @@ def build_long_prompt(encode, length: int, code: str) -> list[int]:
     return head + filler[:room] + tail
 
 
-def classify(scheduled: dict[str, int], computed: dict[str, int],
-             prompt_lens: dict[str, int]) -> dict[str, str]:
-    """Kind of each scheduled request: decode (prompt done), extend (part cached), prefill."""
+def step_kinds(out, prompt_lens: dict[str, int]) -> dict[str, str]:
+    """Each request of a SchedulerOutput: decode (prompt done), extend (part cached), prefill."""
+    computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
     kinds = {}
-    for rid in scheduled:
-        done, plen = computed.get(rid, 0), prompt_lens.get(rid)
-        if plen is None:
+    for rid in out.num_scheduled_tokens:
+        done = computed.get(rid, 0)
+        if rid not in prompt_lens:
             kinds[rid] = "other"
-        elif done >= plen:
+        elif done >= prompt_lens[rid]:
             kinds[rid] = "decode"
-        elif done > 0:
-            kinds[rid] = "extend"
         else:
-            kinds[rid] = "prefill"
+            kinds[rid] = "extend" if done > 0 else "prefill"
     return kinds
 
 
-def step_composition(scheduler_output, prompt_lens: dict[str, int]) -> dict:
-    """{"tokens": {rid: n}, "kinds": {rid: kind}} of one SchedulerOutput."""
-    scheduled = dict(scheduler_output.num_scheduled_tokens)
-    computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-    cached = scheduler_output.scheduled_cached_reqs
-    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    return {"tokens": scheduled, "kinds": classify(scheduled, computed, prompt_lens)}
-
-
-def is_mixed(kinds: dict[str, str]) -> bool:
-    return {"decode", "extend", "prefill"} <= set(kinds.values())
-
-
 def parse_engine_args(tokens: list[str]) -> dict:
-    """['--max-num-seqs', '64', '--enforce-eager'] -> {'max_num_seqs': 64,
-    'enforce_eager': True}."""
+    """['--max-num-seqs', '64', '--enforce-eager', '--dtype=half'] -> {'max_num_seqs': 64,
+    'enforce_eager': True, 'dtype': 'half'}: the LLM(...) keywords of vLLM's flags."""
     out: dict = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("--"):
-            raise ValueError(f"engine argument {tok!r} does not start with --")
-        name, sep, value = tok[2:].partition("=")
-        if not sep:
-            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-                value, i = tokens[i + 1], i + 1
-            else:
-                value = "true"
+    name = None
+    for tok in tokens:
+        if tok.startswith("--"):
+            flag, sep, value = tok[2:].partition("=")
+            name = flag.replace("-", "_")
+            out[name] = True  # a flag without a value
+            if not sep:
+                continue
+        elif name is None:
+            raise ValueError(f"engine argument {tok!r} does not follow a --flag")
+        else:
+            value = tok
         try:
-            parsed = json.loads(value)
+            out[name] = json.loads(value)
         except json.JSONDecodeError:
-            parsed = value
-        out[name.replace("-", "_")] = parsed
-        i += 1
+            out[name] = value
     return out
 
 
@@ -127,32 +89,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--mode", choices=("mixed", "reference"), required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--long-prompt-len", type=int, default=12288)
     parser.add_argument("--chunk", type=int, default=2048,
                         help="long_prefill_token_threshold: the long prompt's tokens per step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--fresh-prompts", type=int, default=4)
-    parser.add_argument("--answer-tokens", type=int, default=16)
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", default="ROCM_AITER_FA",
+                        help="the backend whose order contract is tested; auto: vLLM's choice")
     args, engine_tokens = parser.parse_known_args(argv)
-    if args.chunk + 512 > args.max_num_batched_tokens:
-        parser.error("--max-num-batched-tokens must leave room (>= 512 tokens) beside --chunk "
-                     "for the decode and the fresh prompts")
     # In-process engine core: a request added between two steps joins the next schedule.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
     from vllm import LLM, SamplingParams
 
     max_model_len = args.long_prompt_len + 512
-    kwargs = dict(model=args.model, tensor_parallel_size=args.tp, max_model_len=max_model_len,
-                  enable_prefix_caching=False, seed=args.seed, **parse_engine_args(engine_tokens))
-    if args.attention_backend:
+    kwargs = dict(model=args.model, max_model_len=max_model_len, enable_prefix_caching=False,
+                  seed=0, **parse_engine_args(engine_tokens))
+    if args.attention_backend != "auto":
         kwargs["attention_backend"] = args.attention_backend
     if args.mode == "mixed":
         kwargs.update(enable_chunked_prefill=True,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_batched_tokens=args.chunk + 2048,  # room for the short ones
                       long_prefill_token_threshold=args.chunk)
     else:  # every prompt whole in one step: no chunking, no extend
         kwargs.update(max_num_batched_tokens=max_model_len, long_prefill_token_threshold=0)
@@ -162,13 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     def encode(text: str, special: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=special)
 
-    code = str(random.Random(args.seed).randint(100000, 999999))
+    code = str(random.Random(0).randint(100000, 999999))
     long_steps = -(-args.long_prompt_len // args.chunk)
     requests = {"decoder": (encode(DECODER_PROMPT, True), long_steps + 16),
-                "long": (build_long_prompt(encode, args.long_prompt_len, code), args.answer_tokens)}
-    for i in range(args.fresh_prompts):
-        requests[f"fresh-{i}"] = (encode(SHORT_PROMPTS[i % len(SHORT_PROMPTS)], True),
-                                  args.answer_tokens)
+                "long": (build_long_prompt(encode, args.long_prompt_len, code), ANSWER_TOKENS)}
+    for i, prompt in enumerate(SHORT_PROMPTS):
+        requests[f"fresh-{i}"] = (encode(prompt, True), ANSWER_TOKENS)
     prompt_lens = {rid: len(ids) for rid, (ids, _) in requests.items()}
 
     def params(max_tokens: int):
@@ -176,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
 
     outputs: dict[str, dict] = {}
     steps: list[dict] = []
-    t0 = time.perf_counter()
     if args.mode == "reference":
         for rid, (ids, max_tokens) in requests.items():
             out = llm.generate([{"prompt_token_ids": ids}], params(max_tokens), use_tqdm=False)[0]
@@ -184,70 +137,58 @@ def main(argv: list[str] | None = None) -> int:
                             "text": out.outputs[0].text}
     else:
         engine = llm.llm_engine
-        try:
-            scheduler = engine.engine_core.engine_core.scheduler
-        except AttributeError as exc:
-            raise SystemExit("mixed_batch: cannot reach the in-process scheduler "
-                             f"({exc}); this vLLM's engine layout differs from 0.34.0") from exc
+        scheduler = engine.engine_core.engine_core.scheduler  # vLLM 0.34.0's in-process layout
         original = scheduler.schedule
 
         def schedule(*a, **k):
             result = original(*a, **k)
             if result.total_num_scheduled_tokens:
-                steps.append(step_composition(result, prompt_lens))
+                steps.append({"tokens": dict(result.num_scheduled_tokens),
+                              "kinds": step_kinds(result, prompt_lens)})
             return result
 
         scheduler.schedule = schedule
         fresh = [rid for rid in requests if rid.startswith("fresh-")]
         internal: dict[str, str] = {}   # vLLM appends a random suffix to request ids
 
-        def add(rid: str) -> None:
+        def add(rid: str) -> str:
             ids, max_tokens = requests[rid]
             engine_id = engine.add_request(rid, {"prompt_token_ids": ids}, params(max_tokens))
             internal[engine_id] = rid
             prompt_lens[engine_id] = prompt_lens[rid]
+            return engine_id
 
         def collect(results) -> None:
             for out in results:
                 if out.finished:
-                    rid = internal.get(out.request_id, out.request_id)
-                    outputs[rid] = {"token_ids": list(out.outputs[0].token_ids),
-                                    "text": out.outputs[0].text}
-
-        def long_kind() -> str | None:
-            if not steps:
-                return None
-            kinds = steps[-1]["kinds"]
-            return next((k for eid, k in kinds.items() if internal.get(eid, eid) == "long"), None)
+                    outputs[internal.get(out.request_id, out.request_id)] = {
+                        "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text}
 
         add("decoder")
         collect(engine.step())          # the decoder's prefill: from now on it decodes
-        add("long")
+        long_id = add("long")
         while engine.has_unfinished_requests():
             collect(engine.step())
-            if fresh and long_kind() in ("prefill", "extend"):
+            if fresh and steps and steps[-1]["kinds"].get(long_id) in ("prefill", "extend"):
                 add(fresh.pop(0))       # arrives while the long prompt is mid-prefill
         scheduler.schedule = original
         for step in steps:              # report our names, not the engine's
             step["tokens"] = {internal.get(k, k): v for k, v in step["tokens"].items()}
             step["kinds"] = {internal.get(k, k): v for k, v in step["kinds"].items()}
-    elapsed = time.perf_counter() - t0
-    mixed = [i for i, s in enumerate(steps) if is_mixed(s["kinds"])]
+    mixed = [s for s in steps if {"decode", "extend", "prefill"} <= set(s["kinds"].values())]
     result = {
         "mode": args.mode, "model": args.model, "vllm": getattr(vllm, "__version__", None),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},
         "needle": code,
         "needle_found": code in outputs.get("long", {}).get("text", ""),
         "requests": {rid: {"prompt_len": len(requests[rid][0]), "max_tokens": requests[rid][1],
                            **outputs.get(rid, {})} for rid in requests},
-        "steps": steps, "mixed_steps": len(mixed), "first_mixed_step": mixed[0] if mixed else None,
-        "elapsed_s": round(elapsed, 3),
+        "steps": steps, "mixed_steps": len(mixed),
     }
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
-    print(f"[mixed_batch] {args.mode}: needle {'found' if result['needle_found'] else 'NOT found'};"
-          f" {len(mixed)} step(s) held decode + extend + prefill; {args.out}", flush=True)
+    print(f"[mixed_batch] {args.mode}: needle found: {result['needle_found']}; mixed steps: "
+          f"{len(mixed)}; {args.out}", flush=True)
     return 0
 
 

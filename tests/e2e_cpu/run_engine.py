@@ -1,7 +1,7 @@
 """Helper for test_cpu_engine.py, run in a subprocess (one vLLM tree per process).
 
     python run_engine.py make-model DIR
-        Write the tiny random Llama of scripts/e2e/tiny_models.py to DIR.
+        Write the tiny random Llama of tests/e2e_cpu/tiny_models.py to DIR.
     python run_engine.py run MODEL_DIR OUT_JSON
         Run the vLLM tree on PYTHONPATH (CPU platform, in-process engine core)
         on a fixed mix of long and short prompts with chunked prefill and prefix
@@ -28,7 +28,7 @@ MAX_TOKENS = 16
 
 
 def make_model(out_dir: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import tiny_models
 
     tiny_models.llama(out_dir)

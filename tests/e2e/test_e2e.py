@@ -1,0 +1,156 @@
+"""scripts/e2e.py on this CPU machine: the fail-fast preflight with real Pythons, and the
+recipes end to end with stand-in installs (tests/e2e/e2e_standin.py) whose tools write
+vLLM 0.34.0's and lm_eval's file formats; their numbers are fixtures, not measurements."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_standin  # noqa: E402
+from e2e import cli, mixed_batch  # noqa: E402
+
+
+def _e2e(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "e2e.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _docs(out: Path) -> dict:
+    return {d["recipe"]: d for d in (json.loads(p.read_text()) for p in out.glob("*.json"))}
+
+
+def test_preflight_fails_fast_off_rocm_and_names_every_problem(tmp_path):
+    """Through scripts/e2e.py and then `make e2e`: exit 2, every problem, nothing written."""
+    no_torch = tmp_path / "site" / "torch"
+    no_torch.mkdir(parents=True)
+    (no_torch / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    proc = _e2e("gsm8k", "--model", "m", "--upstream", f"env -u PYTHONPATH {sys.executable}",
+                "--patched", f"env PYTHONPATH={tmp_path / 'site'} {sys.executable}",
+                "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "e2e preflight failed" in err and "nothing was run" in err
+    import torch
+
+    if torch.version.hip is None:
+        assert "is not a ROCm build (no torch.version.hip)" in err
+    assert "upstream (`env -u PYTHONPATH" in err and "vllm is not installed" in err
+    assert "lm_eval is not installed" in err
+    assert "patched (`env PYTHONPATH=" in err and "torch does not import (ImportError" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+    make = subprocess.run(["make", "e2e", "RECIPES=mixed", "MODEL=m", "UPSTREAM=python3",
+                           "PATCHED=/no/such/python"], cwd=REPO, capture_output=True, text=True)
+    assert make.returncode == 2 and "cannot run `/no/such/python`" in make.stderr
+
+
+def test_recipes_measure_both_installs_compare_and_gate(tmp_path):
+    out = tmp_path / "out"
+    proc = _e2e("throughput", "serve", "gsm8k", "--model", "org/model",
+                "--upstream", e2e_standin.install(tmp_path, rate=2.0, acc=0.80),
+                "--patched", e2e_standin.install(tmp_path, rate=2.5, acc=0.79),
+                "--out", str(out), "--work", str(tmp_path / "work"), "--lengths", "128/4",
+                "--num-prompts", "10", "--concurrency", "4", "--env", "VLLM_API_KEY=s3cret",
+                "--", "--max-num-seqs", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    docs = _docs(out)
+    assert set(docs) == {"throughput", "serve", "gsm8k"}
+    throughput = docs["throughput"]
+    assert throughput["machine_info"]["series"]["device"] == "Stand-in MI300X"
+    assert throughput["env"]["VLLM_ROCM_USE_AITER"] == "1"
+    assert throughput["env"]["VLLM_API_KEY"] == "<redacted>"
+    assert all("s3cret" not in p.read_text() for p in out.glob("*.json"))
+    command = throughput["benchmarks"][0]["extra_info"]["command"]
+    assert "--max-model-len 196 " in command and command.endswith("--max-num-seqs 8")
+    ratios = {(r["case"], r["metric"]): r["ratio"] for d in docs.values() for r in d["comparison"]}
+    assert ratios[("128/4", "requests_per_second")] == pytest.approx(1.25)
+    assert ratios[("c4", "request_throughput")] == pytest.approx(1.25)
+    assert ratios[("c4", "median_ttft_ms")] == pytest.approx(0.8)
+    serve = docs["serve"]["benchmarks"][0]["extra_info"]
+    assert serve["results"]["completed"] == 32 and "ttfts" not in serve["results"]
+    gate = docs["gsm8k"]["gate"]
+    assert gate["passed"] is True
+    assert gate["tolerance"] == pytest.approx(3 * (2 * 0.01 ** 2) ** 0.5)
+    assert "128/4 requests_per_second: patched / upstream 1.250" in proc.stdout
+
+
+def test_a_failed_run_and_a_failed_gate_are_recorded(tmp_path):
+    out = tmp_path / "out"
+    proc = _e2e("throughput", "gsm8k", "--model", "m", "--lengths", "64/4", "--num-prompts", "4",
+                "--upstream", e2e_standin.install(tmp_path, rate=2.0, acc=0.80, fail=True),
+                "--patched", e2e_standin.install(tmp_path, rate=2.5, acc=0.70),
+                "--out", str(out), "--work", str(tmp_path / "work"))
+    assert proc.returncode == 1
+    docs = _docs(out)
+    up, pa = (b["extra_info"] for b in docs["throughput"]["benchmarks"])
+    assert up["error"] == "exit 1: RuntimeError: stand-in failure" and up["results"] == {}
+    assert pa["results"]["requests_per_second"] == 2.5
+    assert docs["throughput"]["failed"] == [f"throughput 64/4 upstream: {up['error']}"]
+    assert docs["gsm8k"]["gate"]["passed"] is False
+    assert docs["gsm8k"]["failed"][0].startswith("gate failed: patched >= upstream - 3 x")
+
+
+def _gsm8k(install: str, acc: float) -> dict:
+    return {"extra_info": {"install": install, "results": {
+        "exact_match,strict-match": acc, "exact_match_stderr,strict-match": 0.01}}}
+
+
+@pytest.mark.parametrize("upstream, patched, passed", [
+    (0.80, 0.80, True), (0.80, 0.76, True), (0.80, 0.75, False), (None, 0.80, None)])
+def test_gsm8k_gate_allows_three_combined_standard_errors(upstream, patched, passed):
+    sides = [_gsm8k(i, acc) for i, acc in (("upstream", upstream), ("patched", patched)) if acc]
+    assert cli.gsm8k_gate(sides, 3)["passed"] is passed  # 3 x sqrt(2 x 0.01^2) = 0.0424
+
+
+def test_mixed_verdict_and_gate():
+    ref = {"needle_found": True, "requests": {}}
+    good = {"needle_found": True, "mixed_steps": 3, "steps": [{}] * 8, "requests": {}}
+    assert cli.compare_mixed(good, ref)["verdict"] == "pass"
+    assert cli.compare_mixed({**good, "needle_found": False}, ref)["verdict"] == "fail"
+    assert cli.compare_mixed({**good, "mixed_steps": 0}, ref)["verdict"] == "not-triggered"
+    assert cli.compare_mixed(good, {**ref, "needle_found": False})["verdict"] == "inconclusive"
+    benches = [{"extra_info": {"install": i, "results": {"verdict": v}}}
+               for i, v in (("upstream", "fail"), ("patched", "pass"))]
+    assert cli.mixed_gate(benches)["passed"] is True   # upstream's verdict is not gated
+    assert cli.mixed_gate(benches[:1])["passed"] is None
+
+
+def test_mixed_batch_classifies_steps_and_builds_the_needle_prompt():
+    step = SimpleNamespace(  # vLLM 0.34.0's SchedulerOutput fields that step_kinds reads
+        num_scheduled_tokens={"decoder": 1, "long": 2048, "fresh-0": 40},
+        scheduled_new_reqs=[SimpleNamespace(req_id="fresh-0", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["decoder", "long"],
+                                              num_computed_tokens=[30, 4096]))
+    assert mixed_batch.step_kinds(step, {"decoder": 20, "long": 12288, "fresh-0": 40}) == {
+        "decoder": "decode", "long": "extend", "fresh-0": "prefill"}
+    ids = mixed_batch.build_long_prompt(lambda text, bos: [0] * bos + [ord(c) for c in text],
+                                        3000, "123456")
+    text = "".join(map(chr, ids[1:]))
+    assert len(ids) == 3000 and ids[0] == 0
+    assert text.startswith("Remember this carefully: the secret code is 123456.")
+    assert text.endswith("Answer: The secret code is")
+    assert mixed_batch.parse_engine_args(["--max-num-seqs", "64", "--enforce-eager",
+                                          "--kv-cache-dtype=fp8"]) == {
+        "max_num_seqs": 64, "enforce_eager": True, "kv_cache_dtype": "fp8"}
+
+
+def test_a_container_install_gets_the_recorded_env_inside():
+    """`docker exec` does not pass the caller's environment: the recorded flags (not the
+    secrets) are set inside; a plain Python path inherits the environment."""
+    env = {"VLLM_ROCM_USE_AITER": "1", "VLLM_API_KEY": "s3cret", "PATH": "/bin",
+           "HIP_VISIBLE_DEVICES": "2"}
+    image = cli.Install("patched", ("docker", "exec", "vllm-patched", "python3"))
+    assert image.command(["-c", "pass"], env) == [
+        "docker", "exec", "vllm-patched", "env", "HIP_VISIBLE_DEVICES=2",
+        "VLLM_ROCM_USE_AITER=1", "python3", "-c", "pass"]
+    venv = cli.Install("upstream", ("/opt/up/bin/python",))
+    assert venv.command(["-c", "pass"], env) == ["/opt/up/bin/python", "-c", "pass"]

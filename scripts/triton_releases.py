@@ -1,10 +1,9 @@
 """Triton releases beside the venv's own, for tests that load the launcher on each.
 
-``python3 scripts/triton_releases.py VERSION...`` installs each ``triton==VERSION``
-wheel (no dependencies) into ``<series cache>/triton/<VERSION>`` and prints the
-folders; a folder already there is reused.  Put one first on PYTHONPATH to run
-the venv's torch and the patched tree on that Triton.  An interrupted install
-leaves only a ``.partial`` folder, removed by the next run.
+``python3 scripts/triton_releases.py VERSION...`` installs each ``triton==VERSION`` wheel
+(no dependencies) into ``<series cache>/triton/<VERSION>`` (reused when there; an
+interrupted install leaves a ``.partial`` folder, removed by the next run) and prints the
+folders: put one first on PYTHONPATH to run on that Triton.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ generated table of docs/compile-tier.md (between its markers)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -39,7 +38,7 @@ def series_commit(root: Path) -> tuple[str, bool]:
     return head or "unknown", bool(dirty)
 
 
-def result_files(result: dict, root: Path, out_dir: Path) -> dict[str, dict]:
+def result_files(result: dict, root: Path) -> dict[str, dict]:
     """One result document per target (what ``write`` puts in <target>.json)."""
     import triton
 
@@ -181,27 +180,13 @@ def render(result: dict, root: Path, candidates: dict | None = None) -> dict[Pat
     """The result files and docs/compile-tier.md with its tables, path -> text (nothing written).
     Without ``candidates`` the candidate files and table stay as they are."""
     out_dir = root / "benchmarks" / "results" / "compile"
-    docs = result_files(result, root, out_dir)
+    docs = result_files(result, root)
     files = {out_dir / f"{name}.json": dumps(doc) for name, doc in docs.items()}
     page = root / "docs" / "compile-tier.md"
     text = _replace(page.read_text(), page, BEGIN, END, table(docs))
     if candidates is not None:
-        cand_docs = result_files(candidates, root, out_dir)
+        cand_docs = result_files(candidates, root)
         files.update({out_dir / f"candidates-{name}.json": dumps(doc) for name, doc in cand_docs.items()})
         text = _replace(text, page, CAND_BEGIN, CAND_END, candidate_table(docs, cand_docs))
     files[page] = text
     return files
-
-
-def write_all(files: dict[Path, str]) -> list[Path]:
-    """Write every file (each through a temporary file and a rename); return those that changed."""
-    changed = []
-    for path, text in files.items():
-        if path.exists() and path.read_text() == text:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        changed.append(path)
-    return changed

@@ -110,7 +110,7 @@ def _paged_points():
     return points
 
 
-def _paged_spec(target, mod, p, tile, waves_per_eu: int = 0) -> Spec:
+def _paged_spec(target, mod, p, tile) -> Spec:
     """The main kernel's spec at point ``p`` with ``tile`` (a ``_Tile``)."""
     d, bs, g = p["head"], p["block"], p["group"]
     model = _TORCH[p["model"]]
@@ -161,8 +161,6 @@ def _paged_spec(target, mod, p, tile, waves_per_eu: int = 0) -> Spec:
     config = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps,
                   num_stages=tile.num_stages)
     options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
-    if waves_per_eu:
-        config["waves_per_eu"] = options["waves_per_eu"] = waves_per_eu
     return Spec("paged_context_attention", "_paged_context_attention_kernel", case, config,
                 args, constexprs, options)
 
@@ -373,54 +371,6 @@ def mla_specs(target) -> list[Spec]:
     return specs
 
 
-# Other tiles of paged_context_attention, compiled by `make compile-report`
-# next to the wrappers' choice (not budgeted): the facts that choice rests on
-# (docs/compile-tier.md).  (block_m, block_n, warps, stages, waves_per_eu) per
-# head-size class (D <= 128, D 256); waves_per_eu is an AMD option.
-TILE_CANDIDATES = {
-    "hip": {
-        False: [(128, 64, 4, 2, 0), (128, 64, 4, 1, 0), (128, 64, 4, 1, 2), (128, 64, 8, 1, 0),
-                (128, 64, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0)],
-        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0), (64, 32, 8, 1, 0),
-               (64, 16, 4, 1, 0), (128, 16, 8, 1, 0)],
-    },
-    "cuda": {
-        False: [(128, 64, 4, 2, 0), (128, 64, 8, 2, 0), (128, 128, 8, 2, 0), (64, 64, 4, 2, 0),
-                (128, 32, 4, 2, 0), (128, 64, 8, 3, 0)],
-        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 2, 0), (128, 16, 8, 2, 0),
-               (64, 64, 8, 2, 0)],
-    },
-}
-
-
-def _candidate_points():
-    """The heaviest points of each head size: bf16, fp16, fp8 caches under both,
-    fp8 + window + split."""
-    base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
-                splits=1)
-    for head in HEAD_SIZES:
-        for model in MODEL_DTYPES:
-            yield dict(base, head=head, model=model)
-            yield dict(base, head=head, model=model, fp8=True)
-        yield dict(base, head=head, fp8=True, window=True, splits=SPLITS)
-
-
-def candidate_specs(target) -> list[Spec]:
-    mod = _module("triton_paged_context_attention")
-    specs = []
-    for p in _candidate_points():
-        large = triton.next_power_of_2(p["head"]) > 128
-        group_pad = triton.next_power_of_2(p["group"])
-        for bm, bn, warps, stages, waves in TILE_CANDIDATES[target.backend][large]:
-            tile = mod._Tile(bm, bm // group_pad, bn, warps, stages)
-            spec = _paged_spec(target, mod, p, tile, waves)
-            spec.kernel = "paged_context_attention (candidate tile)"
-            spec.case = f"{spec.case}@{bm}x{bn}w{warps}s{stages}" + (
-                f"wpe{waves}" if waves else "")
-            specs.append(spec)
-    return specs
-
-
 BUILDERS = {
     "paged_context_attention": ("triton_paged_context_attention", paged_context_specs),
     "fetch_kv": ("triton_fetch_kv", fetch_kv_specs),
@@ -428,13 +378,10 @@ BUILDERS = {
 }
 
 
-def build_specs(target, candidates: bool = False) -> list[Spec]:
-    """Every spec of every kernel for ``target`` (or, ``candidates``: the
-    candidate tiles), argument names checked."""
-    builders = ([("triton_paged_context_attention", candidate_specs)] if candidates
-                else BUILDERS.values())
+def build_specs(target) -> list[Spec]:
+    """Every spec of every kernel for ``target``, argument names checked."""
     specs, seen = [], set()
-    for module, builder in builders:
+    for module, builder in BUILDERS.values():
         mod = _module(module)
         for spec in builder(target):
             if (spec.fn_name, spec.case) in seen:  # a base point met twice

@@ -29,19 +29,17 @@ def say(text: str) -> None:
     print(f"[compile-tier] {text}", file=sys.stderr, flush=True)
 
 
-def run(targets=None, jobs: int = 2, cache: Path | None = None,
-        candidates: bool = False) -> dict:
+def run(targets=None, jobs: int = 2, cache: Path | None = None) -> dict:
     """Compile (or read from the cache) every spec of ``targets``, one worker process per
-    target, ``jobs`` workers at a time.  ``candidates``: the candidate tiles of
-    paged_context_attention instead (``cases.TILE_CANDIDATES``).  Returns ``{"records":
+    target, ``jobs`` workers at a time.  Returns ``{"records":
     [...] sorted by target, kernel, case, "seconds", "unique": {target: n}, "compiled":
     {target: n}}``.  Triton's own cache and the workers' files go to a scratch folder,
     removed however the run ends."""
     targets = list(targets or TARGETS)
     cache = cache or cache_dir()
     start = time.perf_counter()
-    say(f"{'candidate tiles' if candidates else 'kernels'} for {', '.join(targets)}: facts "
-        f"cached in {cache} (a cold cache compiles every spec: minutes)")
+    say(f"kernels for {', '.join(targets)}: facts cached in {cache} (a cold cache compiles "
+        "every spec: minutes)")
     records = []
     with tempfile.TemporaryDirectory(prefix="compile-tier-") as tmp:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -56,8 +54,7 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None,
                 while todo and len(running) < jobs:
                     target = todo.pop(0)
                     out = Path(tmp) / f"{target}.json"
-                    cmd = [sys.executable, "-m", "compile_tier.worker", target, str(cache),
-                           str(out), *(["--candidates"] if candidates else [])]
+                    cmd = [sys.executable, "-m", "compile_tier.worker", target, str(cache), str(out)]
                     running.append((subprocess.Popen(cmd, env=env, cwd=ROOT), target, out))
                 time.sleep(0.2)
                 for proc, target, out in [r for r in running if r[0].poll() is not None]:
@@ -87,9 +84,7 @@ def main(argv=None) -> int:
     r.add_argument("--target", action="append", choices=sorted(TARGETS))
     r.add_argument("--json", type=Path, help="write all records here")
     w = sub.add_parser("report", help="run, then write benchmarks/results/compile/*.json, "
-                       "docs/compile-tier.md's tables and docs/roofline-amd.md")
-    w.add_argument("--no-candidates", action="store_true",
-                   help="skip the candidate tiles (their files and table stay as committed)")
+                       "docs/compile-tier.md's table and docs/roofline-amd.md")
     for parser in (r, w):
         parser.add_argument("--jobs", type=int, default=2)
         parser.add_argument("--cache", type=Path)
@@ -98,10 +93,8 @@ def main(argv=None) -> int:
     if args.cmd == "run" and args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.cmd == "report":
-        candidates = None if args.no_candidates else run(jobs=args.jobs, cache=args.cache,
-                                                         candidates=True)
         # Everything is rendered before anything is written: a failure leaves the checkout as it was.
-        files = {**report.render(result, ROOT, candidates), **roofline.render(ROOT)}
+        files = {**report.render(result, ROOT), **roofline.render(ROOT)}
         for path, text in files.items():
             state = "unchanged"
             if not path.is_file() or path.read_text() != text:

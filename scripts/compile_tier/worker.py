@@ -1,4 +1,4 @@
-"""One compile worker: ``python -m compile_tier.worker TARGET CACHE OUT [--candidates]``.
+"""One compile worker: ``python -m compile_tier.worker TARGET CACHE OUT``.
 
 One target per process: Triton 3.6 compiling gfx942 and then gfx950 in one
 process breaks e4m3fnuz conversions on gfx950.  Each spec is specialised as
@@ -82,14 +82,14 @@ def compile_kernel(fn, target, signature, constexprs, attrs, options):
     return kernel, facts
 
 
-def run_target(target_name: str, cache: Path, candidates: bool = False) -> list[dict]:
+def run_target(target_name: str, cache: Path) -> list[dict]:
     """One record (kernel, case, config, options, expect, key, cached, facts) per spec."""
     from triton.compiler import make_backend
 
     target = TARGETS[target_name]
     backend = type(make_backend(target.gpu_target()))
     records = []
-    for spec in build_specs(target, candidates):
+    for spec in build_specs(target):
         module, name = spec.fn_name.split(":")
         fn = getattr(importlib.import_module(f"{OPS}.{module}"), name)
         signature, constexprs, attrs = specialize(fn, spec, backend)
@@ -117,5 +117,5 @@ def run_target(target_name: str, cache: Path, candidates: bool = False) -> list[
 
 if __name__ == "__main__":
     target_name, cache, out = sys.argv[1:4]
-    records = run_target(target_name, Path(cache), "--candidates" in sys.argv[4:])
+    records = run_target(target_name, Path(cache))
     Path(out).write_text(json.dumps(records))

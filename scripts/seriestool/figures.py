@@ -73,12 +73,9 @@ def find_figures(text: str) -> list[Figure]:
             for m in _FIGURE_RE.finditer(text)]
 
 
-# Generated regions of Markdown: block and inline markers (scripts/bench_report.py), and the
-# regions `make compile-report` writes (scripts/compile_tier: compile-tier.md, roofline-amd.md).
+# Generated regions of Markdown: `make report`'s, `make readme`'s and `make compile-report`'s.
 GENERATED_RE = re.compile(
     r"<!-- gen:(?P<block>[\w.:-]+) -->.*?<!-- /gen:(?P=block) -->"
-    r"|<!-- fig:[\w.:-]+ -->.*?<!-- /fig -->"
-    r"|<!-- bench:begin[^>]*-->.*?<!-- bench:end -->"
     r"|<!-- series-table:begin[^>]*-->.*?<!-- series-table:end -->"
     r"|<!-- (?P<tool>compile-tier|roofline):begin[^>]*-->.*?<!-- (?P=tool):end -->",
     re.S)

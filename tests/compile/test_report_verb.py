@@ -4,8 +4,8 @@ The verb runs in a ``git clone --shared`` of the repository with the working tre
 uncommitted changes applied, so this checkout is never written.  It must finish, write
 roofline-amd.md's region from the committed results, touch nothing but its generated files,
 give byte-identical files when run again (no times, no HEAD in them) and leave no scratch
-folder in the temp directory.  ``--no-candidates``: the candidate tiles are the verb's slow
-half; the kernels' facts come from the same cache as test_compile_tier.py (seconds after it).
+folder in the temp directory.  The kernels' facts come from the same cache as
+test_compile_tier.py (seconds after it).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _changed(repo: Path) -> set[str]:
 def _report(repo: Path, tmpdir: Path, **env) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmpdir), **env}
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.Popen([sys.executable, str(repo / "scripts" / "compile_tier.py"), "report",
-                             "--no-candidates"], cwd=repo, env=env, text=True,
+    return subprocess.Popen([sys.executable, str(repo / "scripts" / "compile_tier.py"), "report"],
+                            cwd=repo, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -1,22 +1,13 @@
 """The shape matrix, and one compile spec per (kernel, shape) the wrappers can meet.
 
-Each spec is what one launch of a series kernel compiles: its runtime
-arguments (representative values, specialised by Triton's own
-``native_specialize_impl`` in the worker, so integer 1s become constexprs and
-multiples of 16 get ``tt.divisibility`` as at a real launch), its constexprs
-and its compile options.  Every tunable comes from the wrapper module's own
-config selection (``_tile_config``, ``_combine_config``, ``_pages_per_program``,
-``_req_step``, ...), called with the compile target; only the mechanical
-mapping of shapes to arguments is written here, and ``build_specs`` refuses
-a spec whose argument names differ from the kernel's.
-
-The matrix (docs/compile-tier.md): head sizes 64 / 128 / 256, block sizes
-16 / 32 / 64, GQA groups 1-16, bf16 / fp16 models, fp8 caches in the target's
-native e4m3 type, NHD and SHUFFLE.  The full product is thousands of compiles;
-every config a wrapper chooses is compiled at a base shape and with every
-value of every other axis at least once (one axis varied at a time), plus the
-heaviest combination per config.  Identical compiles are deduplicated by the
-worker.
+A spec is what one launch compiles: runtime arguments (representative values, specialised
+by Triton's own ``native_specialize_impl`` in the worker), constexprs and options.  Every
+tunable comes from the wrapper module's own config selection (``_tile_config``,
+``_pages_per_program``, ...) called with the target; only the mapping of shapes to
+arguments is written here, and ``build_specs`` refuses a spec whose argument names differ
+from the kernel's.  Each config a wrapper chooses is compiled at a base shape, with every
+value of every other axis once (one axis varied at a time) and at its heaviest combination
+(docs/compile-tier.md).
 """
 
 from __future__ import annotations
@@ -82,11 +73,6 @@ def _fp8(target) -> torch.dtype:
 def _dname(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
         dtype, str(dtype).removeprefix("torch.").replace("float8_", ""))
-
-
-# --------------------------------------------------------------------------
-# paged_context_attention
-# --------------------------------------------------------------------------
 
 
 def _paged_points():
@@ -194,11 +180,6 @@ def paged_context_specs(target) -> list[Spec]:
     return specs
 
 
-# --------------------------------------------------------------------------
-# fetch_kv / fetch_kv_plan
-# --------------------------------------------------------------------------
-
-
 def _fetch_points(target):
     """(layout, head, block, cache dtype, out dtype, plan) points."""
     fp8 = _fp8(target)
@@ -214,6 +195,20 @@ def _fetch_points(target):
             points.append((layout, head, 16, fp8, torch.bfloat16, False))
         points.append((layout, 128, 16, fp8, fp8, True))  # an fp8 workspace: a plain copy
     return points
+
+
+def _plan_spec(mod, bs: int, ppp: int, num_reqs: int) -> Spec:
+    step = mod._req_step(num_reqs)
+    args = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
+                cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
+                num_reqs=num_reqs, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
+                stride_cu=1, stride_ss=1)
+    constexprs = dict(PAGE=bs, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=mod._plan_width(ppp),
+                      PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=step)
+    warps = mod._PLAN_NUM_WARPS
+    return Spec("fetch_kv_plan", "_fetch_kv_plan_kernel", f"b{bs}_pages{ppp}_reqstep{step}",
+                dict(pages_per_program=ppp, num_warps=warps), args, constexprs,
+                dict(num_warps=warps))
 
 
 def fetch_kv_specs(target) -> list[Spec]:
@@ -266,35 +261,11 @@ def fetch_kv_specs(target) -> list[Spec]:
                           dict(pages_per_program=ppp, num_warps=warps), args,
                           constexprs, dict(num_warps=warps), expect))
         if plan:
-            pargs = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
-                         cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
-                         num_reqs=NUM_REQS, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
-                         stride_cu=1, stride_ss=1)
-            pconst = dict(PAGE=bs, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=width,
-                          PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=req_step)
-            specs.append(Spec("fetch_kv_plan", "_fetch_kv_plan_kernel",
-                              f"b{bs}_pages{ppp}_reqstep{req_step}",
-                              dict(pages_per_program=ppp, num_warps=mod._PLAN_NUM_WARPS),
-                              pargs, pconst, dict(num_warps=mod._PLAN_NUM_WARPS)))
+            specs.append(_plan_spec(mod, bs, ppp, NUM_REQS))
     for num_reqs in (200, 5000):  # the request-lookup step grows with the batch
-        step = mod._req_step(num_reqs)
-        pargs = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
-                     cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
-                     num_reqs=num_reqs, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
-                     stride_cu=1, stride_ss=1)
-        ppp = mod._pages_per_program(16, 128, 2, 2, False)
-        pconst = dict(PAGE=16, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=mod._plan_width(ppp),
-                      PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=step)
-        specs.append(Spec("fetch_kv_plan", "_fetch_kv_plan_kernel",
-                          f"b16_pages{ppp}_reqstep{step}",
-                          dict(pages_per_program=ppp, num_warps=mod._PLAN_NUM_WARPS),
-                          pargs, pconst, dict(num_warps=mod._PLAN_NUM_WARPS)))
+        specs.append(_plan_spec(mod, 16, mod._pages_per_program(16, 128, 2, 2, False), num_reqs))
     return specs
 
-
-# --------------------------------------------------------------------------
-# mla_rope_concat_and_cache / mla_rope_and_cache
-# --------------------------------------------------------------------------
 
 MLA_L, MLA_R, MLA_NOPE = 512, 64, 128  # DeepSeek-V2/V3: kv_lora_rank, rope dim, nope dim
 MLA_BLOCK = 64

@@ -121,7 +121,7 @@ def dumps(doc: dict) -> str:
     return "\n".join(lines) + ',\n "records": [\n' + ",\n".join(rows) + "\n ]\n}\n"
 
 
-def _replace(text: str, path: Path, begin: str, end: str, body: str) -> str:
+def replace_region(text: str, path: Path, begin: str, end: str, body: str) -> str:
     if begin not in text or end not in text:
         raise SystemExit(f"{path}: the generated-table markers are missing ({begin} ... {end})")
     head, rest = text.split(begin, 1)
@@ -135,5 +135,5 @@ def render(result: dict, root: Path) -> dict[Path, str]:
     docs = result_files(result, root)
     files = {out_dir / f"{name}.json": dumps(doc) for name, doc in docs.items()}
     page = root / "docs" / "compile-tier.md"
-    files[page] = _replace(page.read_text(), page, BEGIN, END, table(docs))
+    files[page] = replace_region(page.read_text(), page, BEGIN, END, table(docs))
     return files

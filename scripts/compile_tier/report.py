@@ -17,6 +17,13 @@ _AMD_KEEP = ("vgpr", "agpr", "vgpr_total", "sgpr", "lds_bytes", "scratch_bytes",
              "sgpr_spill", "llvm_occupancy", "waves_per_simd", "memory_ops")
 _CUDA_KEEP = ("regs", "spill_stores", "spill_loads", "stack_bytes", "lds_bytes", "warps_per_sm",
               "memory_ops")
+# The generated table's columns: fact -> header.
+_AMD_COLUMNS = {"vgpr": "VGPR", "agpr": "AGPR", "sgpr": "SGPR", "lds_bytes": "LDS B",
+                "scratch_bytes": "scratch B", "vgpr_spill": "VGPR spills",
+                "sgpr_spill": "SGPR spills", "waves_per_simd": "waves/SIMD"}
+_CUDA_COLUMNS = {"regs": "registers", "lds_bytes": "smem B", "spill_stores": "spill stores B",
+                 "spill_loads": "spill loads B", "stack_bytes": "stack B",
+                 "warps_per_sm": "warps/SM"}
 # Inputs of the facts: the newest commit that changed them is the result files' series_commit,
 # so an unchanged tree gives byte-identical files (compile times, which vary, are not kept).
 INPUTS = ("vllm_overlay", "scripts/compile_tier")
@@ -90,24 +97,15 @@ def table(docs: dict[str, dict]) -> str:
                      f"): {doc['cases']} cases, {doc['unique_compiles']} unique compiles, "
                      f"[`{name}.json`](../benchmarks/results/compile/{name}.json)")
         lines.append("")
-        if target.amd:
-            lines.append("| kernel | config | cases | VGPR | AGPR | SGPR | LDS B | scratch B "
-                         "| VGPR spills | SGPR spills | waves/SIMD |")
-            lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        else:
-            lines.append("| kernel | config | cases | registers | smem B | spill stores B "
-                         "| spill loads B | stack B | warps/SM |")
-            lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        columns = _AMD_COLUMNS if target.amd else _CUDA_COLUMNS
+        lines.append("| kernel | config | cases | " + " | ".join(columns.values()) + " |")
+        lines.append("|---|---|" + "---:|" * (len(columns) + 1))
         for (kernel, config), rows in sorted(groups.items()):
             ok = [r for r in rows if "error" not in r]
             errors = len(rows) - len(ok)
             cells = [kernel, _config(json.loads(config)),
                      f"{len(rows)}" + (f" ({errors} failed)" if errors else "")]
-            cols = (("vgpr", "agpr", "sgpr", "lds_bytes", "scratch_bytes", "vgpr_spill",
-                     "sgpr_spill", "waves_per_simd") if target.amd else
-                    ("regs", "lds_bytes", "spill_stores", "spill_loads", "stack_bytes",
-                     "warps_per_sm"))
-            cells += [_span(r.get(c) for r in ok) for c in cols]
+            cells += [_span(r.get(c) for r in ok) for c in columns]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -70,8 +70,8 @@ def tokens(n: int) -> str:
 
 # --- per-case values ---------------------------------------------------------------------------
 
-def us(case: dict, impl: str, warm: bool = False) -> float | None:
-    value = case.get("results_warm" if warm else "results", {}).get(impl, {})
+def us(case: dict, impl: str) -> float | None:
+    value = case.get("results", {}).get(impl, {})
     return value.get("us") if isinstance(value, dict) else None
 
 

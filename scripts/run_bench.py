@@ -9,8 +9,9 @@ tell it from an edited one, and the run's output in ``<out>/logs/<name>.bench.lo
 pytest.  On a machine with a copy of the tree and no git, pass the state read where the
 git is: ``SERIES_COMMIT=$(git rev-parse HEAD) SERIES_DIRTY=0 make bench``; without
 SERIES_DIRTY the state is "unknown" and ``make report`` does not use the file.
-``--stage DIR`` (where build/vllm is) copies the upstream files the baselines load at run
-time to DIR; on the GPU machine ``VLLM_PINNED_TREE=DIR``.
+The baselines read upstream files from the pinned tree (``VLLM_PINNED_TREE``, default
+build/vllm); for a GPU machine without build/, ``python3 benchmarks/upstream_kernels.py stage
+build/vllm DIR`` copies them to DIR.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -33,17 +33,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks import provenance  # noqa: E402
 from seriestool import results  # noqa: E402  (stdlib only)
 
-# What the baselines read from the pinned tree (benchmarks/upstream_kernels.py,
-# bench_mla_rope_cache.build_cuda_fused).
-PINNED_FILES = (
-    "vllm/v1/attention/backends/rocm_aiter_fa.py",
-    # The eager-step baseline's merge when its CUDA build fails.
-    "vllm/v1/attention/ops/triton_merge_attn_states.py",
-)
-# csrc files the baselines compile, each with its include closure.
-PINNED_CSRC = ("attention/merge_attn_states.cu",)
-
-
 def _device() -> str:
     try:
         import torch
@@ -55,41 +44,12 @@ def _device() -> str:
     return "cpu"
 
 
-def stage_pinned(tree: Path, dest: Path) -> list[str]:
-    """Copy PINNED_FILES, the CUDA MLA kernel's and PINNED_CSRC's csrc closures
-    from ``tree`` to ``dest``."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_mla_rope_cache import csrc_closure, stage_csrc
-
-    for rel in PINNED_FILES:
-        if not (tree / rel).is_file():
-            raise SystemExit(f"{tree / rel} not found: run `make apply` first (or pass --tree)")
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(tree / rel, dest / rel)
-    stage_csrc(tree / "csrc", dest / "csrc")
-    staged = [*PINNED_FILES, *(f"csrc/{rel}" for rel in csrc_closure(dest / "csrc"))]
-    for start in PINNED_CSRC:
-        stage_csrc(tree / "csrc", dest / "csrc", start)
-        staged += [f"csrc/{rel}" for rel in csrc_closure(dest / "csrc", start)]
-    return staged
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--suite", action="append", default=[],
                         help="run benchmarks/bench_SUITE.py only (repeatable)")
-    parser.add_argument("--stage", type=Path, default=None, metavar="DIR",
-                        help="copy the upstream files the baselines need to DIR, then exit")
-    parser.add_argument("--tree", type=Path, default=ROOT / "build" / "vllm",
-                        help="the pinned tree --stage reads (default build/vllm)")
     args, pytest_args = parser.parse_known_args(argv)
-    if args.stage:
-        for rel in stage_pinned(args.tree, args.stage):
-            print(f"[bench] staged {args.stage / rel}")
-        print(f"[bench] on the GPU machine: VLLM_PINNED_TREE={args.stage}")
-        return 0
-
     state = provenance.series_state(ROOT, os.environ)
     env = dict(os.environ, SERIES_COMMIT=state["commit"],
                SERIES_DIRTY={True: "1", False: "0"}.get(state["dirty"], "unknown"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -43,9 +44,12 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None) -> dict:
     records = []
     with tempfile.TemporaryDirectory(prefix="compile-tier-") as tmp:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        # The kernels from vllm_overlay, the vLLM names they import from tests/without_vllm.
+        # The kernels from vllm_overlay, the vLLM names they import from tests/without_vllm, and
+        # this process's Triton (make test-triton-next puts another release first on the path).
+        triton_home = Path(importlib.util.find_spec("triton").origin).parents[1]
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "vllm_overlay"),
-                                             str(ROOT / "tests" / "without_vllm"), str(SCRIPTS)])
+                                             str(ROOT / "tests" / "without_vllm"), str(SCRIPTS),
+                                             str(triton_home)])
         env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")  # a cold run compiles everything
         env["TRITON_ALWAYS_COMPILE"] = "1"  # ptxas -v runs (and logs) for every compile
         todo, running = list(targets), []

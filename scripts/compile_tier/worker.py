@@ -105,7 +105,8 @@ def run_target(target_name: str, cache: Path) -> list[dict]:
                 facts = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(facts, sort_keys=True))
+                path.with_suffix(".tmp").write_text(json.dumps(facts, sort_keys=True))
+                path.with_suffix(".tmp").replace(path)  # a killed worker leaves no half file
             print(f"{target_name}: compiled {spec.kernel} {spec.case}", file=sys.stderr, flush=True)
         records.append(dict(
             target=target.name, kernel=spec.kernel, fn=spec.fn_name, case=spec.case,

@@ -119,8 +119,8 @@ bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step)
 report: ## Turn benchmarks/results/*.json into the README table and PNG plots
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
 
-compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md (NO_CANDIDATES=1: without the candidate tiles)
-	$(VPY) scripts/compile_tier.py report $(if $(NO_CANDIDATES),--no-candidates)
+compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md
+	$(VPY) scripts/compile_tier.py report
 
 sweep: ## Ray sweep: CONFIG=ci/sweeps/smoke-fake.yaml [ADDRESS=auto] [FORCE=1]; into build/sweeps/<config>/ (SWEEP_OUT=)
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/sweep.py run $(CONFIG) --out $(or $(SWEEP_OUT),$(BUILD)/sweeps/$(basename $(notdir $(CONFIG)))) $(if $(ADDRESS),--address $(ADDRESS)) $(if $(FORCE),--force)

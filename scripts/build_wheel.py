@@ -1,27 +1,13 @@
 #!/usr/bin/env python3
 """make build: a wheel of the patched tree (build/vllm) into dist/.
 
-Two kinds, chosen by --device (default auto):
-
-  rocm   on a ROCm machine (/opt/rocm exists, or the build python's torch has
-         torch.version.hip): VLLM_TARGET_DEVICE=rocm, vLLM's HIP/C++ extensions
-         compiled by vLLM's own setup.py with that python (it needs ROCm torch
-         and vLLM's build requirements, as the ROCm base image has them).
-  empty  anywhere else: VLLM_TARGET_DEVICE=empty, a Python-only wheel.  Built
-         with the hash-checked sdist's tools venv (setuptools<81, setuptools-scm,
-         setuptools-rust) and the three-file stand-in torch of BRIEF §1, so no
-         real torch is needed; the optional Rust frontend (vllm-rs) is left out
-         (CARGO points at `false`).  About 15 s.
-
-The wheel is built from a ``git archive`` of the build tree's HEAD in a scratch
-directory: setup.py writes vllm/_version.py and build/ folders, and those must
-not land in build/vllm (make apply would then refuse to rebuild it).
-Its version is the pinned release plus a local label naming the series,
-``<VLLM_VERSION>+aiter.series.g<series commit>`` (``.dirty`` when patches/,
-vllm_overlay/ or pins.env have uncommitted changes; ``t<build-tree commit>``
-where the series has no git history, e.g. in a Docker build context);
-vLLM's setup.py appends its device suffix (``.empty``, ``.rocmNNN``) to the
-wheel's name.
+``--device rocm`` (auto: /opt/rocm exists or the python's torch has torch.version.hip):
+vLLM's own setup.py compiles its HIP/C++ extensions with that python.  ``empty``
+(anywhere else): a Python-only wheel, built with the sdist's tools venv and a stand-in
+torch (no real torch needed), without the optional Rust frontend.  Built from a ``git
+archive`` of build/vllm's HEAD in a scratch folder (setup.py writes files that must not
+land in build/vllm).  Version: ``<VLLM_VERSION>+aiter.series.g<series commit>[.dirty]``
+(``t<build-tree commit>`` where the series has no git history, e.g. a Docker context).
 """
 
 from __future__ import annotations
@@ -32,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -64,17 +51,6 @@ def series_label(root: Path, tree: Path) -> str:
         dirty = gitrepo.series_inputs_dirty(root)
         return f"aiter.series.g{commit.stdout.strip()}" + (".dirty" if dirty else "")
     return f"aiter.series.t{gitrepo.out(tree, 'rev-parse', '--short=9', 'HEAD')}"
-
-
-def export_tree(tree: Path, dest: Path) -> None:
-    """The committed content of tree's HEAD, without .git, into dest."""
-    dest.mkdir(parents=True)
-    archive = subprocess.Popen(["git", "-C", str(tree), "archive", "--format=tar", "HEAD"],
-                               stdout=subprocess.PIPE)
-    untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True)
-    archive.stdout.close()
-    if archive.wait() or untar.returncode:
-        raise SeriesError(f"could not export {tree} HEAD: {untar.stderr.decode().strip()}")
 
 
 def _standin_torch(where: Path) -> Path:
@@ -116,7 +92,9 @@ def build(tree: Path, dist: Path, device: str, python: str | None) -> Path:
             env["CARGO"] = shutil.which("false") or "/bin/false"  # the optional Rust frontend is skipped
             print("building a Python-only wheel (VLLM_TARGET_DEVICE=empty)", flush=True)
         source = scratch / "vllm"
-        export_tree(tree, source)
+        gitrepo.git(tree, "archive", "-o", str(scratch / "tree.tar"), "HEAD")
+        with tarfile.open(scratch / "tree.tar") as archive:
+            archive.extractall(source, filter="data")
         out = scratch / "out"
         proc = subprocess.run([python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
                                "--no-cache-dir", "-w", str(out), str(source)],

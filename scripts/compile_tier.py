@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from compile_tier.cli import main  # noqa: E402
+from compile_tier.run import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

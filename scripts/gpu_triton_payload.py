@@ -1,35 +1,24 @@
 #!/usr/bin/env python3
 """A Triton release for the GPU machine, in parts that each fit one device command.
 
-The GPU machine has its own Triton (3.6), no package index, and takes at most
-64 MiB of files per command; the target's Triton (pins.env TRITON_VERSION) is a
-250 MB wheel.  This trims it to what compiling and launching on an NVIDIA GPU
-needs (the Python package, ``libtriton.so``, ``ptxas``, libdevice; no CUPTI, no
-proton, no Blackwell ptxas, no cuobjdump/nvdisasm), packs it as one xz tar and
-splits that into parts of at most ``--part-mib`` MiB (~103 MB in 3 parts).
+The GPU machine has its own Triton, no package index, and takes at most 64 MiB of files per
+command; the target's Triton (pins.env TRITON_VERSION) is a 250 MB wheel.  ``build`` (here,
+``make gpu-triton-payload``) trims it to what compiling and launching on an NVIDIA GPU needs
+(no CUPTI, proton, Blackwell ptxas or disassemblers), packs it as one xz tar split into
+``.gpu_payload/triton/triton-<v>.tar.xz.<n>`` parts of at most 48 MiB, with ``MANIFEST.json``
+(sha256 of the whole and of each part).  On the GPU machine (python3 stdlib only), one
+command per part, each carrying MANIFEST.json and its part::
 
-Here (``make gpu-triton-payload``)::
+    python3 scripts/gpu_triton_payload.py stash      # keeps the verified parts in /tmp
+    python3 scripts/gpu_triton_payload.py assemble   # once all are there: verify, extract
 
-    python3 scripts/gpu_triton_payload.py build [--version 3.8.0]
-
-writes ``.gpu_payload/triton/`` (git-ignored): ``triton-<v>.tar.xz.<n>`` and
-``MANIFEST.json`` (version, sha256 of the whole and of each part).  On the GPU
-machine, one command per part, each carrying ``.gpu_payload/triton/MANIFEST.json``
-and its part::
-
-    python3 scripts/gpu_triton_payload.py stash          # copies the parts it has into /tmp
-    python3 scripts/gpu_triton_payload.py assemble       # once all are there: verify, extract
-
-``assemble`` prints the folder to put first on PYTHONPATH (``/tmp/triton-<v>``)
-and is a no-op when that folder is already complete.  /tmp survives between
-commands while the machine stays warm.
+``assemble`` prints the folder to put first on PYTHONPATH (``/tmp/triton-<v>``).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -42,14 +31,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from seriestool.sdist import cache_dir, sha256_of  # noqa: E402
+from seriestool.sdist import cache_dir, sha256_of  # noqa: E402  (stdlib only)
 
 OUT = REPO / ".gpu_payload" / "triton"
 STASH = Path("/tmp/triton-parts")
 PYTHON_TAG = "cp312"  # the GPU machine's python3
 
-# Wheel members left out: profiling (CUPTI, proton), Blackwell's ptxas, and the
-# disassemblers; nothing on the path that compiles and launches for sm_90.
+# Wheel members left out: nothing on the path that compiles and launches for sm_90.
 DROP = (
     "triton/backends/nvidia/lib/cupti/",
     "triton/backends/nvidia/lib/cupti-blackwell/",
@@ -131,15 +119,16 @@ def assemble(stash_dir: Path, dest_root: Path) -> Path:
     if missing:
         raise SystemExit(f"gpu-triton-payload: parts not stashed yet: {', '.join(missing)} "
                          "(run `stash` in a command that carries them)")
-    data = io.BytesIO()
-    for part in manifest["parts"]:
-        data.write((stash_dir / part["name"]).read_bytes())
-    if hashlib.sha256(data.getbuffer()).hexdigest() != manifest["sha256"]:
+    archive = stash_dir / "whole.tar.xz"
+    with open(archive, "wb") as f:
+        for part in manifest["parts"]:
+            f.write((stash_dir / part["name"]).read_bytes())
+    if sha256_of(archive) != manifest["sha256"]:
         raise SystemExit("gpu-triton-payload: the assembled archive does not match MANIFEST.json")
     shutil.rmtree(dest, ignore_errors=True)
-    data.seek(0)
-    with tarfile.open(fileobj=data, mode="r:xz") as tar:
-        tar.extractall(dest, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(dest)
+    with tarfile.open(archive, mode="r:xz") as tar:
+        tar.extractall(dest, filter="data")
+    archive.unlink()
     done.write_text(manifest["sha256"] + "\n")
     return dest
 

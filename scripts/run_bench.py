@@ -1,27 +1,17 @@
 #!/usr/bin/env python3
 """make bench: run the kernel benchmark suites on the GPU at hand, one JSON per run.
 
-Writes ``<out>/<YYYYmmdd-HHMM>-<device>-<commit>.json`` (pytest-benchmark's
-format; per-case numbers in ``extra_info``, device/versions/commit/dirty in
-``machine_info.series``, the run's exit status and arguments in
-``machine_info.series.run``) and the run's output beside it in
-``<out>/logs/<same name>.bench.log``; the JSON is sealed (a sha256 of its
-content, scripts/seriestool/results.py) so ``make report`` can tell it from an
-edited one.  ``--out`` defaults to benchmarks/results/.  Needs only torch,
-triton, pytest and pytest-benchmark; run it with the overlay and
-tests/without_vllm on PYTHONPATH (the Makefile does).  ``--suite NAME`` (repeatable) runs only
-benchmarks/bench_NAME.py; other arguments go to pytest (e.g. ``-k fetch_kv``).
-
-The commit and the tree's state are read once, here, and passed to the suites
-(SERIES_COMMIT / SERIES_DIRTY).  On a machine that gets a copy of the tree
-(without .git, or with a stale one), pass both, read where the tree's git is:
-``SERIES_COMMIT=$(git rev-parse HEAD) SERIES_DIRTY=0 make bench`` (``1`` when
-``git status`` shows changes to what is measured).  Without SERIES_DIRTY the
-state is recorded as "unknown", and ``make report`` does not use the file.
-
-``--stage DIR`` (on the machine with ``build/vllm``) copies the few upstream
-files the baselines load at run time (AITER FA's gather kernel, the Triton
-merge, ``unified_attention`` and what it imports, the CUDA MLA kernel's csrc closure) to DIR; on the GPU machine ``VLLM_PINNED_TREE=DIR``.
+Writes ``<out>/<YYYYmmdd-HHMM>-<device>-<commit>.json`` (pytest-benchmark's format;
+per-case numbers in ``extra_info``, device, versions, commit, dirty and the run's exit
+status in ``machine_info.series``), sealed (seriestool/results.py) so ``make report`` can
+tell it from an edited one, and the run's output in ``<out>/logs/<name>.bench.log``.
+``--suite NAME`` (repeatable) runs only benchmarks/bench_NAME.py; other arguments go to
+pytest.  On a machine with a copy of the tree and no git, pass the state read where the
+git is: ``SERIES_COMMIT=$(git rev-parse HEAD) SERIES_DIRTY=0 make bench``; without
+SERIES_DIRTY the state is "unknown" and ``make report`` does not use the file.
+The baselines read upstream files from the pinned tree (``VLLM_PINNED_TREE``, default
+build/vllm); for a GPU machine without build/, ``python3 benchmarks/upstream_kernels.py stage
+build/vllm DIR`` copies them to DIR.
 """
 
 from __future__ import annotations
@@ -31,7 +21,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -42,15 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmarks import provenance  # noqa: E402
-from benchmarks.upstream_kernels import PINNED_PY  # noqa: E402  (stdlib only)
 from seriestool import results  # noqa: E402  (stdlib only)
-
-# What the baselines read from the pinned tree: the Triton sources
-# benchmarks/upstream_kernels.py loads (gather, merge, unified_attention).
-PINNED_FILES = PINNED_PY
-# csrc files the baselines compile, each with its include closure.
-PINNED_CSRC = ("attention/merge_attn_states.cu",)
-
 
 def _device() -> str:
     try:
@@ -63,57 +44,18 @@ def _device() -> str:
     return "cpu"
 
 
-def stage_pinned(tree: Path, dest: Path) -> list[str]:
-    """Copy PINNED_FILES, the CUDA MLA kernel's and PINNED_CSRC's csrc closures
-    from ``tree`` to ``dest``."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_mla_rope_cache import csrc_closure, stage_csrc
-
-    for rel in PINNED_FILES:
-        if not (tree / rel).is_file():
-            raise SystemExit(f"{tree / rel} not found: run `make apply` first (or pass --tree)")
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(tree / rel, dest / rel)
-    stage_csrc(tree / "csrc", dest / "csrc")
-    staged = [*PINNED_FILES, *(f"csrc/{rel}" for rel in csrc_closure(dest / "csrc"))]
-    for start in PINNED_CSRC:
-        stage_csrc(tree / "csrc", dest / "csrc", start)
-        staged += [f"csrc/{rel}" for rel in csrc_closure(dest / "csrc", start)]
-    return staged
-
-
-def state_env(env: dict) -> tuple[dict, dict]:
-    """(the run's series state, env for the suites with SERIES_COMMIT / SERIES_DIRTY set)."""
-    state = provenance.series_state(ROOT, env)
-    dirty = state["dirty"]
-    child = {**env, "SERIES_COMMIT": state["commit"]}
-    child["SERIES_DIRTY"] = {True: "1", False: "0"}.get(dirty, "unknown")
-    return state, child
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--suite", action="append", default=[],
                         help="run benchmarks/bench_SUITE.py only (repeatable)")
-    parser.add_argument("--stage", type=Path, default=None, metavar="DIR",
-                        help="copy the upstream files the baselines need to DIR, then exit")
-    parser.add_argument("--tree", type=Path, default=ROOT / "build" / "vllm",
-                        help="the pinned tree --stage reads (default build/vllm)")
     args, pytest_args = parser.parse_known_args(argv)
-    if args.stage:
-        for rel in stage_pinned(args.tree, args.stage):
-            print(f"[bench] staged {args.stage / rel}")
-        print(f"[bench] on the GPU machine: VLLM_PINNED_TREE={args.stage}")
-        return 0
-
-    state, env = state_env(dict(os.environ))
-    if state["dirty"] == "unknown":
-        print("[bench] WARNING: the tree's state is unknown (SERIES_COMMIT without SERIES_DIRTY, "
-              "or no git): make report will not use this file", flush=True)
-    elif state["dirty"]:
-        print("[bench] WARNING: uncommitted changes to what is measured: the result is marked "
-              "dirty and make report will not use it", flush=True)
+    state = provenance.series_state(ROOT, os.environ)
+    env = dict(os.environ, SERIES_COMMIT=state["commit"],
+               SERIES_DIRTY={True: "1", False: "0"}.get(state["dirty"], "unknown"))
+    if state["dirty"] is not False:
+        print(f"[bench] WARNING: the tree's state is {state['dirty']} (dirty or unknown): "
+              "make report will not use this file", flush=True)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")

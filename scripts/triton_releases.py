@@ -1,15 +1,12 @@
-"""Triton releases beside the venv's own, for tests that load the launcher on each.
-
-``python3 scripts/triton_releases.py VERSION...`` installs each ``triton==VERSION``
-wheel (no dependencies) into ``<series cache>/triton/<VERSION>`` and prints the
-folders; a folder already there is reused.  Put one first on PYTHONPATH to run
-the venv's torch and the patched tree on that Triton.  An interrupted install
-leaves only a ``.partial`` folder, removed by the next run.
+"""Triton releases beside the venv's own, for tests that load the launcher on each
+(tests/launcher) and for make test-triton-next: ``install(VERSION)`` puts the
+``triton==VERSION`` wheel (no dependencies) into ``<series cache>/triton/<VERSION>``,
+reused when there; an interrupted install leaves a ``.partial`` folder, removed by the
+next one.  Put the folder first on PYTHONPATH to run on that Triton.
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -37,17 +34,3 @@ def install(version: str, python: str = sys.executable) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("versions", nargs="+")
-    parser.add_argument("--python", default=sys.executable, help="the pip to install with")
-    args = parser.parse_args()
-    for version in args.versions:
-        print(install(version, args.python))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -120,18 +120,10 @@ def test_real_tree_payload_holds_the_backend_and_no_csrc(tmp_path):
     roots = sorted(set(gpu_payload.ROOTS) | set(gpu_payload.RUNTIME_ROOTS)
                    | set(gpu_payload.test_imports(TREE, tests)))
     modules = gpu_payload.module_closure(TREE, roots)
-    for name in ("vllm.v1.attention.backends.rocm_aiter_fa",
-                 "vllm.v1.attention.ops.triton_fetch_kv",
-                 "vllm.v1.attention.ops.triton_paged_context_attention",
-                 "vllm.v1.attention.ops.triton_merge_attn_states", "vllm.config",
-                 # tests/mla's CUDA-graph replay test and its harness.
-                 "vllm._aiter_ops",
-                 "vllm.model_executor.layers.attention.mla_attention",
-                 "vllm.model_executor.layers.attention.mla_rope_fusion",
+    for name in ("vllm.v1.attention.backends.rocm_aiter_fa", "vllm.config",
+                 "vllm.v1.attention.ops.triton_fetch_kv", "vllm.v1.attention.ops.triton_mla_rope_cache",
                  "vllm.model_executor.layers.attention.mla_rope_kv_cache",
-                 "vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope",
-                 "vllm.v1.attention.ops.triton_mla_rope_cache",
-                 "vllm.v1.worker.workspace"):
+                 "vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope"):
         assert name in modules
     dest = tmp_path / "vllm-src.zip"
     gpu_payload.write_source_zip(TREE, modules, dest)

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
@@ -53,16 +52,12 @@ def _added_files(dest: Path) -> Path:
 
 def test_python_only_wheel_installs_and_imports(tmp_path):
     pins = load_pins(REPO)
-    timings = {}
-    start = time.monotonic()
     _run([sys.executable, REPO / "scripts/build_wheel.py", "--device", "empty", "--tree", TREE,
           "--dist", tmp_path / "dist"])
-    timings["build"] = time.monotonic() - start
     (wheel,) = (tmp_path / "dist").glob("vllm-*.whl")
     assert wheel.name.startswith(f"vllm-{pins['VLLM_VERSION']}+aiter.series.")
     assert ".empty-" in wheel.name and "dev" not in wheel.name
 
-    start = time.monotonic()
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin" / "python"
@@ -71,13 +66,11 @@ def test_python_only_wheel_installs_and_imports(tmp_path):
     purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
                    .stdout.strip())
     (purelib / "zz-borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    timings["install"] = time.monotonic() - start
 
-    start = time.monotonic()
-    overlay = _added_files(tmp_path / "overlay")
-    smoke = _run([python, REPO / "ci" / "smoke_import.py", "--overlay", overlay], cwd=tmp_path)
-    timings["import"] = time.monotonic() - start
+    smoke = _run([python, REPO / "ci" / "smoke_import.py", "--overlay", _added_files(tmp_path / "overlay")],
+                 cwd=tmp_path)
     assert "smoke test passed" in smoke.stdout
+    assert f"ok  vllm is installed: {purelib / 'vllm'}" in smoke.stdout
     # The wheel carries the patched files, byte for byte.
     root = _run(["git", "-C", TREE, "rev-list", "--max-parents=0", "HEAD"]).stdout.split()[-1]
     changed = _run(["git", "-C", TREE, "diff", "--name-only", "--no-renames", "--diff-filter=AM",
@@ -85,5 +78,3 @@ def test_python_only_wheel_installs_and_imports(tmp_path):
     assert changed
     for rel in changed:
         assert (purelib / rel).read_bytes() == (TREE / rel).read_bytes(), rel
-    assert f"ok  vllm is installed: {purelib / 'vllm'}" in smoke.stdout
-    print(" ".join(f"{k}={v:.0f}s" for k, v in timings.items()))

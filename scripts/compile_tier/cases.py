@@ -1,22 +1,13 @@
 """The shape matrix, and one compile spec per (kernel, shape) the wrappers can meet.
 
-Each spec is what one launch of a series kernel compiles: its runtime
-arguments (representative values, specialised by Triton's own
-``native_specialize_impl`` in the worker, so integer 1s become constexprs and
-multiples of 16 get ``tt.divisibility`` as at a real launch), its constexprs
-and its compile options.  Every tunable comes from the wrapper module's own
-config selection (``_tile_config``, ``_combine_config``, ``_pages_per_program``,
-``_req_step``, ...), called with the compile target; only the mechanical
-mapping of shapes to arguments is written here, and ``build_specs`` refuses
-a spec whose argument names differ from the kernel's.
-
-The matrix (docs/compile-tier.md): head sizes 64 / 128 / 256, block sizes
-16 / 32 / 64, GQA groups 1-16, bf16 / fp16 models, fp8 caches in the target's
-native e4m3 type, NHD and SHUFFLE.  The full product is thousands of compiles;
-every config a wrapper chooses is compiled at a base shape and with every
-value of every other axis at least once (one axis varied at a time), plus the
-heaviest combination per config.  Identical compiles are deduplicated by the
-worker.
+A spec is what one launch compiles: runtime arguments (representative values, specialised
+by Triton's own ``native_specialize_impl`` in the worker), constexprs and options.  Every
+tunable comes from the wrapper module's own config selection (``_tile_config``,
+``_pages_per_program``, ...) called with the target; only the mapping of shapes to
+arguments is written here, and ``build_specs`` refuses a spec whose argument names differ
+from the kernel's.  Each config a wrapper chooses is compiled at a base shape, with every
+value of every other axis once (one axis varied at a time) and at its heaviest combination
+(docs/compile-tier.md).
 """
 
 from __future__ import annotations
@@ -84,11 +75,6 @@ def _dname(dtype: torch.dtype) -> str:
         dtype, str(dtype).removeprefix("torch.").replace("float8_", ""))
 
 
-# --------------------------------------------------------------------------
-# paged_context_attention
-# --------------------------------------------------------------------------
-
-
 def _paged_points():
     """(head, block, group, model, fp8, with_new, window, splits) points."""
     base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
@@ -110,7 +96,7 @@ def _paged_points():
     return points
 
 
-def _paged_spec(target, mod, p, tile, waves_per_eu: int = 0) -> Spec:
+def _paged_spec(target, mod, p, tile) -> Spec:
     """The main kernel's spec at point ``p`` with ``tile`` (a ``_Tile``)."""
     d, bs, g = p["head"], p["block"], p["group"]
     model = _TORCH[p["model"]]
@@ -161,8 +147,6 @@ def _paged_spec(target, mod, p, tile, waves_per_eu: int = 0) -> Spec:
     config = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps,
                   num_stages=tile.num_stages)
     options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
-    if waves_per_eu:
-        config["waves_per_eu"] = options["waves_per_eu"] = waves_per_eu
     return Spec("paged_context_attention", "_paged_context_attention_kernel", case, config,
                 args, constexprs, options)
 
@@ -196,11 +180,6 @@ def paged_context_specs(target) -> list[Spec]:
     return specs
 
 
-# --------------------------------------------------------------------------
-# fetch_kv / fetch_kv_plan
-# --------------------------------------------------------------------------
-
-
 def _fetch_points(target):
     """(layout, head, block, cache dtype, out dtype, plan) points."""
     fp8 = _fp8(target)
@@ -216,6 +195,20 @@ def _fetch_points(target):
             points.append((layout, head, 16, fp8, torch.bfloat16, False))
         points.append((layout, 128, 16, fp8, fp8, True))  # an fp8 workspace: a plain copy
     return points
+
+
+def _plan_spec(mod, bs: int, ppp: int, num_reqs: int) -> Spec:
+    step = mod._req_step(num_reqs)
+    args = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
+                cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
+                num_reqs=num_reqs, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
+                stride_cu=1, stride_ss=1)
+    constexprs = dict(PAGE=bs, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=mod._plan_width(ppp),
+                      PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=step)
+    warps = mod._PLAN_NUM_WARPS
+    return Spec("fetch_kv_plan", "_fetch_kv_plan_kernel", f"b{bs}_pages{ppp}_reqstep{step}",
+                dict(pages_per_program=ppp, num_warps=warps), args, constexprs,
+                dict(num_warps=warps))
 
 
 def fetch_kv_specs(target) -> list[Spec]:
@@ -268,35 +261,11 @@ def fetch_kv_specs(target) -> list[Spec]:
                           dict(pages_per_program=ppp, num_warps=warps), args,
                           constexprs, dict(num_warps=warps), expect))
         if plan:
-            pargs = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
-                         cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
-                         num_reqs=NUM_REQS, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
-                         stride_cu=1, stride_ss=1)
-            pconst = dict(PAGE=bs, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=width,
-                          PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=req_step)
-            specs.append(Spec("fetch_kv_plan", "_fetch_kv_plan_kernel",
-                              f"b{bs}_pages{ppp}_reqstep{req_step}",
-                              dict(pages_per_program=ppp, num_warps=mod._PLAN_NUM_WARPS),
-                              pargs, pconst, dict(num_warps=mod._PLAN_NUM_WARPS)))
+            specs.append(_plan_spec(mod, bs, ppp, NUM_REQS))
     for num_reqs in (200, 5000):  # the request-lookup step grows with the batch
-        step = mod._req_step(num_reqs)
-        pargs = dict(plan_ptr=Ptr(torch.int32), block_table_ptr=Ptr(torch.int32),
-                     cu_seqlens_ptr=Ptr(torch.int32), seq_starts_ptr=Ptr(torch.int32),
-                     num_reqs=num_reqs, stride_bt_req=MAX_BLOCKS_PER_REQ, stride_bt_blk=1,
-                     stride_cu=1, stride_ss=1)
-        ppp = mod._pages_per_program(16, 128, 2, 2, False)
-        pconst = dict(PAGE=16, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=mod._plan_width(ppp),
-                      PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=step)
-        specs.append(Spec("fetch_kv_plan", "_fetch_kv_plan_kernel",
-                          f"b16_pages{ppp}_reqstep{step}",
-                          dict(pages_per_program=ppp, num_warps=mod._PLAN_NUM_WARPS),
-                          pargs, pconst, dict(num_warps=mod._PLAN_NUM_WARPS)))
+        specs.append(_plan_spec(mod, 16, mod._pages_per_program(16, 128, 2, 2, False), num_reqs))
     return specs
 
-
-# --------------------------------------------------------------------------
-# mla_rope_concat_and_cache / mla_rope_and_cache
-# --------------------------------------------------------------------------
 
 MLA_L, MLA_R, MLA_NOPE = 512, 64, 128  # DeepSeek-V2/V3: kv_lora_rank, rope dim, nope dim
 MLA_BLOCK = 64
@@ -373,54 +342,6 @@ def mla_specs(target) -> list[Spec]:
     return specs
 
 
-# Other tiles of paged_context_attention, compiled by `make compile-report`
-# next to the wrappers' choice (not budgeted): the facts that choice rests on
-# (docs/compile-tier.md).  (block_m, block_n, warps, stages, waves_per_eu) per
-# head-size class (D <= 128, D 256); waves_per_eu is an AMD option.
-TILE_CANDIDATES = {
-    "hip": {
-        False: [(128, 64, 4, 2, 0), (128, 64, 4, 1, 0), (128, 64, 4, 1, 2), (128, 64, 8, 1, 0),
-                (128, 64, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0)],
-        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 1, 0), (64, 32, 8, 1, 0),
-               (64, 16, 4, 1, 0), (128, 16, 8, 1, 0)],
-    },
-    "cuda": {
-        False: [(128, 64, 4, 2, 0), (128, 64, 8, 2, 0), (128, 128, 8, 2, 0), (64, 64, 4, 2, 0),
-                (128, 32, 4, 2, 0), (128, 64, 8, 3, 0)],
-        True: [(128, 32, 8, 2, 0), (128, 32, 8, 1, 0), (64, 32, 4, 2, 0), (128, 16, 8, 2, 0),
-               (64, 64, 8, 2, 0)],
-    },
-}
-
-
-def _candidate_points():
-    """The heaviest points of each head size: bf16, fp16, fp8 caches under both,
-    fp8 + window + split."""
-    base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
-                splits=1)
-    for head in HEAD_SIZES:
-        for model in MODEL_DTYPES:
-            yield dict(base, head=head, model=model)
-            yield dict(base, head=head, model=model, fp8=True)
-        yield dict(base, head=head, fp8=True, window=True, splits=SPLITS)
-
-
-def candidate_specs(target) -> list[Spec]:
-    mod = _module("triton_paged_context_attention")
-    specs = []
-    for p in _candidate_points():
-        large = triton.next_power_of_2(p["head"]) > 128
-        group_pad = triton.next_power_of_2(p["group"])
-        for bm, bn, warps, stages, waves in TILE_CANDIDATES[target.backend][large]:
-            tile = mod._Tile(bm, bm // group_pad, bn, warps, stages)
-            spec = _paged_spec(target, mod, p, tile, waves)
-            spec.kernel = "paged_context_attention (candidate tile)"
-            spec.case = f"{spec.case}@{bm}x{bn}w{warps}s{stages}" + (
-                f"wpe{waves}" if waves else "")
-            specs.append(spec)
-    return specs
-
-
 BUILDERS = {
     "paged_context_attention": ("triton_paged_context_attention", paged_context_specs),
     "fetch_kv": ("triton_fetch_kv", fetch_kv_specs),
@@ -428,13 +349,10 @@ BUILDERS = {
 }
 
 
-def build_specs(target, candidates: bool = False) -> list[Spec]:
-    """Every spec of every kernel for ``target`` (or, ``candidates``: the
-    candidate tiles), argument names checked."""
-    builders = ([("triton_paged_context_attention", candidate_specs)] if candidates
-                else BUILDERS.values())
+def build_specs(target) -> list[Spec]:
+    """Every spec of every kernel for ``target``, argument names checked."""
     specs, seen = [], set()
-    for module, builder in builders:
+    for module, builder in BUILDERS.values():
         mod = _module(module)
         for spec in builder(target):
             if (spec.fn_name, spec.case) in seen:  # a base point met twice

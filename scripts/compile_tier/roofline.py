@@ -1,12 +1,9 @@
 """docs/roofline-amd.md: the bound each benchmark case implies on MI300X and MI355X.
 
-For every case of the newest committed results file of each kernel suite
-(the same files `make report` reads), the bytes the suite itself counts
-(``nbytes``: what the case must move at least) and, for attention, the FLOPs
-of its matrix products; the bound is ``max(bytes / HBM bandwidth, FLOPs /
-dense bf16 peak)`` with the vendor figures of ``targets.DEVICES``.  A paper
-bound, not a prediction: an AMD run of ``make bench`` can be read against it
-the day it happens.
+For every case of the newest usable results file of each suite (as `make report` picks
+it): ``max(bytes / HBM bandwidth, FLOPs / dense bf16 peak)`` with the bytes the suite
+counts (``nbytes``), attention's matrix FLOPs and ``targets.DEVICES``.  A paper bound, not
+a prediction: an AMD run of ``make bench`` can be read against it.
 """
 
 from __future__ import annotations
@@ -93,13 +90,15 @@ def page(latest: dict) -> str:
 
 def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
     """(kernel, device) -> {"file", "cases"} of the newest committed, clean results file with
-    the kernel's timed cases (seriestool/results.py: the files `make report` uses)."""
+    the kernel's timed cases (the files `make report` uses); host-timed suites have no bound."""
     sys.path.insert(0, str(root / "scripts"))
-    from seriestool import results
+    from seriestool import benchmeta, results
 
     selection = results.select(root)
     latest = {}
     for kernel in sorted({k for f in selection.usable for k in f.kernels()}):
+        if benchmeta.timing_mode({"kernel": kernel}) in benchmeta.HOST_TIMED.values():
+            continue
         for device in selection.devices(kernel):
             found = selection.latest(kernel, device)
             if found is not None and found.cases(kernel):
@@ -109,10 +108,7 @@ def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
 
 def render(root: Path) -> dict[Path, str]:
     """docs/roofline-amd.md with its generated region, path -> text (nothing written)."""
+    from .report import replace_region
+
     path = root / "docs" / "roofline-amd.md"
-    text = path.read_text() if path.exists() else f"# AMD roofline\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: the generated-table markers are missing")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return {path: f"{head}{BEGIN}\n{page(latest_cases(root))}{END}{tail}"}
+    return {path: replace_region(path.read_text(), path, BEGIN, END, page(latest_cases(root)))}

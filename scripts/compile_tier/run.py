@@ -1,10 +1,11 @@
-"""Run the compile workers: every target in its own process, ``jobs`` compiles at a time."""
+"""``python3 scripts/compile_tier.py run|report``: the worker processes and the command line."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,131 +26,86 @@ def cache_dir() -> Path:
     return series_cache() / "compile"
 
 
-SCRATCH_PREFIX = "compile-tier-"
-TICK_S = 15.0
-
-
 def say(text: str) -> None:
     print(f"[compile-tier] {text}", file=sys.stderr, flush=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_scratch(tmp_root: Path | None = None) -> list[Path]:
-    """Scratch folders (``compile-tier-<pid>-*``) of runs whose process is gone: a run killed
-    by SIGKILL cleans nothing up; the next one removes what it left (Triton's cache, 100+ MB)."""
-    removed = []
-    for path in Path(tmp_root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
-        pid = path.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _progress(tmp: Path, target: str) -> str:
-    try:
-        done, total, compiled = (tmp / f"{target}.progress").read_text().split()
-    except (OSError, ValueError):
-        return f"{target} starting"
-    return f"{target} {done}/{total} ({compiled} compiled)"
-
-
-def run(targets=None, jobs: int = 2, cache: Path | None = None,
-        kernels_root: Path | None = None, timeout_s: float = 1800,
-        candidates: bool = False, tick_s: float = TICK_S) -> dict:
-    """Compile (or read from the cache) every spec of ``targets``.
-
-    One worker process per target, all started at once (the imports overlap);
-    between them they compile at most ``jobs`` kernels at a time (lock-file
-    slots), so ``jobs`` cores stay busy until the last compile.  Returns
-    ``{"records": [...], "seconds": wall time, "unique": {target: n},
-    "compiled": {target: n}}``; records are sorted by target, kernel, case.
-    ``kernels_root``: the directory holding the ``vllm`` package of the
-    kernels (default: the checkout's vllm_overlay).  ``candidates``: compile
-    the candidate tiles of paged_context_attention instead
-    (``cases.TILE_CANDIDATES``).  Progress goes to stderr every ``tick_s``
-    seconds.  The scratch folder (Triton's cache, the workers' logs) is
-    removed however the run ends: an exception or an interrupt (SIGINT, or
-    SIGTERM turned into KeyboardInterrupt by the caller) stops the workers
-    first; a SIGKILLed run's folder goes with the next run.
-    """
+def run(targets=None, jobs: int = 2, cache: Path | None = None) -> dict:
+    """Compile (or read from the cache) every spec of ``targets``, one worker process per
+    target, ``jobs`` workers at a time.  Returns ``{"records":
+    [...] sorted by target, kernel, case, "seconds", "unique": {target: n}, "compiled":
+    {target: n}}``.  Triton's own cache and the workers' files go to a scratch folder,
+    removed however the run ends."""
     targets = list(targets or TARGETS)
     cache = cache or cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    kernels_root = kernels_root or ROOT / "vllm_overlay"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # tests/without_vllm: the vLLM names the kernel files import (no vLLM here).
-    env["PYTHONPATH"] = os.pathsep.join([str(kernels_root), str(ROOT / "tests" / "without_vllm"),
-                                         str(SCRIPTS)])
     start = time.perf_counter()
-    for stale in remove_stale_scratch():
-        say(f"removed {stale}, left by a killed run")
-    what = "candidate tiles" if candidates else "kernels"
-    say(f"{what} for {', '.join(targets)}: facts cached in {cache} (a cold cache compiles every "
-        f"spec, {jobs} at a time: minutes)")
-    tmp = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
-    running = []
-    try:
-        # Triton's own cache goes to a scratch directory: the facts cache is
-        # the one that persists, so a cold run compiles everything it claims to.
-        env["TRITON_CACHE_DIR"] = str(tmp / "triton")
+    say(f"kernels for {', '.join(targets)}: facts cached in {cache} (a cold cache compiles "
+        "every spec: minutes)")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="compile-tier-") as tmp:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        # The kernels from vllm_overlay, the vLLM names they import from tests/without_vllm, and
+        # this process's Triton (make test-triton-next puts another release first on the path).
+        triton_home = Path(importlib.util.find_spec("triton").origin).parents[1]
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "vllm_overlay"),
+                                             str(ROOT / "tests" / "without_vllm"), str(SCRIPTS),
+                                             str(triton_home)])
+        env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")  # a cold run compiles everything
         env["TRITON_ALWAYS_COMPILE"] = "1"  # ptxas -v runs (and logs) for every compile
-        # The workers' temporary files (ptxas inputs and logs) too: a worker
-        # stopped mid-compile cannot remove its own, the scratch folder goes.
-        (tmp / "tmp").mkdir()
-        env["TMPDIR"] = str(tmp / "tmp")
-        for target in targets:
-            out, log = tmp / f"{target}.json", open(tmp / f"{target}.log", "w")
-            cmd = [sys.executable, "-m", "compile_tier.worker", "--target", target,
-                   "--cache", str(cache), "--slots", str(tmp), "--jobs", str(jobs),
-                   "--out", str(out), "--progress", str(tmp / f"{target}.progress"),
-                   *(["--candidates"] if candidates else [])]
-            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-            running.append((proc, target, out, log))
-        last_tick = time.perf_counter()
-        pending = list(running)
-        while pending:
-            time.sleep(0.2)
-            now = time.perf_counter()
-            for item in list(pending):
-                proc, target = item[0], item[1]
-                if proc.poll() is not None:
-                    pending.remove(item)
-                    say(f"{target} done (exit {proc.returncode}), {now - start:.0f} s")
-                elif now - start > timeout_s:
-                    proc.kill()
-                    proc.wait()
-            if pending and now - last_tick >= tick_s:
-                last_tick = now
-                say(", ".join(_progress(tmp, t) for _, t, _, _ in pending) + f"; {now - start:.0f} s")
-        failed = []
-        for proc, target, out, log in running:
-            log.close()
-            if proc.returncode != 0:
-                failed.append(f"compile worker {target} exited {proc.returncode}:\n"
-                              f"{Path(log.name).read_text()[-4000:]}")
-        if failed:
-            raise RuntimeError("\n".join(failed))
-        records = [r for _, _, out, _ in running for r in json.loads(out.read_text())]
-    finally:
-        for proc, _, _, log in running:
-            if proc.poll() is None:
+        todo, running = list(targets), []
+        try:
+            while todo or running:
+                while todo and len(running) < jobs:
+                    target = todo.pop(0)
+                    out = Path(tmp) / f"{target}.json"
+                    cmd = [sys.executable, "-m", "compile_tier.worker", target, str(cache), str(out)]
+                    running.append((subprocess.Popen(cmd, env=env, cwd=ROOT), target, out))
+                time.sleep(0.2)
+                for proc, target, out in [r for r in running if r[0].poll() is not None]:
+                    running.remove((proc, target, out))
+                    if proc.returncode:
+                        raise RuntimeError(f"compile worker {target} exited {proc.returncode}")
+                    say(f"{target} done, {time.perf_counter() - start:.0f} s")
+                    records += json.loads(out.read_text())
+        finally:
+            for proc, _, _ in running:
                 proc.kill()
-            proc.wait()
-            log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+                proc.wait()
     records.sort(key=lambda r: (r["target"], r["kernel"], r["case"]))
     unique = {t: len({r["key"] for r in records if r["target"] == t}) for t in targets}
     compiled = {t: len({r["key"] for r in records if r["target"] == t and not r["cached"]})
                 for t in targets}
     return dict(records=records, seconds=round(time.perf_counter() - start, 1),
                 unique=unique, compiled=compiled)
+
+
+def main(argv=None) -> int:
+    from . import report, roofline
+
+    p = argparse.ArgumentParser(prog="compile_tier")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="compile (or read cached facts) and print a summary")
+    r.add_argument("--target", action="append", choices=sorted(TARGETS))
+    r.add_argument("--json", type=Path, help="write all records here")
+    w = sub.add_parser("report", help="run, then write benchmarks/results/compile/*.json, "
+                       "docs/compile-tier.md's table and docs/roofline-amd.md")
+    for parser in (r, w):
+        parser.add_argument("--jobs", type=int, default=2)
+        parser.add_argument("--cache", type=Path)
+    args = p.parse_args(argv)
+    result = run(getattr(args, "target", None), jobs=args.jobs, cache=args.cache)
+    if args.cmd == "run" and args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.cmd == "report":
+        # Everything is rendered before anything is written: a failure leaves the checkout as it was.
+        files = {**report.render(result, ROOT), **roofline.render(ROOT)}
+        for path, text in files.items():
+            state = "unchanged"
+            if not path.is_file() or path.read_text() != text:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                state = "wrote"
+            print(f"[compile-report] {state} {path.relative_to(ROOT)}")
+    print(f"{len(result['records'])} specs, unique {result['unique']}, "
+          f"compiled {result['compiled']}, {result['seconds']} s")
+    return 0

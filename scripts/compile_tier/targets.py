@@ -1,19 +1,12 @@
-"""The compile targets and the hardware facts their occupancy is computed from.
-
-``DEVICES`` is the one table of hardware specifications in this repository that
-the compile tier (occupancy) and the AMD roofline (docs/roofline-amd.md) read;
-every number in it is a vendor specification, cited in ``sources``.
-"""
+"""The compile targets, and ``DEVICES``: the one table of hardware specifications that the
+compile tier (occupancy) and the AMD roofline (docs/roofline-amd.md) read, each cited."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Vendor specifications, each with its source.  AMD: CUs and LDS per CU from
-# ROCm's GPU specification table; HBM bandwidth and dense bf16 peak from each
-# product's AMD page.  NVIDIA: the compute-capability 9.0 limits the occupancy
-# of an sm_90 kernel is computed from.  (Waves per SIMD on AMD come from LLVM's
-# own occupancy, which knows each target's limits.)
+# Vendor specifications, each with its source (waves per SIMD on AMD come from LLVM's own
+# occupancy, which knows each target's limits).
 _ROCM_SPECS = ("ROCm: AMD GPU specifications",
                "https://rocm.docs.amd.com/en/latest/reference/gpu-specs.html")
 DEVICES = {

@@ -1,28 +1,19 @@
-"""One compile worker: one target, one process.
+"""One compile worker: ``python -m compile_tier.worker TARGET CACHE OUT``.
 
-Run by ``compile_tier.run`` as ``python -m compile_tier.worker`` with the
-kernels' package (vllm_overlay) on PYTHONPATH and ``TRITON_INTERPRET`` unset.
 One target per process: Triton 3.6 compiling gfx942 and then gfx950 in one
-process breaks e4m3fnuz conversions on gfx950 (an assertion in
-ElementwiseOpToLLVM, ``Fp8E4M3FNUZ_to_Bf16_HW``).
-
-For each spec of the target it computes the signature, constexprs and
-attributes exactly as Triton's JIT specialises a launch, keys the compile by
-the kernel's source hash (``JITFunction.cache_key``, which covers the jitted
-functions it calls), the target, that specialisation, the options, the Triton
-version and ``FACTS_VERSION``, and reads the facts from the cache or compiles
-(``triton.compile(ASTSource(...), target=...)``) and parses them.
+process breaks e4m3fnuz conversions on gfx950.  Each spec is specialised as
+Triton's JIT specialises a launch, keyed (kernel source hash, target,
+specialisation, options, Triton version, ``FACTS_VERSION``) and its facts read
+from the cache or compiled and parsed.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import importlib
 import io
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -66,13 +57,9 @@ def compile_key(fn, target, signature, constexprs, attrs, options) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def compile_facts(fn, target, signature, constexprs, attrs, options) -> dict:
-    return compile_kernel(fn, target, signature, constexprs, attrs, options)[1]
-
-
 def compile_kernel(fn, target, signature, constexprs, attrs, options):
     """(the CompiledKernel, its facts); make validate-rocm loads the kernel on
-    the device to read what the driver reports beside the facts."""
+    the device to compare what the driver reports with the facts."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -80,12 +67,10 @@ def compile_kernel(fn, target, signature, constexprs, attrs, options):
     src = ASTSource(fn, signature, constexprs, attrs)
     log = io.StringIO()
     start = time.perf_counter()
-    if target.amd:
-        kernel = triton.compile(src, target=target.gpu_target(), options=options)
-    else:
+    if not target.amd:
         knobs.nvidia.dump_ptxas_log = True  # ptxas -v output, printed by Triton
-        with contextlib.redirect_stdout(log):
-            kernel = triton.compile(src, target=target.gpu_target(), options=options)
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(src, target=target.gpu_target(), options=options)
     seconds = time.perf_counter() - start
     warps = options["num_warps"]
     if target.amd:
@@ -97,111 +82,41 @@ def compile_kernel(fn, target, signature, constexprs, attrs, options):
     return kernel, facts
 
 
-def _cached(cache: Path, key: str) -> dict | None:
-    path = cache / key[:2] / f"{key}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _store(cache: Path, key: str, facts: dict) -> None:
-    path = cache / key[:2] / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(facts, sort_keys=True))
-    tmp.replace(path)
-
-
-@contextlib.contextmanager
-def compile_slot(slots: Path | None, jobs: int):
-    """Hold one of ``jobs`` lock files in ``slots`` while compiling, so that
-    the workers of all targets (one process each) compile at most ``jobs``
-    kernels at a time between them."""
-    if slots is None:
-        yield
-        return
-    import fcntl
-
-    while True:
-        for i in range(jobs):
-            f = open(slots / f"slot{i}", "a")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.close()
-                continue
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-                f.close()
-            return
-        time.sleep(0.05)
-
-
-def run_target(target_name: str, cache: Path, slots: Path | None = None,
-               jobs: int = 1, candidates: bool = False, progress: Path | None = None) -> list[dict]:
-    """Records (kernel, case, config, options, expect, key, cached, facts) of
-    every spec of the target; ``progress`` gets "done total compiled" after each compile key."""
+def run_target(target_name: str, cache: Path) -> list[dict]:
+    """One record (kernel, case, config, options, expect, key, cached, facts) per spec."""
     from triton.compiler import make_backend
 
     target = TARGETS[target_name]
     backend = type(make_backend(target.gpu_target()))
-    specs = build_specs(target, candidates)
-    by_key: dict[str, list] = {}
-    for spec in specs:
+    records = []
+    for spec in build_specs(target):
         module, name = spec.fn_name.split(":")
         fn = getattr(importlib.import_module(f"{OPS}.{module}"), name)
         signature, constexprs, attrs = specialize(fn, spec, backend)
         key = compile_key(fn, target, signature, constexprs, attrs, spec.options)
-        by_key.setdefault(key, [fn, signature, constexprs, attrs, []])[4].append(spec)
-    records = []
-    done = compiled = 0
-    for key in sorted(by_key):
-        fn, signature, constexprs, attrs, owners = by_key[key]
-        facts = _cached(cache, key)
-        cached = facts is not None
-        if not cached:
+        path = cache / key[:2] / f"{key}.json"
+        cached = path.is_file()
+        if cached:
+            facts = json.loads(path.read_text())
+        else:
             try:
-                with compile_slot(slots, jobs):
-                    facts = compile_facts(fn, target, signature, constexprs, attrs,
-                                          owners[0].options)
+                facts = compile_kernel(fn, target, signature, constexprs, attrs, spec.options)[1]
             except Exception as exc:  # noqa: BLE001 - a failed compile is a result
                 facts = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
             else:
-                _store(cache, key, facts)
-            compiled += 1
-        done += 1
-        if progress is not None:
-            progress.write_text(f"{done} {len(by_key)} {compiled}\n")
-        for spec in owners:
-            records.append(dict(
-                target=target.name, kernel=spec.kernel, fn=spec.fn_name, case=spec.case,
-                config=spec.config, options=spec.options, expect=spec.expect, key=key,
-                cached=cached, facts=facts,
-            ))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.with_suffix(".tmp").write_text(json.dumps(facts, sort_keys=True))
+                path.with_suffix(".tmp").replace(path)  # a killed worker leaves no half file
+            print(f"{target_name}: compiled {spec.kernel} {spec.case}", file=sys.stderr, flush=True)
+        records.append(dict(
+            target=target.name, kernel=spec.kernel, fn=spec.fn_name, case=spec.case,
+            config=spec.config, options=spec.options, expect=spec.expect, key=key,
+            cached=cached, facts=facts,
+        ))
     return records
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--target", required=True, choices=sorted(TARGETS))
-    p.add_argument("--cache", type=Path, required=True)
-    p.add_argument("--slots", type=Path, help="directory of the compile-slot lock files")
-    p.add_argument("--jobs", type=int, default=1, help="compile slots shared by all workers")
-    p.add_argument("--candidates", action="store_true", help="the candidate tiles instead")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--progress", type=Path, help="file rewritten with 'done total compiled'")
-    args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET"):
-        print("compile worker: TRITON_INTERPRET must be unset", file=sys.stderr)
-        return 2
-    records = run_target(args.target, args.cache, args.slots, args.jobs, args.candidates,
-                         args.progress)
-    args.out.write_text(json.dumps(records))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    target_name, cache, out = sys.argv[1:4]
+    records = run_target(target_name, Path(cache))
+    Path(out).write_text(json.dumps(records))

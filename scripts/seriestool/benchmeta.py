@@ -10,25 +10,17 @@ import ast
 from pathlib import Path
 
 
-def suite_baseline(root: Path, kernel: str) -> str | None:
-    """The ``BASELINE`` string a suite declares (benchmarks/bench_<kernel>.py)."""
-    path = root / "benchmarks" / f"bench_{kernel}.py"
-    if not path.is_file():
-        return None
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "BASELINE" for t in node.targets):
-            try:
-                return ast.literal_eval(node.value)
-            except ValueError:
-                return None
-    return None
-
-
 def baseline_of(root: Path, kernel: str, cases: list[dict]) -> str | None:
-    """What "baseline" was in these results: as recorded, else as the suite declares it now."""
+    """What "baseline" was in these results: as recorded, else the ``BASELINE`` string the
+    suite (benchmarks/bench_<kernel>.py) declares now."""
     recorded = next((c["baseline_desc"] for c in cases if c.get("baseline_desc")), None)
-    return recorded or suite_baseline(root, kernel)
+    path = root / "benchmarks" / f"bench_{kernel}.py"
+    if recorded or not path.is_file():
+        return recorded
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["BASELINE"]:
+            return ast.literal_eval(node.value)
+    return None
 
 
 def _us(case: dict, impl: str) -> str:

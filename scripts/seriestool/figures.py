@@ -1,28 +1,15 @@
 """What counts as a figure: a measured or counted result, as opposed to an identifier or a shape.
 
-Figures belong in result files and the text generated from them (``make
-report``, ``make pr``), never typed into a patch header or prose by hand: a
-typed figure drifts from the data.  Used by ``make check`` (patch headers) and
-by ``make report`` (README / docs prose outside generated regions).
-
-A figure is a number attached to a unit of a measurement or of a test run:
-
-* a ratio: ``2.3x``, ``2.28-3.51x``, ``3 ×`` (the ``x`` attached to the number; a
-  product like ``1 x 128`` or ``4x4`` is a shape, ``0x7f`` a literal);
-* a percentage: ``45%``, ``92-94 %``;
-* a time: ``2.2 us``, ``17µs``, ``1.5ms``, ``40 ns``, ``170 s``, ``5.9 minutes``;
-* a rate: ``5.4 TB/s``, ``900 GB/s``, ``120 tok/s``, ``3 TFLOPS``;
-* an error in units of roundoff: ``2.0 ulp``;
-* a test count: ``457 passed``, ``66 fail``, ``test_x.py 16/16``;
-* a before -> after count: ``46 -> 0``;
-* and a bare ``µs`` (a column of timings follows: ``min µs at 8/64/256: 48/59/51``).
-
-Not figures: identifiers and versions (``vllm#25763``, ``0.33.0``, ``v0.1.26``,
-``fp8``, ``e4m3``, ``gfx942``, ``H200``, ``cp312``: digits inside a word or a
-dotted version), shapes and settings (``D 128``, ``32K tokens``, ``block 16/32``,
-``GQA 8/4``, ``2**31 elements``, ``default 512``), sizes (``60 MB``: a
-property of the hardware or the data, not a result) and spelled-out words
-(``one ulp``).
+Figures belong in result files and the text generated from them (``make report``,
+``make pr``), never typed by hand into a patch header (``make check``) or README/docs
+prose (``make report`` warns): a typed figure drifts from the data.  A figure is a number
+with a unit of a measurement or a test run: a ratio (``2.3x``, ``2.28-3.51x``, ``3 ×``;
+not ``1 x 128``, ``4x4``, ``0x7f``), a percentage, a time (``17µs``, ``170 s``, ``5.9
+minutes``), a rate (``5.4 TB/s``, ``120 tok/s``, ``3 TFLOPS``), an error in ulp, a test
+count (``457 passed``, ``test_x.py 16/16``), a before -> after count (``46 -> 0``) and a
+bare ``µs``.  Not figures: identifiers and versions (``vllm#25763``, ``0.33.0``, ``e4m3``,
+``gfx942``), shapes and settings (``D 128``, ``32K tokens``, ``block 16/32``, ``default
+512``), sizes (``60 MB``) and spelled-out words (``one ulp``).
 """
 
 from __future__ import annotations
@@ -73,12 +60,9 @@ def find_figures(text: str) -> list[Figure]:
             for m in _FIGURE_RE.finditer(text)]
 
 
-# Generated regions of Markdown: block and inline markers (scripts/bench_report.py), and the
-# regions `make compile-report` writes (scripts/compile_tier: compile-tier.md, roofline-amd.md).
+# Generated regions of Markdown: `make report`'s, `make readme`'s and `make compile-report`'s.
 GENERATED_RE = re.compile(
     r"<!-- gen:(?P<block>[\w.:-]+) -->.*?<!-- /gen:(?P=block) -->"
-    r"|<!-- fig:[\w.:-]+ -->.*?<!-- /fig -->"
-    r"|<!-- bench:begin[^>]*-->.*?<!-- bench:end -->"
     r"|<!-- series-table:begin[^>]*-->.*?<!-- series-table:end -->"
     r"|<!-- (?P<tool>compile-tier|roofline):begin[^>]*-->.*?<!-- (?P=tool):end -->",
     re.S)

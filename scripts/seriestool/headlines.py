@@ -1,26 +1,18 @@
 """The figures readers see, named and rounded, each from one committed result file.
 
-One definition per kernel of what its headline is (which cases, which
-ratio), used by ``make report`` (README status table, inline figures,
-benchmarks/RESULTS.md, docs/) and ``make pr`` (the PR body's Claims), so the
-same claim shows the same figure everywhere.  Figures are rounded for prose:
-ratios and µs to two significant digits, percentages to whole percent, and a
-range collapses to one value when its ends round alike.  Nothing here is
-typed: every number comes from the result file's cases.
-
-Each kernel's headline (``Headline``) has:
-
-* ``figures``: name -> rounded text, e.g. ``fetch_kv.speedup_32k`` ->
-  ``2.2–2.4×`` (README prose: ``<!-- fig:fetch_kv.speedup_32k -->…<!-- /fig -->``);
-* ``claims``: sentences with figures and hardware, for the PR body;
-* ``short``: a table-cell summary, for the README status table;
-* ``sentence``: the paragraph a kernel's section leads with (paged context:
-  both baselines and where the gain comes from).
+One definition per kernel of its headline (which cases, which ratio), used by ``make
+report`` (README status table, benchmarks/RESULTS.md, docs/) and ``make pr`` (the PR
+body's Claims), so the same claim shows the same figure everywhere.  Ratios and µs are
+rounded to two significant digits, percentages to whole percent; a range collapses to one
+value when its ends round alike.  A ``Headline`` has ``figures`` (name -> rounded text),
+``claims`` (sentences for the PR body), ``short`` (a table cell) and ``sentence`` (the
+paragraph a kernel's section leads with).
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,8 +70,8 @@ def tokens(n: int) -> str:
 
 # --- per-case values ---------------------------------------------------------------------------
 
-def us(case: dict, impl: str, warm: bool = False) -> float | None:
-    value = case.get("results_warm" if warm else "results", {}).get(impl, {})
+def us(case: dict, impl: str) -> float | None:
+    value = case.get("results", {}).get(impl, {})
     return value.get("us") if isinstance(value, dict) else None
 
 
@@ -146,9 +138,6 @@ def _fetch_kv(h: Headline, cases: list[dict], root: Path) -> None:
     speed = h.put("speedup_32k", ratio(_values(sel, lambda c: c.get("speedup"))))
     copy = h.put("copy_32k", percent(_values(sel, lambda c: c.get("frac_copy"))))
     heads = h.put("heads_32k", listing(c["shapes"]["num_kv_heads"] for c in sel) if sel else None)
-    h.put("speedup_all", ratio(_values(cases, lambda c: c.get("speedup"))))
-    h.put("copy_all", percent(_values(cases, lambda c: c.get("frac_copy"))))
-    h.put("cases", str(len(cases)))
     mode = h.put("mode_32k", modes(sel or cases))
     h.claims.append(f"`fetch_kv` gathers cached K/V at {speed} the speed of upstream's "
                     f"`cp_mha_gather_cache` and {copy} of a same-bytes copy (32K tokens, bf16, NHD, "
@@ -180,7 +169,6 @@ def _mla_rope_cache(h: Headline, cases: list[dict], root: Path) -> None:
     d_caches = h.put("decode_caches", " and ".join(
         sorted({"bf16" if c["shapes"].get("kv_cache_dtype") == "auto" else c["shapes"].get("kv_cache_dtype")
                 for c in decode})) if decode else None)
-    h.put("cases", str(len(cases)))
     p_mode, d_mode = h.put("prefill_mode", modes(prefill)), h.put("decode_mode", modes(decode))
     if prefill:
         h.claims.append(f"MLA prefill ({p_tokens} tokens, bf16 cache): RoPE + cache write at {p_speed} "
@@ -196,7 +184,6 @@ def _mla_rope_cache(h: Headline, cases: list[dict], root: Path) -> None:
 def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
     h.compare = ("gather_fa2",)
     limit = paged_route_max_tokens(root)
-    h.put("route_max_tokens", str(limit) if limit is not None else None)
 
     def new_total(c):
         s = c.get("shapes", {})
@@ -209,10 +196,10 @@ def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
     # Counted as the per-case tables print them (two decimals): 1.246 shows as 1.25× and counts.
     goal = [c for c in routed if benchmeta.shown_ratio(c.get("speedup")) >= PAGED_CONTEXT_GOAL]
     at_goal = h.put("routed_at_goal", f"{len(goal)} of {len(routed)}" if routed else None)
-    h.put("goal", f"{PAGED_CONTEXT_GOAL:g}×")
     kept_fa2 = h.put("kept_vs_fa2", ratio(_values(kept, lambda c: over(c, "gather_fa2"))))
-    split = h.put("split_vs_fa2", ratio(_values(routed, lambda c: us(c, "gather_fa2") / us(c, "baseline")
-                                               if us(c, "gather_fa2") and us(c, "baseline") else None)))
+    split_values = _values(routed, lambda c: us(c, "gather_fa2") / us(c, "baseline")
+                           if us(c, "gather_fa2") and us(c, "baseline") else None)
+    split = h.put("split_vs_fa2", ratio(split_values))
     share = h.put("gather_share", percent(_values(routed, lambda c: us(c, "gather_only") / us(c, "baseline")
                                                  if us(c, "gather_only") and us(c, "baseline") else None)))
     contexts = sorted({c["shapes"]["context"] for c in cases if "context" in c.get("shapes", {})})
@@ -224,8 +211,7 @@ def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
     h.short = f"≤ {limit} new tokens: {fa2} gather + FA2, {same} gather + same kernel"
     # Where the gain comes from: the kernel's split (gather + the same kernel vs gather + FA2)
     # or the removed gather (ours vs gather + the same kernel), whichever the data says is larger.
-    split_gain = _geomean(_values(routed, lambda c: us(c, "gather_fa2") / us(c, "baseline")
-                                  if us(c, "gather_fa2") and us(c, "baseline") else None))
+    split_gain = _geomean(split_values)
     gather_gain = _geomean(_values(routed, lambda c: c.get("speedup")))
     if split_gain and gather_gain:
         source = ("most of the gain over FlashAttention-2 comes from splitting each request's context "
@@ -248,12 +234,7 @@ def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
 
 def _geomean(values: list[float]) -> float | None:
     values = [v for v in values if v > 0]
-    if not values:
-        return None
-    product = 1.0
-    for v in values:
-        product *= v
-    return product ** (1 / len(values))
+    return statistics.geometric_mean(values) if values else None
 
 
 def _order_host(h: Headline, rows: list[dict], root: Path) -> None:
@@ -266,9 +247,6 @@ def _order_host(h: Headline, rows: list[dict], root: Path) -> None:
 
 def _generic(h: Headline, cases: list[dict], root: Path) -> None:
     speed = h.put("speedup", ratio(_values(cases, lambda c: c.get("speedup"))))
-    copy = percent(_values(cases, benchmeta.copy_fraction))
-    h.put("copy", copy)
-    h.put("cases", str(len(cases)))
     mode = modes(cases) if cases else "host"
     h.claims.append(f"`{h.kernel}`: {speed} the speed of its baseline over {len(cases)} cases "
                     f"({h.device}, {mode}).")
@@ -288,13 +266,7 @@ def headline(root: Path, kernel: str, result: ResultFile) -> Headline:
     h = Headline(kernel, result)
     cases = result.cases(kernel)
     rows = benchmeta.host_cases(result.data, kernel) if not cases else []
-    build = KERNELS.get(kernel, _generic)
-    if build is _order_host or (rows and build is _generic):
-        (_order_host if build is _order_host else _generic)(h, rows or cases, root)
-    else:
-        build(h, cases, root)
-    h.put("device", result.device)
-    h.put("file", result.path)
+    KERNELS.get(kernel, _generic)(h, cases or rows, root)
     return h
 
 

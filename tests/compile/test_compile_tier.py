@@ -1,16 +1,15 @@
-"""The AMD compile tier: the series' Triton kernels compiled for gfx942, gfx950
-and sm_90 on this CPU, through the wrappers' own config selection, against
-their resource budgets (docs/compile-tier.md).
-
-``scripts/compile_tier`` builds one compile per (kernel, shape) of the shape
-matrix, runs each target in its own worker processes and caches the facts
-(registers, LDS, scratch, spills, occupancy, vector widths) by kernel source
-hash outside the checkout, so an unchanged kernel costs seconds.  Deselect with
-``-m "not compile"``.
+"""The AMD compile tier: the series' Triton kernels compiled for gfx942, gfx950 and sm_90 on
+this CPU, through the wrappers' own config selection, against their resource budgets
+(docs/compile-tier.md); and ``make compile-report`` end to end.  Facts are cached by kernel
+source hash outside the checkout: an unchanged kernel costs seconds.  Deselect with ``-m "not
+compile"``.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,3 +178,41 @@ def test_the_matrix_is_covered_and_deduplicated(tier):
             assert any(fp8 in c for c in cases), (target, kernel, fp8)
             assert any("fp16" in c for c in cases) and any("bf16" in c for c in cases)
         assert tier["unique"][target] < len(_records(tier, target))
+
+
+GENERATED = {"benchmarks/results/compile/gfx942.json", "benchmarks/results/compile/gfx950.json",
+             "benchmarks/results/compile/sm_90.json", "docs/compile-tier.md", "docs/roofline-amd.md"}
+
+
+def _changed(repo: Path) -> set[str]:
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=all"],
+                            check=True, capture_output=True, text=True).stdout
+    return {line[3:] for line in status.splitlines()}
+
+
+def test_compile_report_writes_only_its_files_and_a_rerun_changes_none(tier, tmp_path):
+    """In a clone of this checkout as it is (HEAD + local changes), so the checkout is never written."""
+    clone = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(clone)], check=True)
+    local = subprocess.run(["git", "-C", str(REPO), "ls-files", "-m", "-o", "--exclude-standard"],
+                           check=True, capture_output=True, text=True).stdout.splitlines()
+    for rel in local:
+        if (REPO / rel).is_file():
+            shutil.copy2(REPO / rel, clone / rel, follow_symlinks=False)
+    ours, before = _changed(REPO), _changed(clone)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(clone / "scripts" / "compile_tier.py"), "report"]
+    runs, texts = [], []
+    for _ in range(2):
+        runs.append(subprocess.run(cmd, cwd=clone, env=dict(env, TMPDIR=str(scratch)),
+                                   capture_output=True, text=True, timeout=3600))
+        assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
+        texts.append({rel: (clone / rel).read_text() for rel in GENERATED})
+    assert texts[0] == texts[1], "a rerun changed its files"
+    assert _changed(clone) - before <= GENERATED, _changed(clone) - before
+    region = (clone / "docs" / "roofline-amd.md").read_text().split("<!-- roofline:begin")[1]
+    assert "### fetch_kv" in region and "### paged_context" in region and "MI300X bound µs" in region
+    assert list(scratch.iterdir()) == [], "scratch folder left behind"
+    assert _changed(REPO) == ours, "the test wrote into the checkout"

@@ -12,13 +12,8 @@ skip on the CPU tier.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 import test_triton_fetch_kv as fetch_tests  # noqa: E402
 import test_triton_paged_context_attention as paged_tests  # noqa: E402

@@ -88,31 +88,42 @@ class KernelCall:
         if not self._relaunch:
             return
         params = _parameters(kernel)
+        self._any_alignment = params.any_alignment
+        self._hip = relaunch_supported()[1]
+        # The fixed kernel arguments (not the launch options), in order, and
+        # the configuration's key: an int argument counts by the class Triton
+        # specialises it by (int32 or not; unless do_not_specialize, whether
+        # it is 1 and whether a multiple of 16), not by its value.
+        self._fixed_args: list[str] = []
+        fixed_values = []
         key = []
         for name, value in fixed.items():
-            if type(value) is int and name in params.runtime:
-                # Triton specialises an int argument by its class, not its value.
-                value = (value in _INT32,) + (
-                    () if name in params.loose else (value == 1, value % 16 == 0)
-                )
-            key.append((name, value))
-        self._config = _CONFIGS.setdefault((kernel, tuple(key)), len(_CONFIGS))
-        self._hip = relaunch_supported()[1]
-        self._any_alignment = params.any_alignment
-        # The fixed kernel arguments (not the launch options), in order.
-        self._fixed_args = [name for name in fixed if name in params.names]
-        self._fixed_values = tuple(fixed[name] for name in self._fixed_args)
+            kind = params.kinds.get(name)  # None: a launch option
+            if kind is not None:
+                self._fixed_args.append(name)
+                fixed_values.append(value)
+            if type(value) is int and kind == _INT:
+                value = (value in _INT32) + 2 * (value == 1) + 4 * (value % 16 == 0)
+            elif type(value) is int and kind == _LOOSE_INT:
+                value = value in _INT32
+            key.append(value)
+        self._fixed_values = tuple(fixed_values)
+        self._config = _CONFIGS.setdefault(
+            (kernel, tuple(fixed), tuple(key)), len(_CONFIGS)
+        )
         # The launcher and argument order per guard value.
         self._launchers: dict[tuple, tuple[Any, Any]] = {}
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
+        guard = None
         if self._relaunch and not torch.compiler.is_compiling():
-            launcher = self._launchers.get(self.guard(tensors))
+            guard = self.guard(tensors)
+            launcher = self._launchers.get(guard)
             if launcher is not None:
                 run, order = launcher
                 run(*order((*self._fixed_values, *tensors.values())))
                 return
-        self._launch(tensors)
+        self._launch(guard, tensors)
 
     def guard(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
         """What a relaunch depends on per call (None: ``kernel[grid]``): the
@@ -134,14 +145,11 @@ class KernelCall:
         dtypes = map(getattr, tensors.values(), _DTYPE, _NO_DTYPE)
         return (*tensors, *dtypes, within)
 
-    def _launch(self, tensors: dict[str, torch.Tensor | None]) -> None:
-        """A call the relaunch path does not take (the first of each guard
-        value, a misaligned pointer, anything unknown): through
-        ``kernel[grid]``, or the kernel an earlier KernelCall of this
-        configuration compiled; keeps what a relaunch needs."""
-        guard = None
-        if self._relaunch and not torch.compiler.is_compiling():
-            guard = self.guard(tensors)
+    def _launch(self, guard, tensors: dict[str, torch.Tensor | None]) -> None:
+        """A call the relaunch path does not take (the first of ``guard``, a
+        misaligned pointer, anything unknown: None): through ``kernel[grid]``,
+        or the kernel an earlier KernelCall of this configuration compiled;
+        keeps what a relaunch needs."""
         if guard is None:
             self.kernel[self.grid](**self.fixed, **tensors)  # Triton decides
             return
@@ -179,20 +187,31 @@ _DTYPE = itertools.repeat("dtype")
 _NO_DTYPE = itertools.repeat(None)
 
 
+_CONSTEXPR, _INT, _LOOSE_INT = 0, 1, 2
+
+
 class _Parameters(NamedTuple):
     names: tuple[str, ...]
-    runtime: frozenset[str]  # not constexprs
-    loose: frozenset[str]  # ints Triton does not specialise
+    # _CONSTEXPR (compiled in), _INT (specialised by class) or _LOOSE_INT
+    # (do_not_specialize); pointers and other arguments count as _INT.
+    kinds: dict[str, int]
     any_alignment: frozenset[str]  # pointers Triton does not specialise
 
 
 @functools.cache
 def _parameters(kernel) -> _Parameters:
     params = kernel.params
+    kinds = {
+        p.name: _CONSTEXPR
+        if p.is_constexpr
+        else _LOOSE_INT
+        if p.do_not_specialize
+        else _INT
+        for p in params
+    }
     return _Parameters(
         names=tuple(p.name for p in params),
-        runtime=frozenset(p.name for p in params if not p.is_constexpr),
-        loose=frozenset(p.name for p in params if p.do_not_specialize),
+        kinds=kinds,
         any_alignment=frozenset(
             p.name for p in params if p.do_not_specialize_on_alignment
         ),

@@ -48,7 +48,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-triton-next test-gpu gpu-payload gpu-triton-payload test-gpu-backend test-gpu-mla bench bench-host report compile-report sweep sweep-report e2e validate-rocm clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-gpu gpu-payload gpu-triton-payload test-gpu-backend test-gpu-mla bench bench-host report compile-report sweep sweep-report e2e validate-rocm clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -79,9 +79,6 @@ test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRIT
 
 test-upstream: apply venv ## Upstream's own tests on the patched tree vs the pristine record (RECORD=1: rerecord it), against tests/upstream/upstream_tests.toml
 	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(RECORD),--record) $(if $(FILES),--files $(FILES))
-
-test-triton-next: apply venv ## Second leg: compile tier + KernelCall tests on pins.env TRITON_NEXT_VERSION; reports into build/triton-next/, never fails
-	@$(VPY) scripts/triton_next.py --tree $(TREE)
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest

@@ -84,8 +84,8 @@ test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + t
 	$(NEED) test-gpu torch triton pytest
 	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
-gpu-payload: apply venv ## Pack what test-gpu-backend / test-gpu-mla import (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
-	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
+gpu-payload: apply venv ## Pack what test-gpu-backend / test-gpu-mla import (pruned vLLM + cp312 wheels) into .gpu_payload/
+	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV)
 
 gpu-triton-payload: ## The target's Triton (TRITON_VERSION, or TRITON=x.y.z) trimmed and split for the GPU machine: .gpu_payload/triton/
 	@$(PYTHON) scripts/gpu_triton_payload.py build $(if $(TRITON),--version $(TRITON))
@@ -113,7 +113,7 @@ bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>
 bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step) into build/results/ (BENCH_OUT= to keep)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host $(PYTEST_ARGS)
 
-report: ## Turn benchmarks/results/*.json into the README table and PNG plots
+report: ## Turn committed benchmarks/results/*.json into README/docs tables and benchmarks/RESULTS.md; flag hand-typed figures
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
 
 compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md

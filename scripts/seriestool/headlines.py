@@ -5,14 +5,12 @@ report`` (README status table, benchmarks/RESULTS.md, docs/) and ``make pr`` (th
 body's Claims), so the same claim shows the same figure everywhere.  Ratios and µs are
 rounded to two significant digits, percentages to whole percent; a range collapses to one
 value when its ends round alike.  A ``Headline`` has ``figures`` (name -> rounded text),
-``claims`` (sentences for the PR body), ``short`` (a table cell) and ``sentence`` (the
-paragraph a kernel's section leads with).
+``claims`` (sentences for the PR body and RESULTS.md) and ``short`` (a table cell).
 """
 
 from __future__ import annotations
 
 import re
-import statistics
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,7 +106,7 @@ class Headline:
     figures: dict[str, str] = field(default_factory=dict)
     claims: list[str] = field(default_factory=list)
     short: str = ""
-    sentence: str = ""
+    sentence: str = ""  # none is generated since issue 35; export.py still reads the field
     compare: tuple[str, ...] = ()  # extra ratio columns of the kernel's table
 
     @property
@@ -190,51 +188,19 @@ def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
         return s.get("requests", 0) * s.get("new_tokens", 0)
 
     routed = [c for c in cases if limit is not None and new_total(c) <= limit]
-    kept = [c for c in cases if c not in routed]
     fa2 = h.put("routed_vs_fa2", ratio(_values(routed, lambda c: over(c, "gather_fa2"))))
     same = h.put("routed_vs_baseline", ratio(_values(routed, lambda c: c.get("speedup"))))
     # Counted as the per-case tables print them (two decimals): 1.246 shows as 1.25× and counts.
     goal = [c for c in routed if benchmeta.shown_ratio(c.get("speedup")) >= PAGED_CONTEXT_GOAL]
     at_goal = h.put("routed_at_goal", f"{len(goal)} of {len(routed)}" if routed else None)
-    kept_fa2 = h.put("kept_vs_fa2", ratio(_values(kept, lambda c: over(c, "gather_fa2"))))
-    split_values = _values(routed, lambda c: us(c, "gather_fa2") / us(c, "baseline")
-                           if us(c, "gather_fa2") and us(c, "baseline") else None)
-    split = h.put("split_vs_fa2", ratio(split_values))
-    share = h.put("gather_share", percent(_values(routed, lambda c: us(c, "gather_only") / us(c, "baseline")
-                                                 if us(c, "gather_only") and us(c, "baseline") else None)))
     contexts = sorted({c["shapes"]["context"] for c in cases if "context" in c.get("shapes", {})})
     span = h.put("contexts", f"{tokens(contexts[0])}–{tokens(contexts[-1])}" if contexts else None)
     mode = h.put("mode", modes(routed or cases))
     h.claims.append(f"Short extends (≤ {limit} new tokens a step) attend to their cached context straight "
                     f"from the paged cache: {fa2} the speed of gather + FlashAttention-2 and {same} that "
-                    f"of gather + the same Triton kernel ({span} cached tokens; {h.device}, {mode}).")
+                    f"of gather + the same Triton kernel, {at_goal} cases at ≥ {PAGED_CONTEXT_GOAL:g}× "
+                    f"({span} cached tokens; {h.device}, {mode}).")
     h.short = f"≤ {limit} new tokens: {fa2} gather + FA2, {same} gather + same kernel"
-    # Where the gain comes from: the kernel's split (gather + the same kernel vs gather + FA2)
-    # or the removed gather (ours vs gather + the same kernel), whichever the data says is larger.
-    split_gain = _geomean(split_values)
-    gather_gain = _geomean(_values(routed, lambda c: c.get("speedup")))
-    if split_gain and gather_gain:
-        source = ("most of the gain over FlashAttention-2 comes from splitting each request's context "
-                  "across programs, where the dense kernel's grid has only a few CTAs for so few query "
-                  f"rows (gather + the same kernel is already {split} the speed of gather + "
-                  f"FlashAttention-2; the gather is {share} of that step)"
-                  if split_gain >= gather_gain else
-                  "most of the gain comes from removing the gather, new-token pass and merge "
-                  f"(gather + the same kernel is {split} the speed of gather + FlashAttention-2; the "
-                  f"gather is {share} of that step)")
-    else:
-        source = "one of the two baselines is missing from this run"
-    h.sentence = (
-        f"On {h.device} ({mode}), the steps the paged route takes (≤ {limit} new tokens in total, "
-        f"{span} cached tokens) run at {fa2} the speed of gather + FlashAttention-2 and {same} "
-        f"the speed of gather + the same Triton kernel over the workspace ({at_goal} at ≥ "
-        f"{PAGED_CONTEXT_GOAL:g}×): {source}. Larger steps keep the gather route ({kept_fa2} vs "
-        f"gather + FlashAttention-2).")
-
-
-def _geomean(values: list[float]) -> float | None:
-    values = [v for v in values if v > 0]
-    return statistics.geometric_mean(values) if values else None
 
 
 def _order_host(h: Headline, rows: list[dict], root: Path) -> None:

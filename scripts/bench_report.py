@@ -7,8 +7,7 @@ and device, the newest of them; figures are rounded by seriestool/headlines.py. 
 ``benchmarks/RESULTS.md`` (every case, per kernel and device) and, in
 README.md and docs/**/*.md, only the regions ``<!-- gen:NAME -->`` ...
 ``<!-- /gen:NAME -->``, NAME one of ``status`` (per topic: what changes, where checked,
-headline), ``bench-summary`` (per kernel: cases, timing, ranges, file), ``host-cost`` and
-``eager-step`` (every case of those host-timed suites).  An unknown NAME stops the report
+headline) and ``bench-summary`` (per kernel: cases, timing, ranges, file).  An unknown NAME stops the report
 (exit 2) before anything is written.  Figures typed by hand outside generated regions
 are listed as warnings (``--strict``: exit 1).
 """
@@ -94,25 +93,12 @@ class Report:
         rows += ["", f"Per-case tables: [{self.details.name}]({self.link(base, self.details)})."]
         return "\n".join(rows)
 
-    def host_timed(self, prefix: str, base: Path) -> str:
-        """Every case of the newest results of the backends' host-timed suites, a table each."""
-        out = []
-        for h in self.sections:
-            if h.kernel.startswith(prefix) and h.kernel.endswith(("_fa", "_mla")):
-                out += [f"`{h.kernel}` on {h.device} ([`{h.result.name}`]"
-                        f"({self.link(base, self.root / h.result.path)})):", "",
-                        benchmeta.suite_table(h.kernel, h.result.cases(h.kernel)), ""]
-        return "\n".join(out).rstrip() or f"No usable `{prefix}` results yet."
-
     def block(self, name: str, base: Path) -> str:
         if name == "status":
             return self.status(base)
         if name == "bench-summary":
             return self.summary(base)
-        if name in ("host-cost", "eager-step"):
-            return self.host_timed(name.replace("-", "_"), base)
-        raise ReportError(f"unknown generated block {name!r} (status, bench-summary, host-cost, "
-                          "eager-step)")
+        raise ReportError(f"unknown generated block {name!r} (status, bench-summary)")
 
     def fill(self, text: str, path: Path) -> str:
         return _BLOCK_RE.sub(lambda m: f"{m.group(1)}\n{self.block(m.group('name'), path.parent)}"

@@ -1,4 +1,4 @@
-"""``python3 scripts/compile_tier.py run|report``: the worker processes and the command line."""
+"""``python3 scripts/compile_tier.py report``: the worker processes and the command line."""
 
 from __future__ import annotations
 
@@ -73,28 +73,21 @@ def main(argv=None) -> int:
     from . import report, roofline
 
     p = argparse.ArgumentParser(prog="compile_tier")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="compile (or read cached facts) and print a summary")
-    r.add_argument("--target", action="append", choices=sorted(TARGETS))
-    r.add_argument("--json", type=Path, help="write all records here")
-    w = sub.add_parser("report", help="run, then write benchmarks/results/compile/*.json, "
-                       "docs/compile-tier.md's table and docs/roofline-amd.md")
-    for parser in (r, w):
-        parser.add_argument("--cache", type=Path)
+    p.add_argument("cmd", choices=["report"], help="compile (or read cached facts), then write "
+                   "benchmarks/results/compile/*.json, docs/compile-tier.md's table and "
+                   "docs/roofline-amd.md")
+    p.add_argument("--cache", type=Path)
     args = p.parse_args(argv)
-    result = run(getattr(args, "target", None), cache=args.cache)
-    if args.cmd == "run" and args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.cmd == "report":
-        # Everything is rendered before anything is written: a failure leaves the checkout as it was.
-        files = {**report.render(result, ROOT), **roofline.render(ROOT)}
-        for path, text in files.items():
-            state = "unchanged"
-            if not path.is_file() or path.read_text() != text:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
-                state = "wrote"
-            print(f"[compile-report] {state} {path.relative_to(ROOT)}")
+    result = run(cache=args.cache)
+    # Everything is rendered before anything is written: a failure leaves the checkout as it was.
+    files = {**report.render(result, ROOT), **roofline.render(ROOT)}
+    for path, text in files.items():
+        state = "unchanged"
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            state = "wrote"
+        print(f"[compile-report] {state} {path.relative_to(ROOT)}")
     print(f"{len(result['records'])} specs, unique {result['unique']}, "
           f"compiled {result['compiled']}, {result['seconds']} s")
     return 0

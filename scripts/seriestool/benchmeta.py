@@ -6,21 +6,13 @@ Shared by ``make report`` (scripts/bench_report.py) and ``make pr``
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 
 def baseline_of(root: Path, kernel: str, cases: list[dict]) -> str | None:
-    """What "baseline" was in these results: as recorded, else the ``BASELINE`` string the
-    suite (benchmarks/bench_<kernel>.py) declares now."""
-    recorded = next((c["baseline_desc"] for c in cases if c.get("baseline_desc")), None)
-    path = root / "benchmarks" / f"bench_{kernel}.py"
-    if recorded or not path.is_file():
-        return recorded
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["BASELINE"]:
-            return ast.literal_eval(node.value)
-    return None
+    """What "baseline" was in these results, as the run recorded it (``baseline_desc``).
+    ``root`` and ``kernel`` are unused since issue 35 (no fallback to the suite's source)."""
+    return next((c["baseline_desc"] for c in cases if c.get("baseline_desc")), None)
 
 
 def _us(case: dict, impl: str) -> str:

@@ -55,9 +55,8 @@ def compile_key(fn, target, signature, constexprs, attrs, options) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def compile_kernel(fn, target, signature, constexprs, attrs, options):
-    """(the CompiledKernel, its facts); make validate-rocm loads the kernel on
-    the device to compare what the driver reports with the facts."""
+def compile_kernel(fn, target, signature, constexprs, attrs, options) -> dict:
+    """The facts of one compile (and its time)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -67,7 +66,7 @@ def compile_kernel(fn, target, signature, constexprs, attrs, options):
     seconds = time.perf_counter() - start
     facts = amd_facts(target, kernel.asm["amdgcn"], kernel.metadata.shared, options["num_warps"])
     facts["compile_s"] = round(seconds, 2)
-    return kernel, facts
+    return facts
 
 
 def run_target(target_name: str, cache: Path) -> list[dict]:
@@ -88,7 +87,7 @@ def run_target(target_name: str, cache: Path) -> list[dict]:
             facts = json.loads(path.read_text())
         else:
             try:
-                facts = compile_kernel(fn, target, signature, constexprs, attrs, spec.options)[1]
+                facts = compile_kernel(fn, target, signature, constexprs, attrs, spec.options)
             except Exception as exc:  # noqa: BLE001 - a failed compile is a result
                 facts = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
             else:

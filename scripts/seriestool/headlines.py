@@ -66,27 +66,12 @@ def tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
-# --- per-case values ---------------------------------------------------------------------------
-
-def us(case: dict, impl: str) -> float | None:
-    value = case.get("results", {}).get(impl, {})
-    return value.get("us") if isinstance(value, dict) else None
-
-
-def over(case: dict, impl: str) -> float | None:
-    """``impl`` µs / ours µs in the case's headline timing (how much faster ours is)."""
-    a, b = us(case, impl), us(case, "ours")
-    return a / b if a and b else None
-
-
-mode_of = benchmeta.timing_mode
-
 _HOST_MODES = {"host": "host µs per call", "eager": "eager wall clock"}
 
 
 def modes(cases: list[dict]) -> str:
     """``cold L2`` / ``warm L2`` / ``L2: 20 warm, 16 flushed`` / ``host µs per call``."""
-    counts = Counter(mode_of(c) for c in cases)
+    counts = Counter(benchmeta.timing_mode(c) for c in cases)
     if len(counts) == 1:
         mode = next(iter(counts))
         return _HOST_MODES.get(mode, f"{mode} L2")
@@ -144,7 +129,7 @@ def _fetch_kv(h: Headline, cases: list[dict], root: Path) -> None:
 
 
 def _fetch_kv_plan(h: Headline, cases: list[dict], root: Path) -> None:
-    cost = h.put("us", microseconds(_values(cases, lambda c: us(c, "ours"))))
+    cost = h.put("us", microseconds(_values(cases, lambda c: benchmeta.us(c, "ours"))))
     h.claims.append(f"The per-step plan (`fetch_kv_plan`, built once for all layers) costs {cost} "
                     f"({h.device}).")
     h.short = f"plan {cost} per step"
@@ -161,7 +146,7 @@ def _mla_rope_cache(h: Headline, cases: list[dict], root: Path) -> None:
     p_tokens = h.put("prefill_tokens", " / ".join(tokens(t) for t in
                                                  sorted({c["shapes"]["T"] for c in prefill})) or None)
     d_speed = h.put("decode_speedup", ratio(_values(decode, lambda c: c.get("speedup"))))
-    d_comp = h.put("decode_vs_compiled", ratio(_values(decode, lambda c: over(c, "compiled_unfused"))))
+    d_comp = h.put("decode_vs_compiled", ratio(_values(decode, lambda c: benchmeta.over(c, "compiled_unfused"))))
     d_tokens = h.put("decode_max_tokens", str(max(c["shapes"]["T"] for c in decode)) if decode else None)
     d_heads = h.put("decode_heads", listing(c["shapes"]["H"] for c in decode) if decode else None)
     d_caches = h.put("decode_caches", " and ".join(
@@ -188,7 +173,7 @@ def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
         return s.get("requests", 0) * s.get("new_tokens", 0)
 
     routed = [c for c in cases if limit is not None and new_total(c) <= limit]
-    fa2 = h.put("routed_vs_fa2", ratio(_values(routed, lambda c: over(c, "gather_fa2"))))
+    fa2 = h.put("routed_vs_fa2", ratio(_values(routed, lambda c: benchmeta.over(c, "gather_fa2"))))
     same = h.put("routed_vs_baseline", ratio(_values(routed, lambda c: c.get("speedup"))))
     # Counted as the per-case tables print them (two decimals): 1.246 shows as 1.25× and counts.
     goal = [c for c in routed if benchmeta.shown_ratio(c.get("speedup")) >= PAGED_CONTEXT_GOAL]

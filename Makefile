@@ -48,7 +48,7 @@ BASE_IMAGE ?=
 SERIES := $(PYTHON) scripts/series.py --build $(TREE)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-triton-next test-gpu gpu-payload gpu-triton-payload test-gpu-backend test-gpu-mla bench bench-host report compile-report sweep sweep-report e2e validate-rocm clean
+.PHONY: help apply check refresh rebase fetch readme venv test test-upstream test-gpu gpu-payload gpu-triton-payload test-gpu-backend test-gpu-mla bench bench-host report compile-report sweep sweep-report e2e validate-rocm clean
 
 help: ## List the verbs
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -80,15 +80,12 @@ test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRIT
 test-upstream: apply venv ## Upstream's own tests on the patched tree vs the pristine record (RECORD=1: rerecord it), against tests/upstream/upstream_tests.toml
 	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(RECORD),--record) $(if $(FILES),--files $(FILES))
 
-test-triton-next: apply venv ## Second leg: compile tier + KernelCall tests on pins.env TRITON_NEXT_VERSION; reports into build/triton-next/, never fails
-	@$(VPY) scripts/triton_next.py --tree $(TREE)
-
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest
 	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/kernels $(PYTEST_ARGS)
 
-gpu-payload: apply venv ## Pack what test-gpu-backend / test-gpu-mla import (pruned vLLM + cp312 wheels) into .gpu_payload/ (CHECK=1: test it)
-	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV) $(if $(CHECK),--check)
+gpu-payload: apply venv ## Pack what test-gpu-backend / test-gpu-mla import (pruned vLLM + cp312 wheels) into .gpu_payload/
+	@$(PYTHON) scripts/gpu_payload.py --tree $(TREE) --venv $(VENV)
 
 gpu-triton-payload: ## The target's Triton (TRITON_VERSION, or TRITON=x.y.z) trimmed and split for the GPU machine: .gpu_payload/triton/
 	@$(PYTHON) scripts/gpu_triton_payload.py build $(if $(TRITON),--version $(TRITON))
@@ -116,7 +113,7 @@ bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>
 bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step) into build/results/ (BENCH_OUT= to keep)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host $(PYTEST_ARGS)
 
-report: ## Turn benchmarks/results/*.json into the README table and PNG plots
+report: ## Turn committed benchmarks/results/*.json into README/docs tables and benchmarks/RESULTS.md; flag hand-typed figures
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
 
 compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md

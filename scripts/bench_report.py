@@ -4,12 +4,10 @@
 Reads ``benchmarks/results/*.json`` as committed at HEAD, keeps the files that may back
 claims (seriestool/results.py; the others are listed with the reasons) and, per kernel
 and device, the newest of them; figures are rounded by seriestool/headlines.py.  Writes
-``benchmarks/RESULTS.md`` (every case, per kernel and device), the plots
-``benchmarks/results/plots/<kernel>-<device>.png`` (speedup vs bytes moved) and, in
+``benchmarks/RESULTS.md`` (every case, per kernel and device) and, in
 README.md and docs/**/*.md, only the regions ``<!-- gen:NAME -->`` ...
 ``<!-- /gen:NAME -->``, NAME one of ``status`` (per topic: what changes, where checked,
-headline), ``bench-summary`` (per kernel: cases, timing, ranges, file), ``host-cost`` and
-``eager-step`` (every case of those host-timed suites).  An unknown NAME stops the report
+headline) and ``bench-summary`` (per kernel: cases, timing, ranges, file).  An unknown NAME stops the report
 (exit 2) before anything is written.  Figures typed by hand outside generated regions
 are listed as warnings (``--strict``: exit 1).
 """
@@ -54,7 +52,6 @@ class Report:
         self.sections = [headlines.headline(root, kernel, self.selection.latest(kernel, device))
                          for kernel in sorted({k for f in self.selection.usable for k in f.kernels()})
                          for device in self.selection.devices(kernel)]
-        self.plots: list[tuple[str, Path]] = []
 
     def link(self, base: Path, target: Path, kernel: str = "", device: str = "") -> str:
         rel = Path(os.path.relpath(target, base)).as_posix()
@@ -94,28 +91,14 @@ class Report:
                         f"{len(cases)} | {timing} | {speed} | {copy} | "
                         f"[`{h.result.name}`]({self.link(base, self.root / h.result.path)}) |")
         rows += ["", f"Per-case tables: [{self.details.name}]({self.link(base, self.details)})."]
-        rows += [f"\n![{kernel}]({self.link(base, png)})" for kernel, png in self.plots]
         return "\n".join(rows)
-
-    def host_timed(self, prefix: str, base: Path) -> str:
-        """Every case of the newest results of the backends' host-timed suites, a table each."""
-        out = []
-        for h in self.sections:
-            if h.kernel.startswith(prefix) and h.kernel.endswith(("_fa", "_mla")):
-                out += [f"`{h.kernel}` on {h.device} ([`{h.result.name}`]"
-                        f"({self.link(base, self.root / h.result.path)})):", "",
-                        benchmeta.suite_table(h.kernel, h.result.cases(h.kernel)), ""]
-        return "\n".join(out).rstrip() or f"No usable `{prefix}` results yet."
 
     def block(self, name: str, base: Path) -> str:
         if name == "status":
             return self.status(base)
         if name == "bench-summary":
             return self.summary(base)
-        if name in ("host-cost", "eager-step"):
-            return self.host_timed(name.replace("-", "_"), base)
-        raise ReportError(f"unknown generated block {name!r} (status, bench-summary, host-cost, "
-                          "eager-step)")
+        raise ReportError(f"unknown generated block {name!r} (status, bench-summary)")
 
     def fill(self, text: str, path: Path) -> str:
         return _BLOCK_RE.sub(lambda m: f"{m.group(1)}\n{self.block(m.group('name'), path.parent)}"
@@ -127,7 +110,7 @@ class Report:
         host = benchmeta.host_cases(h.result.data, h.kernel) if not cases else []
         baseline = ("the unpatched (pristine vLLM) functions, host code timed by pytest-benchmark"
                     if host else benchmeta.baseline_of(self.root, h.kernel, cases))
-        out = [f"## {h.kernel} on {h.device}", ""] + ([h.sentence, ""] if h.sentence else [])
+        out = [f"## {h.kernel} on {h.device}", ""]
         out += [f"- {c}" for c in h.claims] + [""]
         out += [f"Baseline: {baseline}.", ""] if baseline else []
         out += [f"From `{h.result.path}` ({h.result.when}; commit {s.get('commit', '?')}, "
@@ -152,41 +135,9 @@ class Report:
         return "\n".join(out)
 
 
-def plot(kernel: str, device: str, cases: list[dict], path: Path) -> bool:
-    """Speedup and fraction of copy against bytes moved; False where there is nothing to plot."""
-    if benchmeta.timing_mode(cases[0]) in benchmeta.HOST_TIMED.values():
-        return False  # host-timed: no bytes axis
-    points = sorted((c["nbytes"], c["speedup"], benchmeta.copy_fraction(c) or 0) for c in cases
-                    if c.get("speedup") and c.get("nbytes"))
-    if not points:
-        return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[report] matplotlib not installed: no plots", file=sys.stderr)
-        return False
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.semilogx([p[0] for p in points], [p[1] for p in points], "o-", label="speedup vs baseline")
-    ax.semilogx([p[0] for p in points], [p[2] for p in points], "s--", label="fraction of copy BW")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("bytes moved per call")
-    ax.set_title(f"{kernel} on {device} ({headlines.modes(cases)})")
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="the series repository")
-    parser.add_argument("--no-plots", action="store_true", help="keep (and link) the plots there are")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when README/docs carry figures outside generated regions")
     args = parser.parse_args(argv)
@@ -196,11 +147,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(report.selection.usable) + len(report.selection.skipped)} committed result file(s)")
     for note in report.selection.notes():
         print(f"[report] {note}")
-    for h in report.sections:
-        png = root / results.RESULTS_DIR / "plots" / f"{h.kernel}-{anchor(h.device)}.png"
-        cases = h.result.cases(h.kernel)
-        if cases and (png.is_file() if args.no_plots else plot(h.kernel, h.device, cases, png)):
-            report.plots.append((h.kernel, png))
     pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     try:
         filled = {path: report.fill(path.read_text(), path) for path in pages if path.is_file()}

@@ -60,7 +60,7 @@ def _standin_torch(where: Path) -> Path:
     return where
 
 
-def build(tree: Path, dist: Path, device: str, python: str | None) -> Path:
+def build(tree: Path, dist: Path, device: str) -> Path:
     pins = load_pins(REPO)
     if not gitrepo.is_repo(tree):
         raise SeriesError(f"{tree} does not exist: run `make apply` first")
@@ -68,7 +68,7 @@ def build(tree: Path, dist: Path, device: str, python: str | None) -> Path:
     if changes:
         print(f"note: {tree} has {len(changes)} uncommitted change(s); the wheel is built from its HEAD "
               "(the series), without them", file=sys.stderr)
-    python = python or sys.executable
+    python = sys.executable
     if device == "auto":
         device = detect_device(python)
     version = f"{pins['VLLM_VERSION']}+{series_label(REPO, tree)}"
@@ -123,12 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, default=REPO / "build" / "vllm")
     parser.add_argument("--dist", type=Path, default=REPO / "dist")
     parser.add_argument("--device", choices=("auto", "rocm", "empty"), default="auto")
-    parser.add_argument("--python", default=None,
-                        help="interpreter of a ROCm build (default: this one); unused for empty")
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        wheel = build(args.tree.resolve(), args.dist.resolve(), args.device, args.python)
+        wheel = build(args.tree.resolve(), args.dist.resolve(), args.device)
     except SeriesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

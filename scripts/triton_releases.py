@@ -1,5 +1,5 @@
 """Triton releases beside the venv's own, for tests that load the launcher on each
-(tests/launcher) and for make test-triton-next: ``install(VERSION)`` puts the
+(tests/launcher): ``install(VERSION)`` puts the
 ``triton==VERSION`` wheel (no dependencies) into ``<series cache>/triton/<VERSION>``,
 reused when there; an interrupted install leaves a ``.partial`` folder, removed by the
 next one.  Put the folder first on PYTHONPATH to run on that Triton.

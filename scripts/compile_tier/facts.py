@@ -4,9 +4,8 @@ AMD (amdgcn assembly of Triton's hip backend): the kernel descriptor's
 ``.vgpr_count`` (arch VGPRs + AGPRs), ``.agpr_count``, ``.sgpr_count``,
 ``.private_segment_fixed_size`` (scratch bytes per lane), the spill counts, the
 ``; NumVgprs`` / ``; Occupancy`` comments, and the LDS bytes Triton allocates
-at launch (``metadata.shared``).  sm_90: ptxas ``-v`` (registers, spill bytes,
-stack frame) and ``metadata.shared``.  Both: global / buffer loads and stores
-counted by access width in bytes, from the amdgcn text or the PTX.
+at launch (``metadata.shared``); global / buffer loads and stores counted by
+access width in bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from .targets import Target, amd_waves_per_simd, cuda_warps_per_sm
+from .targets import Target, amd_waves_per_simd
 
 # Version of the facts' format: part of every cache key, so a change here
 # invalidates cached results.
@@ -34,14 +33,6 @@ _AMD_FIELDS = {
 _AMD_WIDTH = {"ubyte": 1, "sbyte": 1, "byte": 1, "ushort": 2, "sshort": 2, "short": 2,
               "dword": 4, "dwordx2": 8, "dwordx3": 12, "dwordx4": 16}
 _AMD_MEM = re.compile(r"^\s*(?:global|buffer)_(load|store)_([a-z0-9]+)", re.M)
-_PTX_MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st)\.global((?:\.[A-Za-z0-9_:]+)+)", re.M)
-_PTX_BITS = re.compile(r"^[bufs](\d+)$")
-_PTXAS = {
-    "regs": r"Used (\d+) registers",
-    "spill_stores": r"(\d+) bytes spill stores",
-    "spill_loads": r"(\d+) bytes spill loads",
-    "stack_bytes": r"(\d+) bytes stack frame",
-}
 
 
 def _one(pattern: str, text: str, name: str) -> int:
@@ -61,32 +52,10 @@ def amd_memory_ops(asm: str) -> dict[str, dict[int, int]]:
     return {k: dict(sorted(v.items())) for k, v in ops.items()}
 
 
-def ptx_memory_ops(ptx: str) -> dict[str, dict[int, int]]:
-    """The same for ``ld.global`` / ``st.global`` in PTX (``.vN`` times the type)."""
-    ops = {"load": Counter(), "store": Counter()}
-    for kind, mods in _PTX_MEM.findall(ptx):
-        parts = mods.strip(".").split(".")
-        lanes = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
-        bits = _PTX_BITS.match(parts[-1])
-        if bits:
-            ops["load" if kind == "ld" else "store"][lanes * int(bits.group(1)) // 8] += 1
-    return {k: dict(sorted(v.items())) for k, v in ops.items()}
-
-
 def amd_facts(target: Target, asm: str, lds_bytes: int, num_warps: int) -> dict:
     f = {name: _one(pat, asm, name) for name, pat in _AMD_FIELDS.items()}
     f["lds_bytes"] = lds_bytes + f.pop("static_lds_bytes")
     f["waves_per_simd"] = amd_waves_per_simd(target, f["llvm_occupancy"], f["lds_bytes"], num_warps)
     f["spills"] = f["vgpr_spill"] > 0 or f["scratch_bytes"] > 0
     f["memory_ops"] = amd_memory_ops(asm)
-    return f
-
-
-def cuda_facts(target: Target, ptx: str, ptxas_log: str, smem_bytes: int, num_warps: int) -> dict:
-    log = ptxas_log.split("Compiling entry function")[-1]
-    f = {name: _one(pat, log, name) for name, pat in _PTXAS.items()}
-    f["lds_bytes"] = smem_bytes
-    f["warps_per_sm"] = cuda_warps_per_sm(target, f["regs"], smem_bytes, num_warps)
-    f["spills"] = f["spill_stores"] > 0 or f["spill_loads"] > 0
-    f["memory_ops"] = ptx_memory_ops(ptx)
     return f

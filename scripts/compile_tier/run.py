@@ -1,9 +1,8 @@
-"""``python3 scripts/compile_tier.py run|report``: the worker processes and the command line."""
+"""``python3 scripts/compile_tier.py report``: the worker processes and the command line."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -30,12 +29,11 @@ def say(text: str) -> None:
     print(f"[compile-tier] {text}", file=sys.stderr, flush=True)
 
 
-def run(targets=None, jobs: int = 2, cache: Path | None = None) -> dict:
+def run(targets=None, cache: Path | None = None) -> dict:
     """Compile (or read from the cache) every spec of ``targets``, one worker process per
-    target, ``jobs`` workers at a time.  Returns ``{"records":
-    [...] sorted by target, kernel, case, "seconds", "unique": {target: n}, "compiled":
-    {target: n}}``.  Triton's own cache and the workers' files go to a scratch folder,
-    removed however the run ends."""
+    target, all at once.  Returns ``{"records": [...] sorted by target, kernel, case,
+    "seconds", "unique": {target: n}, "compiled": {target: n}}``.  Triton's own cache and the
+    workers' files go to a scratch folder, removed however the run ends."""
     targets = list(targets or TARGETS)
     cache = cache or cache_dir()
     start = time.perf_counter()
@@ -44,29 +42,21 @@ def run(targets=None, jobs: int = 2, cache: Path | None = None) -> dict:
     records = []
     with tempfile.TemporaryDirectory(prefix="compile-tier-") as tmp:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        # The kernels from vllm_overlay, the vLLM names they import from tests/without_vllm, and
-        # this process's Triton (make test-triton-next puts another release first on the path).
-        triton_home = Path(importlib.util.find_spec("triton").origin).parents[1]
+        # The kernels from vllm_overlay and the vLLM names they import from tests/without_vllm.
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "vllm_overlay"),
-                                             str(ROOT / "tests" / "without_vllm"), str(SCRIPTS),
-                                             str(triton_home)])
+                                             str(ROOT / "tests" / "without_vllm"), str(SCRIPTS)])
         env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")  # a cold run compiles everything
-        env["TRITON_ALWAYS_COMPILE"] = "1"  # ptxas -v runs (and logs) for every compile
-        todo, running = list(targets), []
+        running = []
         try:
-            while todo or running:
-                while todo and len(running) < jobs:
-                    target = todo.pop(0)
-                    out = Path(tmp) / f"{target}.json"
-                    cmd = [sys.executable, "-m", "compile_tier.worker", target, str(cache), str(out)]
-                    running.append((subprocess.Popen(cmd, env=env, cwd=ROOT), target, out))
-                time.sleep(0.2)
-                for proc, target, out in [r for r in running if r[0].poll() is not None]:
-                    running.remove((proc, target, out))
-                    if proc.returncode:
-                        raise RuntimeError(f"compile worker {target} exited {proc.returncode}")
-                    say(f"{target} done, {time.perf_counter() - start:.0f} s")
-                    records += json.loads(out.read_text())
+            for target in targets:
+                out = Path(tmp) / f"{target}.json"
+                cmd = [sys.executable, "-m", "compile_tier.worker", target, str(cache), str(out)]
+                running.append((subprocess.Popen(cmd, env=env, cwd=ROOT), target, out))
+            for proc, target, out in running:
+                if proc.wait():
+                    raise RuntimeError(f"compile worker {target} exited {proc.returncode}")
+                say(f"{target} done, {time.perf_counter() - start:.0f} s")
+                records += json.loads(out.read_text())
         finally:
             for proc, _, _ in running:
                 proc.kill()
@@ -83,29 +73,21 @@ def main(argv=None) -> int:
     from . import report, roofline
 
     p = argparse.ArgumentParser(prog="compile_tier")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="compile (or read cached facts) and print a summary")
-    r.add_argument("--target", action="append", choices=sorted(TARGETS))
-    r.add_argument("--json", type=Path, help="write all records here")
-    w = sub.add_parser("report", help="run, then write benchmarks/results/compile/*.json, "
-                       "docs/compile-tier.md's table and docs/roofline-amd.md")
-    for parser in (r, w):
-        parser.add_argument("--jobs", type=int, default=2)
-        parser.add_argument("--cache", type=Path)
+    p.add_argument("cmd", choices=["report"], help="compile (or read cached facts), then write "
+                   "benchmarks/results/compile/*.json, docs/compile-tier.md's table and "
+                   "docs/roofline-amd.md")
+    p.add_argument("--cache", type=Path)
     args = p.parse_args(argv)
-    result = run(getattr(args, "target", None), jobs=args.jobs, cache=args.cache)
-    if args.cmd == "run" and args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.cmd == "report":
-        # Everything is rendered before anything is written: a failure leaves the checkout as it was.
-        files = {**report.render(result, ROOT), **roofline.render(ROOT)}
-        for path, text in files.items():
-            state = "unchanged"
-            if not path.is_file() or path.read_text() != text:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
-                state = "wrote"
-            print(f"[compile-report] {state} {path.relative_to(ROOT)}")
+    result = run(cache=args.cache)
+    # Everything is rendered before anything is written: a failure leaves the checkout as it was.
+    files = {**report.render(result, ROOT), **roofline.render(ROOT)}
+    for path, text in files.items():
+        state = "unchanged"
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            state = "wrote"
+        print(f"[compile-report] {state} {path.relative_to(ROOT)}")
     print(f"{len(result['records'])} specs, unique {result['unique']}, "
           f"compiled {result['compiled']}, {result['seconds']} s")
     return 0

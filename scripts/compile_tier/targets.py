@@ -1,4 +1,4 @@
-"""The compile targets, and ``DEVICES``: the one table of hardware specifications that the
+"""The AMD compile targets, and ``DEVICES``: the one table of hardware specifications that the
 compile tier (occupancy) and the AMD roofline (docs/roofline-amd.md) read, each cited."""
 
 from __future__ import annotations
@@ -38,55 +38,33 @@ DEVICES = {
                           "mi355x.html"),
         },
     ),
-    "H100/H200 (sm_90)": dict(
-        arch="sm_90",
-        registers_per_sm=65536,
-        register_alloc_unit=256,  # registers per warp are allocated in these units
-        max_warps_per_sm=64,
-        max_blocks_per_sm=32,
-        smem_bytes_per_sm=228 * 1024,
-        smem_reserved_per_block=1024,
-        sources={
-            "limits": ("CUDA C++ Programming Guide, technical specifications per compute "
-                       "capability (9.0)",
-                       "https://docs.nvidia.com/cuda/cuda-c-programming-guide/"
-                       "#features-and-technical-specifications"),
-        },
-    ),
 }
 
 
 @dataclass(frozen=True)
 class Target:
-    """One compile target: a Triton ``GPUTarget`` plus the device whose limits apply."""
+    """One AMD compile target: a Triton ``GPUTarget`` plus the device whose limits apply."""
 
-    name: str  # gfx942 | gfx950 | sm_90
-    backend: str  # hip | cuda
-    arch: str | int  # GPUTarget.arch
-    warp_size: int
+    name: str  # gfx942 | gfx950 (also GPUTarget.arch)
     device: str  # key of DEVICES
     fp8_e4m3: str  # the target's native e4m3 torch dtype (name)
+    warp_size: int = 64
 
     def gpu_target(self):
         from triton.backends.compiler import GPUTarget
 
-        return GPUTarget(self.backend, self.arch, self.warp_size)
+        return GPUTarget("hip", self.name, self.warp_size)
 
     @property
     def spec(self) -> dict:
         return DEVICES[self.device]
 
-    @property
-    def amd(self) -> bool:
-        return self.backend == "hip"
-
 
 TARGETS = {
     t.name: t
     for t in (
-        Target("gfx942", "hip", "gfx942", 64, "MI300X", "float8_e4m3fnuz"),
-        Target("gfx950", "hip", "gfx950", 64, "MI355X", "float8_e4m3fn"),
-        Target("sm_90", "cuda", 90, 32, "H100/H200 (sm_90)", "float8_e4m3fn"),
+        Target("gfx942", "MI300X", "float8_e4m3fnuz"),
+        Target("gfx950", "MI355X", "float8_e4m3fn"),
     )
 }
 
@@ -106,18 +84,3 @@ def amd_waves_per_simd(target: Target, llvm_occupancy: int, lds_bytes: int,
         groups = spec["lds_bytes_per_cu"] // lds_bytes
         waves = min(waves, groups * num_warps // spec["simds_per_cu"])
     return waves
-
-
-def cuda_warps_per_sm(target: Target, regs_per_thread: int, smem_bytes: int,
-                      num_warps: int) -> int:
-    """Resident warps per SM from registers, shared memory and the block limits."""
-    spec = target.spec
-    unit = spec["register_alloc_unit"]
-    regs_per_warp = -(-regs_per_thread * target.warp_size // unit) * unit
-    blocks = min(
-        spec["max_blocks_per_sm"],
-        spec["max_warps_per_sm"] // num_warps,
-        (spec["registers_per_sm"] // max(regs_per_warp, 1)) // num_warps,
-        spec["smem_bytes_per_sm"] // (smem_bytes + spec["smem_reserved_per_block"]),
-    )
-    return blocks * num_warps

@@ -9,17 +9,15 @@ from the cache or compiled and parsed.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
-import io
 import json
 import sys
 import time
 from pathlib import Path
 
 from .cases import OPS, build_specs
-from .facts import FACTS_VERSION, amd_facts, cuda_facts
+from .facts import FACTS_VERSION, amd_facts
 from .targets import TARGETS
 
 
@@ -57,29 +55,18 @@ def compile_key(fn, target, signature, constexprs, attrs, options) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def compile_kernel(fn, target, signature, constexprs, attrs, options):
-    """(the CompiledKernel, its facts); make validate-rocm loads the kernel on
-    the device to compare what the driver reports with the facts."""
+def compile_kernel(fn, target, signature, constexprs, attrs, options) -> dict:
+    """The facts of one compile (and its time)."""
     import triton
-    from triton import knobs
     from triton.compiler import ASTSource
 
     src = ASTSource(fn, signature, constexprs, attrs)
-    log = io.StringIO()
     start = time.perf_counter()
-    if not target.amd:
-        knobs.nvidia.dump_ptxas_log = True  # ptxas -v output, printed by Triton
-    with contextlib.redirect_stdout(log):
-        kernel = triton.compile(src, target=target.gpu_target(), options=options)
+    kernel = triton.compile(src, target=target.gpu_target(), options=options)
     seconds = time.perf_counter() - start
-    warps = options["num_warps"]
-    if target.amd:
-        facts = amd_facts(target, kernel.asm["amdgcn"], kernel.metadata.shared, warps)
-    else:
-        facts = cuda_facts(target, kernel.asm["ptx"], log.getvalue(), kernel.metadata.shared,
-                           warps)
+    facts = amd_facts(target, kernel.asm["amdgcn"], kernel.metadata.shared, options["num_warps"])
     facts["compile_s"] = round(seconds, 2)
-    return kernel, facts
+    return facts
 
 
 def run_target(target_name: str, cache: Path) -> list[dict]:
@@ -100,7 +87,7 @@ def run_target(target_name: str, cache: Path) -> list[dict]:
             facts = json.loads(path.read_text())
         else:
             try:
-                facts = compile_kernel(fn, target, signature, constexprs, attrs, spec.options)[1]
+                facts = compile_kernel(fn, target, signature, constexprs, attrs, spec.options)
             except Exception as exc:  # noqa: BLE001 - a failed compile is a result
                 facts = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
             else:

@@ -6,21 +6,13 @@ Shared by ``make report`` (scripts/bench_report.py) and ``make pr``
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 
 def baseline_of(root: Path, kernel: str, cases: list[dict]) -> str | None:
-    """What "baseline" was in these results: as recorded, else the ``BASELINE`` string the
-    suite (benchmarks/bench_<kernel>.py) declares now."""
-    recorded = next((c["baseline_desc"] for c in cases if c.get("baseline_desc")), None)
-    path = root / "benchmarks" / f"bench_{kernel}.py"
-    if recorded or not path.is_file():
-        return recorded
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["BASELINE"]:
-            return ast.literal_eval(node.value)
-    return None
+    """What "baseline" was in these results, as the run recorded it (``baseline_desc``).
+    ``root`` and ``kernel`` are unused since issue 35 (no fallback to the suite's source)."""
+    return next((c["baseline_desc"] for c in cases if c.get("baseline_desc")), None)
 
 
 def _us(case: dict, impl: str) -> str:
@@ -118,11 +110,15 @@ def suite_table(kernel: str, cases: list[dict], compare: tuple[str, ...] = ()) -
     return case_table(cases, compare)
 
 
-def _over(case: dict, impl: str, key: str = "results"):
-    a = case.get(key, {}).get(impl, {})
-    b = case.get(key, {}).get("ours", {})
-    return a["us"] / b["us"] if isinstance(a, dict) and isinstance(b, dict) and a.get("us") \
-        and b.get("us") else None
+def us(case: dict, impl: str) -> float | None:
+    value = case.get("results", {}).get(impl, {})
+    return value.get("us") if isinstance(value, dict) else None
+
+
+def over(case: dict, impl: str) -> float | None:
+    """``impl`` µs / ours µs (how much faster ours is), or None."""
+    a, b = us(case, impl), us(case, "ours")
+    return a / b if a and b else None
 
 
 def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
@@ -146,7 +142,7 @@ def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
                f"{_us(case, 'ours')} | {_us(case, 'baseline')} | "
                + "".join(f"{_us(case, impl)} | " for impl in extra)
                + f"{_us(case, 'copy')} | {_x(case.get('speedup'))} | "
-               + "".join(f"{_x(_over(case, impl))} | " for impl in compare)
+               + "".join(f"{_x(over(case, impl))} | " for impl in compare)
                + f"{_fmt(ours.get('gbps'), '.0f')} | "
                f"{_pct(frac)} |")
         if warm:

@@ -5,14 +5,12 @@ report`` (README status table, benchmarks/RESULTS.md, docs/) and ``make pr`` (th
 body's Claims), so the same claim shows the same figure everywhere.  Ratios and µs are
 rounded to two significant digits, percentages to whole percent; a range collapses to one
 value when its ends round alike.  A ``Headline`` has ``figures`` (name -> rounded text),
-``claims`` (sentences for the PR body), ``short`` (a table cell) and ``sentence`` (the
-paragraph a kernel's section leads with).
+``claims`` (sentences for the PR body and RESULTS.md) and ``short`` (a table cell).
 """
 
 from __future__ import annotations
 
 import re
-import statistics
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,27 +66,12 @@ def tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
-# --- per-case values ---------------------------------------------------------------------------
-
-def us(case: dict, impl: str) -> float | None:
-    value = case.get("results", {}).get(impl, {})
-    return value.get("us") if isinstance(value, dict) else None
-
-
-def over(case: dict, impl: str) -> float | None:
-    """``impl`` µs / ours µs in the case's headline timing (how much faster ours is)."""
-    a, b = us(case, impl), us(case, "ours")
-    return a / b if a and b else None
-
-
-mode_of = benchmeta.timing_mode
-
 _HOST_MODES = {"host": "host µs per call", "eager": "eager wall clock"}
 
 
 def modes(cases: list[dict]) -> str:
     """``cold L2`` / ``warm L2`` / ``L2: 20 warm, 16 flushed`` / ``host µs per call``."""
-    counts = Counter(mode_of(c) for c in cases)
+    counts = Counter(benchmeta.timing_mode(c) for c in cases)
     if len(counts) == 1:
         mode = next(iter(counts))
         return _HOST_MODES.get(mode, f"{mode} L2")
@@ -108,7 +91,7 @@ class Headline:
     figures: dict[str, str] = field(default_factory=dict)
     claims: list[str] = field(default_factory=list)
     short: str = ""
-    sentence: str = ""
+    sentence: str = ""  # none is generated since issue 35; export.py still reads the field
     compare: tuple[str, ...] = ()  # extra ratio columns of the kernel's table
 
     @property
@@ -146,7 +129,7 @@ def _fetch_kv(h: Headline, cases: list[dict], root: Path) -> None:
 
 
 def _fetch_kv_plan(h: Headline, cases: list[dict], root: Path) -> None:
-    cost = h.put("us", microseconds(_values(cases, lambda c: us(c, "ours"))))
+    cost = h.put("us", microseconds(_values(cases, lambda c: benchmeta.us(c, "ours"))))
     h.claims.append(f"The per-step plan (`fetch_kv_plan`, built once for all layers) costs {cost} "
                     f"({h.device}).")
     h.short = f"plan {cost} per step"
@@ -163,7 +146,7 @@ def _mla_rope_cache(h: Headline, cases: list[dict], root: Path) -> None:
     p_tokens = h.put("prefill_tokens", " / ".join(tokens(t) for t in
                                                  sorted({c["shapes"]["T"] for c in prefill})) or None)
     d_speed = h.put("decode_speedup", ratio(_values(decode, lambda c: c.get("speedup"))))
-    d_comp = h.put("decode_vs_compiled", ratio(_values(decode, lambda c: over(c, "compiled_unfused"))))
+    d_comp = h.put("decode_vs_compiled", ratio(_values(decode, lambda c: benchmeta.over(c, "compiled_unfused"))))
     d_tokens = h.put("decode_max_tokens", str(max(c["shapes"]["T"] for c in decode)) if decode else None)
     d_heads = h.put("decode_heads", listing(c["shapes"]["H"] for c in decode) if decode else None)
     d_caches = h.put("decode_caches", " and ".join(
@@ -190,51 +173,20 @@ def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
         return s.get("requests", 0) * s.get("new_tokens", 0)
 
     routed = [c for c in cases if limit is not None and new_total(c) <= limit]
-    kept = [c for c in cases if c not in routed]
-    fa2 = h.put("routed_vs_fa2", ratio(_values(routed, lambda c: over(c, "gather_fa2"))))
+    fa2 = h.put("routed_vs_fa2", ratio(_values(routed, lambda c: benchmeta.over(c, "gather_fa2"))))
     same = h.put("routed_vs_baseline", ratio(_values(routed, lambda c: c.get("speedup"))))
     # Counted as the per-case tables print them (two decimals): 1.246 shows as 1.25× and counts.
     goal = [c for c in routed if benchmeta.shown_ratio(c.get("speedup")) >= PAGED_CONTEXT_GOAL]
-    at_goal = h.put("routed_at_goal", f"{len(goal)} of {len(routed)}" if routed else None)
-    kept_fa2 = h.put("kept_vs_fa2", ratio(_values(kept, lambda c: over(c, "gather_fa2"))))
-    split_values = _values(routed, lambda c: us(c, "gather_fa2") / us(c, "baseline")
-                           if us(c, "gather_fa2") and us(c, "baseline") else None)
-    split = h.put("split_vs_fa2", ratio(split_values))
-    share = h.put("gather_share", percent(_values(routed, lambda c: us(c, "gather_only") / us(c, "baseline")
-                                                 if us(c, "gather_only") and us(c, "baseline") else None)))
+    at_goal = h.put("routed_at_goal", f"{len(goal)} of {len(routed)} cases at ≥ {PAGED_CONTEXT_GOAL:g}×"
+                    if routed else None)
     contexts = sorted({c["shapes"]["context"] for c in cases if "context" in c.get("shapes", {})})
     span = h.put("contexts", f"{tokens(contexts[0])}–{tokens(contexts[-1])}" if contexts else None)
     mode = h.put("mode", modes(routed or cases))
     h.claims.append(f"Short extends (≤ {limit} new tokens a step) attend to their cached context straight "
                     f"from the paged cache: {fa2} the speed of gather + FlashAttention-2 and {same} that "
-                    f"of gather + the same Triton kernel ({span} cached tokens; {h.device}, {mode}).")
+                    f"of gather + the same Triton kernel, {at_goal} "
+                    f"({span} cached tokens; {h.device}, {mode}).")
     h.short = f"≤ {limit} new tokens: {fa2} gather + FA2, {same} gather + same kernel"
-    # Where the gain comes from: the kernel's split (gather + the same kernel vs gather + FA2)
-    # or the removed gather (ours vs gather + the same kernel), whichever the data says is larger.
-    split_gain = _geomean(split_values)
-    gather_gain = _geomean(_values(routed, lambda c: c.get("speedup")))
-    if split_gain and gather_gain:
-        source = ("most of the gain over FlashAttention-2 comes from splitting each request's context "
-                  "across programs, where the dense kernel's grid has only a few CTAs for so few query "
-                  f"rows (gather + the same kernel is already {split} the speed of gather + "
-                  f"FlashAttention-2; the gather is {share} of that step)"
-                  if split_gain >= gather_gain else
-                  "most of the gain comes from removing the gather, new-token pass and merge "
-                  f"(gather + the same kernel is {split} the speed of gather + FlashAttention-2; the "
-                  f"gather is {share} of that step)")
-    else:
-        source = "one of the two baselines is missing from this run"
-    h.sentence = (
-        f"On {h.device} ({mode}), the steps the paged route takes (≤ {limit} new tokens in total, "
-        f"{span} cached tokens) run at {fa2} the speed of gather + FlashAttention-2 and {same} "
-        f"the speed of gather + the same Triton kernel over the workspace ({at_goal} at ≥ "
-        f"{PAGED_CONTEXT_GOAL:g}×): {source}. Larger steps keep the gather route ({kept_fa2} vs "
-        f"gather + FlashAttention-2).")
-
-
-def _geomean(values: list[float]) -> float | None:
-    values = [v for v in values if v > 0]
-    return statistics.geometric_mean(values) if values else None
 
 
 def _order_host(h: Headline, rows: list[dict], root: Path) -> None:

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from compile_tier import facts, report, roofline  # noqa: E402
-from compile_tier.targets import TARGETS, amd_waves_per_simd, cuda_warps_per_sm  # noqa: E402
+from compile_tier.targets import TARGETS, amd_waves_per_simd  # noqa: E402
 
 AMDGCN = """
 	global_load_dwordx4 v[0:3], v[8:9], off
@@ -34,30 +34,9 @@ AMDGCN = """
 	.vgpr_spill_count: 2
 """
 
-PTX = """
-	@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
-	ld.global.nc.L1::evict_last.v2.b32 { %r5, %r6 }, [ %rd2 + 0 ];
-	ld.global.b32 %r7, [ %rd3 + 0 ];
-	@!%p2 st.global.v4.b32 [ %rd4 + 0 ], { %r1, %r2, %r3, %r4 };
-	st.global.b16 [ %rd5 + 0 ], %rs1;
-	ld.shared.v4.b32 { %r8, %r9, %r10, %r11 }, [ %r12 + 0 ];
-"""
-
-PTXAS = """ptxas info    : 11 bytes gmem
-ptxas info    : Compiling entry function 'kernel' for 'sm_90a'
-ptxas info    : Function properties for kernel
-    312 bytes stack frame, 768 bytes spill stores, 788 bytes spill loads
-ptxas info    : Used 255 registers, used 1 barriers, 312 bytes cumulative stack size
-"""
-
-
 def test_amd_memory_ops_count_global_and_buffer_accesses_by_width():
     assert facts.amd_memory_ops(AMDGCN) == {
         "load": {1: 1, 4: 1, 16: 2}, "store": {2: 1, 8: 1}}  # s_load_* is not memory data
-
-
-def test_ptx_memory_ops_count_global_accesses_by_width():
-    assert facts.ptx_memory_ops(PTX) == {"load": {4: 1, 8: 1, 16: 1}, "store": {2: 1, 16: 1}}
 
 
 def test_amd_facts_read_the_descriptor_and_cap_waves_by_lds():
@@ -76,19 +55,6 @@ def test_amd_facts_read_the_descriptor_and_cap_waves_by_lds():
 def test_amd_facts_refuse_output_without_one_descriptor():
     with pytest.raises(ValueError, match="vgpr_total"):
         facts.amd_facts(TARGETS["gfx942"], AMDGCN.replace(".vgpr_count", ".x"), 0, 4)
-
-
-def test_cuda_facts_read_ptxas_and_count_resident_warps():
-    sm90 = TARGETS["sm_90"]
-    f = facts.cuda_facts(sm90, PTX, PTXAS, smem_bytes=98320, num_warps=4)
-    assert (f["regs"], f["spill_stores"], f["spill_loads"], f["stack_bytes"]) == (255, 768, 788,
-                                                                                  312)
-    assert f["spills"]
-    # 255 registers -> 8192 per warp: 8 warps fit the 64K register file; the
-    # shared memory fits two 98 KB blocks: two 4-warp programs.
-    assert f["warps_per_sm"] == 8
-    assert cuda_warps_per_sm(sm90, 32, 0, 4) == 64
-    assert cuda_warps_per_sm(sm90, 40, 0, 1) == 32  # the 32-block limit
 
 
 def test_result_files_have_one_line_per_record():

@@ -103,12 +103,11 @@ def record(monkeypatch, kernels):
     every launch and warmup, ``caches`` takes the storage pointers of tensors
     that stand for the KV cache pool."""
     from compile_tier.targets import TARGETS
+    from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
-    backends = {
-        name: type(make_backend(TARGETS[name].gpu_target()))
-        for name in ("sm_90", "gfx942")
-    }
+    targets = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": TARGETS["gfx942"].gpu_target()}
+    backends = {name: type(make_backend(t)) for name, t in targets.items()}
     keys: set[str] = set()
     caches: set[int] = set()
     for module, name in kernels:

@@ -112,7 +112,7 @@ class KernelCall:
             (kernel, tuple(fixed), tuple(key)), len(_CONFIGS)
         )
         # The launcher and argument order per guard value.
-        self._launchers: dict[tuple, tuple[Any, Any]] = {}
+        self._launchers: dict[tuple | None, tuple[Any, Any]] = {}
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
         guard = None
@@ -137,7 +137,9 @@ class KernelCall:
                     pointers |= t.data_ptr()
             within = None
             if self._hip:
-                within = tuple(_within_buffer(t) for t in tensors.values() if t is not None)
+                within = tuple(
+                    _within_buffer(t) for t in tensors.values() if t is not None
+                )
         except AttributeError:  # not a tensor: Triton decides
             return None
         if pointers & 15:

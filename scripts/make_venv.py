@@ -54,7 +54,7 @@ def main() -> int:
     for path in files:
         cmd += ["-r", str(path)]
     with progress.stage("venv", f"pip install of CPU torch, triton and vLLM's requirements into {args.venv} "
-                                f"(first time: about 2.8 GB, a few minutes)", tick_s=10):
+                                f"(first time: about 2.8 GB, a few minutes)"):
         status = subprocess.run(cmd).returncode
     if status != 0:
         print(f"error: pip install failed (see above); {args.venv} left as it is", file=sys.stderr)

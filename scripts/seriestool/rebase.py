@@ -80,13 +80,15 @@ def _in_progress(paths: Paths) -> bool:
 
 def sdist_facts(tree: Path) -> dict[str, str]:
     """VLLM_COMMIT from vllm/_version.py, AITER_REF from docker/Dockerfile.rocm_base (if present)."""
+
+    def read(rel: str) -> str:
+        return (tree / rel).read_text() if (tree / rel).is_file() else ""
+
     facts = {"VLLM_COMMIT": "unknown"}
-    version_py = tree / "vllm" / "_version.py"
-    commit = re.search(r"commit_id\s*=\s*['\"]([^'\"]+)['\"]", version_py.read_text() if version_py.is_file() else "")
+    commit = re.search(r"commit_id\s*=\s*['\"]([^'\"]+)['\"]", read("vllm/_version.py"))
     if commit:
         facts["VLLM_COMMIT"] = commit.group(1)
-    dockerfile = tree / "docker" / "Dockerfile.rocm_base"
-    aiter = re.search(r"^ARG AITER_BRANCH=\"?([^\"\s]+)\"?", dockerfile.read_text() if dockerfile.is_file() else "", re.M)
+    aiter = re.search(r"^ARG AITER_BRANCH=\"?([^\"\s]+)\"?", read("docker/Dockerfile.rocm_base"), re.M)
     if aiter:
         facts["AITER_REF"] = aiter.group(1)
     return facts

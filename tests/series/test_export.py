@@ -132,7 +132,8 @@ def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
                make_patch("Document VALUE_15", "vllm/envs.py", ENVS_PY, long_line, topic="fetch-kv"))
     _ok(fs.run("pr", "--topic", "fetch-kv", env=env))  # ruff's defaults allow 88 columns
 
-    fs.upstream({**UPSTREAM, "pyproject.toml": '[tool.ruff]\nline-length = 40\n\n[tool.ruff.lint]\nselect = ["E501"]\n'})
+    ruff_config = '[tool.ruff]\nline-length = 40\n\n[tool.ruff.lint]\nselect = ["E501"]\n'
+    fs.upstream({**UPSTREAM, "pyproject.toml": ruff_config})
     _ok(fs.run("apply", "--force"))  # a rebuilt tree: earlier pr/ branches are gone with it
     proc = fs.run("pr", "--topic", "fetch-kv", env=env)
     assert proc.returncode == 2 and "ruff check failed (pinned tree's pyproject.toml)" in proc.stderr

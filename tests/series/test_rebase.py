@@ -101,11 +101,13 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     rows = {line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| ")}
     assert rows["`overlay`"] == "| – | `overlay` | clean |  |"
     assert rows["`0001-add-series-flag.patch`"].startswith("| 1 | `0001-add-series-flag.patch` | merged |")
-    assert rows["`0002-check-sub.patch`"] == "| 2 | `0002-check-sub.patch` | resolved by hand | conflict in vllm/utils.py |"
+    assert rows["`0002-check-sub.patch`"] == ("| 2 | `0002-check-sub.patch` | resolved by hand | "
+                                              "conflict in vllm/utils.py |")
     assert "| merged |" in rows["`0003-other-flag.patch`"] and "| clean |" in rows["`0004-init-marker.patch`"]
     assert "| dropped: upstream has it | became empty on vLLM 9.10.0 |" in rows["`0005-readme.patch`"]
     assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
-    assert (fs.root / "build" / f"rebase-{NEXT}.md").read_text().startswith("# Rebase of the series: vLLM 9.9.9 -> 9.10.0")
+    table = (fs.root / "build" / f"rebase-{NEXT}.md").read_text()
+    assert table.startswith("# Rebase of the series: vLLM 9.9.9 -> 9.10.0")
 
     # The checkout now holds the port: pins, refreshed patches, the dropped patch gone.
     pins = (fs.root / "pins.env").read_text()

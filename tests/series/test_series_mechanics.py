@@ -29,8 +29,8 @@ def _commit_repo(fs):
 def test_apply_history_is_the_series_reproducibly(fake_series):
     fs = fake_series
     _ok(fs.run("apply"))
-    assert _subjects(fs) == ["vLLM 9.9.9 pristine (upstream gfake)", "Series overlay: new files at their upstream paths",
-                             "Add SERIES_FLAG", "Comment sub"]
+    assert _subjects(fs) == ["vLLM 9.9.9 pristine (upstream gfake)",
+                             "Series overlay: new files at their upstream paths", "Add SERIES_FLAG", "Comment sub"]
     assert fs.git("show", "HEAD~3:vllm/envs.py") + "\n" == ENVS_PY
     assert "SERIES_FLAG = True" in (fs.build / "vllm/envs.py").read_text()
     assert (fs.build / "vllm/ops/new_kernel.py").read_text() == "def kernel():\n    return 42\n"

@@ -48,6 +48,11 @@ def make_patch(subject: str, path: str, old: str, new: str, topic: str = "fetch-
     return HEADER.format(subject=subject, topic=topic, path=path) + f"\n---\ndiff --git a/{path} b/{path}\n" + diff
 
 
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 def envs_edit_1(text: str) -> str:
     return text.replace("VALUE_3 = 3\n", "VALUE_3 = 3\nSERIES_FLAG = True\n")
 
@@ -88,6 +93,17 @@ class FakeSeries:
 
     def tree(self) -> str:
         return self.git("rev-parse", "HEAD^{tree}")
+
+    def add_patch(self, name: str, text: str) -> None:
+        """A patch file, listed last in patches/series."""
+        (self.patches / name).write_text(text)
+        with open(self.patches / "series", "a") as f:
+            f.write(name + "\n")
+
+    def commit(self, message: str = "the series") -> None:
+        """Commit everything in the series repository."""
+        self.git("add", "-A", cwd=self.root)
+        self.git("commit", "-qm", message, cwd=self.root)
 
     def upstream(self, files: dict[str, str]) -> None:
         """Make the fake sdist hold these files instead, and pin its new sha256."""

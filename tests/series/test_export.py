@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_1, envs_edit_2, make_patch
+from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_1, envs_edit_2, make_patch, ok
 
 ADA = "Ada Lovelace <ada@example.com>"
 
-
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def _identity(tmp_path, name: str | None = "Ada Lovelace", email: str | None = "ada@example.com") -> dict:
@@ -18,11 +14,6 @@ def _identity(tmp_path, name: str | None = "Ada Lovelace", email: str | None = "
     config.write_text("\n".join(lines) + "\n")
     return {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
 
-
-def _add_patch(fs, name: str, text: str) -> None:
-    (fs.patches / name).write_text(text)
-    with open(fs.patches / "series", "a") as f:
-        f.write(name + "\n")
 
 
 def _branches(fs) -> list[str]:
@@ -40,16 +31,16 @@ def _root(fs) -> str:
 def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, tmp_path):
     """Two topics edit vllm/envs.py at distant places; each becomes its own PR on pristine upstream."""
     fs = fake_series
-    _add_patch(fs, "0003-other-flag.patch",
+    fs.add_patch("0003-other-flag.patch",
                make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY), topic="fetch-kv"))
     env = _identity(tmp_path)
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     main_head = fs.git("rev-parse", "HEAD")
     edited = fs.build / "vllm/utils.py"
     original = edited.read_text()
     edited.write_text(original + "# my local work\n")
 
-    report = _ok(fs.run("pr", "--topic", "fetch-kv", env=env)).stdout
+    report = ok(fs.run("pr", "--topic", "fetch-kv", env=env)).stdout
     assert "pr/fetch-kv" in report and "main untouched" in report and "py_compile: 3 file(s) OK" in report
     # build/vllm: same branch, same HEAD, uncommitted work intact, no scratch worktree left.
     assert fs.git("symbolic-ref", "--short", "HEAD") == "main" and fs.git("rev-parse", "HEAD") == main_head
@@ -73,7 +64,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     assert 'FILES="vllm/envs.py vllm/ops/new_kernel.py vllm/utils.py"\n' in description
 
     # The other topic alone: one commit, no overlay (its file is fetch-kv's).
-    _ok(fs.run("pr", "--topic", "mla-fusion", env=env))
+    ok(fs.run("pr", "--topic", "mla-fusion", env=env))
     assert fs.git("log", "--format=%s", f"{_root(fs)}..pr/mla-fusion").splitlines() == ["Add SERIES_FLAG"]
     envs = fs.git("show", "pr/mla-fusion:vllm/envs.py")
     assert "SERIES_FLAG = True" in envs and "OTHER_FLAG" not in envs
@@ -82,22 +73,22 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     # Exporting again gives the same commits and byte-identical files.
     first = {p.name: p.read_bytes() for p in dist.iterdir()}
     tip = fs.git("rev-parse", "pr/fetch-kv")
-    _ok(fs.run("pr", "--topic", "fetch-kv", env=env))
+    ok(fs.run("pr", "--topic", "fetch-kv", env=env))
     assert {p.name: p.read_bytes() for p in dist.iterdir()} == first and fs.git("rev-parse", "pr/fetch-kv") == tip
 
     # The build tree is still the series: once the edit is undone, apply has nothing to do.
     edited.write_text(original)
-    assert "up to date" in _ok(fs.run("apply")).stdout
+    assert "up to date" in ok(fs.run("apply")).stdout
 
 
 def test_a_topic_that_needs_another_topics_hunk_fails_clearly(fake_series, tmp_path):
     fs = fake_series
     base = envs_edit_1(ENVS_PY)  # made on top of 0001 (mla-fusion), not on pristine upstream
-    _add_patch(fs, "0003-use-series-flag.patch",
+    fs.add_patch("0003-use-series-flag.patch",
                make_patch("Use SERIES_FLAG", "vllm/envs.py", base,
                           base.replace("VALUE_4 = 4\n", "VALUE_4 = 4\nUSES = SERIES_FLAG\n"),
                           topic="order-contract"))
-    _ok(fs.run("apply"))  # the whole series applies; the topic alone does not
+    ok(fs.run("apply"))  # the whole series applies; the topic alone does not
     proc = fs.run("pr", "--topic", "order-contract", env=_identity(tmp_path))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr
@@ -128,13 +119,13 @@ def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
     fs = fake_series
     env = _identity(tmp_path)
     long_line = ENVS_PY.replace("VALUE_15 = 15\n", "VALUE_15 = 15  # fifteen, explained at some length\n")
-    _add_patch(fs, "0003-document-fifteen.patch",
+    fs.add_patch("0003-document-fifteen.patch",
                make_patch("Document VALUE_15", "vllm/envs.py", ENVS_PY, long_line, topic="fetch-kv"))
-    _ok(fs.run("pr", "--topic", "fetch-kv", env=env))  # ruff's defaults allow 88 columns
+    ok(fs.run("pr", "--topic", "fetch-kv", env=env))  # ruff's defaults allow 88 columns
 
     ruff_config = '[tool.ruff]\nline-length = 40\n\n[tool.ruff.lint]\nselect = ["E501"]\n'
     fs.upstream({**UPSTREAM, "pyproject.toml": ruff_config})
-    _ok(fs.run("apply", "--force"))  # a rebuilt tree: earlier pr/ branches are gone with it
+    ok(fs.run("apply", "--force"))  # a rebuilt tree: earlier pr/ branches are gone with it
     proc = fs.run("pr", "--topic", "fetch-kv", env=env)
     assert proc.returncode == 2 and "ruff check failed (pinned tree's pyproject.toml)" in proc.stderr
     assert "vllm/envs.py:30:41: E501" in proc.stderr
@@ -185,9 +176,9 @@ def test_a_shared_file_ships_once_and_the_prs_apply_alone_and_stacked(fake_serie
     (fs.patches / "pr-tests").write_text(
         "# series test -> vLLM path -> topic\n"
         "tests/kernels/test_new_kernel.py tests/kernels/attention/test_new_kernel.py fetch-kv\n")
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     for topic in ("fetch-kv", "mla-fusion"):
-        _ok(fs.run("pr", "--topic", topic, env=env))
+        ok(fs.run("pr", "--topic", topic, env=env))
     root = _root(fs)
     fk = fs.git("log", "--reverse", "--format=%H %s", f"{root}..pr/fetch-kv").splitlines()
     mla = fs.git("log", "--reverse", "--format=%H %s", f"{root}..pr/mla-fusion").splitlines()
@@ -208,7 +199,7 @@ def test_a_shared_file_ships_once_and_the_prs_apply_alone_and_stacked(fake_serie
     assert ("CUDA_VISIBLE_DEVICES= VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 pytest -q "
             "tests/kernels/attention/test_new_kernel.py") in fk_body
 
-    proc = _ok(fs.run("pr-stack", env=env))
+    proc = ok(fs.run("pr-stack", env=env))
     assert "pr-stack: fetch-kv: 4 patch(es) apply on pristine vLLM 9.9.9" in proc.stdout
     assert ("pr-stack: mla-fusion: 1 patch(es) apply on pristine vLLM 9.9.9 after "
             "fetch-kv/0001-Add-shared_helper.py-shared-by-PRs-fetch-kv-and-mla-.patch") in proc.stdout

@@ -15,11 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_upstream import REPO
-
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+from fake_upstream import REPO, ok
 
 
 @pytest.fixture
@@ -70,14 +66,14 @@ def _tree_state(fs) -> str | None:
                                         ("moving the new tree", "ctrl-c")])
 def test_interrupted_rebuild_leaves_the_previous_tree_or_none(fake_series, slow_git, stage, how):
     fs = fake_series
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     before = _tree_state(fs)
     status, rest = _interrupt(fs, slow_git, stage, how, "--force")
     assert status in (0, 130) and "Traceback" not in "\n".join(rest)   # 0: the signal came after the end
     assert _tree_state(fs) in (before, None)      # same inputs: a new tree has the same HEAD
     if status == 130:
         assert rest[-1].startswith("apply: interrupted; ") and "`make apply`" in rest[-1], rest
-    _ok(fs.run("apply"))                          # a plain apply recovers
+    ok(fs.run("apply"))                          # a plain apply recovers
     assert _tree_state(fs) == before
     assert [p.name for p in fs.build.parent.iterdir()] == ["vllm"]
 
@@ -86,15 +82,15 @@ def test_killed_apply_is_recovered_by_a_plain_apply(fake_series, slow_git):
     """SIGKILL runs no clean-up: the scratch tree stays behind until the next apply removes it,
     also when the kill came between retiring the old tree and renaming the new one in."""
     fs = fake_series
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     before = _tree_state(fs)
     status, _ = _interrupt(fs, slow_git, "committing pristine", "kill", "--force")
     assert status == -signal.SIGKILL
     assert _tree_state(fs) == before and (fs.build.parent / ".vllm.new").is_dir()
-    proc = _ok(fs.run("apply"))
+    proc = ok(fs.run("apply"))
     assert "removed what an interrupted run left: .vllm.new" in proc.stderr and "up to date" in proc.stdout
     fs.build.rename(fs.build.parent / ".vllm.old")
     shutil.copytree(fs.build.parent / ".vllm.old", fs.build.parent / ".vllm.new", symlinks=True)
-    proc = _ok(fs.run("apply"))
+    proc = ok(fs.run("apply"))
     assert "removed what an interrupted run left: .vllm.new, .vllm.old" in proc.stderr
     assert _tree_state(fs) == before and [p.name for p in fs.build.parent.iterdir()] == ["vllm"]

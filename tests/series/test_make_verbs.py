@@ -54,8 +54,7 @@ def test_result_writing_verbs_default_to_ignored_folders():
 
 def test_series_verbs_leave_the_checkout_clean(fake_series, tmp_path):
     fs = fake_series
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "series", cwd=fs.root)
+    fs.commit("series")
     config = tmp_path / "gitconfig"
     config.write_text("[user]\n\tname = Ada\n\temail = ada@example.com\n")
     env = {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}

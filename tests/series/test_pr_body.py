@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_upstream import UPSTREAM
-from test_export import _identity, _ok
+from fake_upstream import UPSTREAM, ok
+from test_export import _identity
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -61,8 +61,7 @@ def test_pr_body_quotes_only_clean_committed_results(fake_series, tmp_path):
     (fs.patches / "0002-check-sub.patch").write_text(
         patch.replace("Upstream: none", "Upstream: vllm#25763 (merged v0.11.1); related vllm#27367 "
                       "(open)"))
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "the series", cwd=fs.root)
+    fs.commit("the series")
     commit = fs.git("rev-parse", "HEAD", cwd=fs.root)
     out = fs.root / "benchmarks" / "results"
     out.mkdir(parents=True)
@@ -78,13 +77,12 @@ def test_pr_body_quotes_only_clean_committed_results(fake_series, tmp_path):
     edited = _result(commit, "2026-11-24T00:00:00", [1.5] * 3)
     edited["benchmarks"][0]["extra_info"]["speedup"] = 9.0
     (out / "20261124-edited.json").write_text(json.dumps(edited))
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "results", cwd=fs.root)
+    fs.commit("results")
     # Newest of all, but not committed: not a result the PR may quote.
     (out / "20261129-mi300.json").write_text(
         json.dumps(_result(commit, "2026-11-29T00:00:00", [9.0] * 3, device="AMD Instinct MI300X", hip="7.0")))
 
-    _ok(fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path)))
+    ok(fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path)))
     text = (fs.root / "dist" / "fetch-kv" / "PR_DESCRIPTION.md").read_text()
     assert text.startswith("# [ROCm] AITER FA: faster KV-cache fetch")
     assert [ln for ln in text.splitlines() if ln.startswith("#")][1:] == [

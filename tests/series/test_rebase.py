@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import sys
 
-from fake_upstream import ENVS_PY, REPO, UPSTREAM, envs_edit_2, make_patch, write_sdist
+from fake_upstream import ENVS_PY, REPO, UPSTREAM, envs_edit_2, make_patch, ok, write_sdist
 
 sys.path.insert(0, str(REPO / "scripts"))
 from seriestool import readme, rebase  # noqa: E402
@@ -28,30 +28,20 @@ NEXT_UPSTREAM = {
 RESOLVED = "return a - b  # upstream, checked"
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
-
-
-def _add(fs, name: str, text: str) -> None:
-    (fs.patches / name).write_text(text)
-    with open(fs.patches / "series", "a") as f:
-        f.write(name + "\n")
 
 
 def _prepare(fs) -> str:
     """Three more patches, the series committed, the next release's sdist in the cache."""
-    _add(fs, "0003-other-flag.patch",
+    fs.add_patch("0003-other-flag.patch",
          make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY)))
     init = UPSTREAM["vllm/__init__.py"]
-    _add(fs, "0004-init-marker.patch",
+    fs.add_patch("0004-init-marker.patch",
          make_patch("Mark the package", "vllm/__init__.py", init, init + "SERIES = True\n"))
-    _add(fs, "0005-readme.patch",
+    fs.add_patch("0005-readme.patch",
          make_patch("README note", "README.md", UPSTREAM["README.md"], "fake upstream, patched\n"))
     (fs.root / "README.md").write_text(f"# Fake series\n\n{readme.BEGIN}\n{readme.END}\n")
-    _ok(fs.run("readme"))
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "the series", cwd=fs.root)
+    ok(fs.run("readme"))
+    fs.commit("the series")
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
     write_sdist(sdist, NEXT_UPSTREAM, version=NEXT)
     return hashlib.sha256(sdist.read_bytes()).hexdigest()
@@ -64,7 +54,7 @@ def _rebase(fs, *args: str):
 def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_series):
     fs = fake_series
     sha = _prepare(fs)
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     build_head = fs.git("rev-parse", "HEAD")
     pins_before = (fs.root / "pins.env").read_text()
     kept = (fs.patches / "0004-init-marker.patch").read_bytes()
@@ -97,7 +87,7 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
 
     (rebase_tree / "vllm/utils.py").write_text(
         UPSTREAM["vllm/utils.py"].replace("return a - b", RESOLVED))
-    out = _ok(_rebase(fs, "--continue")).stdout
+    out = ok(_rebase(fs, "--continue")).stdout
     rows = {line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| ")}
     assert rows["`overlay`"] == "| – | `overlay` | clean |  |"
     assert rows["`0001-add-series-flag.patch`"].startswith("| 1 | `0001-add-series-flag.patch` | merged |")
@@ -127,7 +117,7 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     assert not (fs.root / "build" / "rebase").exists()
     assert fs.git("rev-parse", "HEAD") == build_head     # build/vllm untouched until make apply
 
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     assert fs.git("log", "--reverse", "--format=%s").splitlines()[0] == f"vLLM {NEXT} pristine (upstream gnext1234)"
     assert RESOLVED in (fs.build / "vllm/utils.py").read_text()
     assert "OTHER_FLAG = 1" in (fs.build / "vllm/envs.py").read_text()
@@ -168,13 +158,13 @@ def test_rebase_guards_and_an_all_or_nothing_finish(fake_series):
     (fs.root / "pins.env").write_text("half written\n")
     (fs.patches / "0005-readme.patch").unlink()
     (fs.patches / "0009-new.patch").write_text("written by the killed finish\n")
-    proc = _ok(_rebase(fs, "--abort"))
+    proc = ok(_rebase(fs, "--abort"))
     assert proc.stdout.startswith("rebase to vLLM 9.10.0 dropped") and proc.stdout.endswith(
         "restored to what they were before an interrupted finish wrote them\n")
     assert fs.git("status", "--porcelain", "--untracked-files=all", cwd=fs.root) == ""
     assert not (fs.root / "build" / "rebase").exists()
     assert "no rebase in progress" in _rebase(fs, "--continue").stderr
-    assert "none in progress" in _ok(_rebase(fs, "--abort")).stdout
+    assert "none in progress" in ok(_rebase(fs, "--abort")).stdout
 
 
 def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
@@ -185,8 +175,7 @@ def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
     patch = fs.patches / "0002-check-sub.patch"
     patch.write_text(patch.read_text().replace("Drop when: never", "Drop when: upstream drops vllm/utils.py"))
     (fs.root / "notes.md").write_text("See [the utils patch](patches/0002-check-sub.patch).\n")
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "0002's drop condition", cwd=fs.root)
+    fs.commit("0002's drop condition")
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
     write_sdist(sdist, {k: v for k, v in NEXT_UPSTREAM.items() if k != "vllm/utils.py"}, version=NEXT)
     sha = hashlib.sha256(sdist.read_bytes()).hexdigest()

@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 import pytest
-from fake_upstream import ENVS_PY, UPSTREAM, commit_message, envs_edit_1, envs_edit_2, make_patch
+from fake_upstream import ENVS_PY, UPSTREAM, commit_message, envs_edit_1, envs_edit_2, make_patch, ok
 
-
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def _subjects(fs) -> list[str]:
     return fs.git("log", "--reverse", "--format=%s").splitlines()
 
 
-def _add(fs, name: str, text: str) -> None:
-    (fs.patches / name).write_text(text)
-    with open(fs.patches / "series", "a") as f:
-        f.write(name + "\n")
-
-
-def _commit_repo(fs):
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "series", cwd=fs.root)
 
 
 def test_apply_history_is_the_series_reproducibly(fake_series):
     fs = fake_series
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     assert _subjects(fs) == ["vLLM 9.9.9 pristine (upstream gfake)",
                              "Series overlay: new files at their upstream paths", "Add SERIES_FLAG", "Comment sub"]
     assert fs.git("show", "HEAD~3:vllm/envs.py") + "\n" == ENVS_PY
@@ -36,11 +23,11 @@ def test_apply_history_is_the_series_reproducibly(fake_series):
     assert (fs.build / "vllm/ops/new_kernel.py").read_text() == "def kernel():\n    return 42\n"
     assert "Series-Patch: 0001-add-series-flag.patch" in fs.git("log", "-1", "--format=%B", "HEAD~1")
     head = fs.git("rev-parse", "HEAD")
-    assert "up to date" in _ok(fs.run("apply")).stdout
-    _ok(fs.run("apply", "--force"))  # a rebuild from scratch gives the same commit ids
+    assert "up to date" in ok(fs.run("apply")).stdout
+    ok(fs.run("apply", "--force"))  # a rebuild from scratch gives the same commit ids
     assert fs.git("rev-parse", "HEAD") == head
-    _add(fs, "0003-other-flag.patch", make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY)))
-    _ok(fs.run("apply"))
+    fs.add_patch("0003-other-flag.patch", make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY)))
+    ok(fs.run("apply"))
     assert _subjects(fs)[-1] == "Add OTHER_FLAG" and fs.git("status", "--porcelain") == ""
 
 
@@ -51,7 +38,7 @@ def test_apply_history_is_the_series_reproducibly(fake_series):
 def test_zero_fuzz_a_patch_that_does_not_apply_exactly_stops_there(fake_series, base, new, why):
     """One changed context line, or added trailing whitespace, refuses the patch."""
     fs = fake_series
-    _add(fs, "0003-bad.patch", make_patch("Bad", "vllm/envs.py", base, new or envs_edit_2(base)))
+    fs.add_patch("0003-bad.patch", make_patch("Bad", "vllm/envs.py", base, new or envs_edit_2(base)))
     proc = fs.run("apply")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "patches/0003-bad.patch does not apply" in proc.stderr and why in proc.stderr.lower()
@@ -60,7 +47,7 @@ def test_zero_fuzz_a_patch_that_does_not_apply_exactly_stops_there(fake_series, 
 
 def test_apply_never_clobbers_local_work_until_forced(fake_series):
     fs = fake_series
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     tree = fs.tree()
     edited = fs.build / "vllm/utils.py"
     edited.write_text(edited.read_text() + "# my local work\n")
@@ -74,7 +61,7 @@ def test_apply_never_clobbers_local_work_until_forced(fake_series):
     assert proc.returncode == 2 and "commits that are not in the series" in proc.stderr
     assert _subjects(fs)[-1] == "My experiment"
     (fs.patches / "series").write_text("0001-add-series-flag.patch\n0002-check-sub.patch\n")
-    _ok(fs.run("apply", "--force"))
+    ok(fs.run("apply", "--force"))
     assert fs.tree() == tree
 
 
@@ -99,17 +86,17 @@ def test_a_wrong_sha256_or_no_sdist_is_one_clear_error(fake_series, tmp_path):
 def test_refresh_round_trip_keeps_patches_byte_for_byte(fake_series):
     """Patches made against pristine upstream (as topics are) apply at an offset: kept as they are."""
     fs = fake_series
-    _add(fs, "0003-other-flag.patch", make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY)))
-    _commit_repo(fs)
-    _ok(fs.run("apply"))
-    assert "nothing changed" in _ok(fs.run("refresh")).stdout
+    fs.add_patch("0003-other-flag.patch", make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY)))
+    fs.commit()
+    ok(fs.run("apply"))
+    assert "nothing changed" in ok(fs.run("refresh")).stdout
     assert fs.git("status", "--porcelain", cwd=fs.root) == ""
 
 
 def test_refresh_saves_new_commits_as_patches_and_overlay(fake_series):
     fs = fake_series
-    _commit_repo(fs)
-    _ok(fs.run("apply"))
+    fs.commit()
+    ok(fs.run("apply"))
     (fs.build / "vllm/utils.py").write_text((fs.build / "vllm/utils.py").read_text() + "\n\nMUL = 3\n")
     (fs.build / "vllm/ops/another.py").write_text("X = 1\n")
     fs.git("add", "-A")
@@ -121,7 +108,7 @@ def test_refresh_saves_new_commits_as_patches_and_overlay(fake_series):
     assert fs.git("status", "--porcelain", cwd=fs.root) == ""
     fs.git("commit", "-q", "--amend", "-m", commit_message("Add MUL constant"))
     edited_tree = fs.tree()
-    report = _ok(fs.run("refresh")).stdout
+    report = ok(fs.run("refresh")).stdout
     assert "patches/0003-add-mul-constant.patch" in report and "vllm_overlay/vllm/ops/another.py" in report
     new_patch = (fs.patches / "0003-add-mul-constant.patch").read_text()
     assert new_patch.startswith("Subject: Add MUL constant\nTopic: fetch-kv\nWhy: because the test says so,\n"
@@ -129,16 +116,16 @@ def test_refresh_saves_new_commits_as_patches_and_overlay(fake_series):
     assert "\n---\ndiff --git a/vllm/utils.py b/vllm/utils.py\n" in new_patch and "\nindex " not in new_patch
     series = (fs.patches / "series").read_text()
     assert series.splitlines()[-1] == "0003-add-mul-constant.patch" and "# utils" in series
-    assert "nothing changed" in _ok(fs.run("refresh")).stdout       # deterministic
-    assert "up to date" in _ok(fs.run("apply")).stdout
-    _ok(fs.run("apply", "--force"))
+    assert "nothing changed" in ok(fs.run("refresh")).stdout       # deterministic
+    assert "up to date" in ok(fs.run("apply")).stdout
+    ok(fs.run("apply", "--force"))
     assert fs.tree() == edited_tree
-    assert "series OK (3 patches, 2 overlay files)" in _ok(fs.run("check")).stdout
+    assert "series OK (3 patches, 2 overlay files)" in ok(fs.run("check")).stdout
 
 
 def test_check_reports_every_finding(fake_series):
     fs = fake_series
-    assert "series OK (2 patches, 1 overlay files)" in _ok(fs.run("check")).stdout
+    assert "series OK (2 patches, 1 overlay files)" in ok(fs.run("check")).stdout
     assert not fs.build.exists()  # check never touches build/vllm
     (fs.patches / "series").write_text(
         "0001-add-series-flag.patch\n0001-add-series-flag.patch\n0009-missing.patch\n")

@@ -266,10 +266,9 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
 
 def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches: list[patchfile.Patch],
              overlay: list[str], changed: list[str], template: str | None, series_commit: str,
-             plan: ExportPlan | None = None) -> str:
+             plan: ExportPlan) -> str:
     """The PR body in the pinned template's sections (Overview, Claims, Validation, Details):
     each thing said once, every figure rounded from committed results, tables and notes folded."""
-    plan = plan or ExportPlan(topic, [], [], list(overlay), [], {})
     title = topics.TOPIC_TITLES.get(topic, topic)
     selection = results.select(layout.root)
     heads = {k: headlines.headline(layout.root, k, f)

@@ -122,7 +122,7 @@ def classify(paths: Paths, state: dict) -> list[dict]:
     rows = []
     for key, old_commit in _commits(paths, state["old_pristine"], state["old_tip"]):
         stop, new_commit = stops.get(key), new.get(key)
-        if new_commit is None and stop and stop.get("dropped_by_hand"):
+        if new_commit is None and stop:     # a conflict resolved to no change (skipped)
             row = (HAND_DROPPED, f"conflict in {', '.join(stop['files'])}; resolved to no change")
         elif new_commit is None:
             row = (EMPTY, f"became empty on vLLM {state['to']['VLLM_VERSION']}")
@@ -386,14 +386,7 @@ def resume(layout: Layout) -> tuple[int, str]:
                           + "\n".join(left))
     _git(paths, "add", "-A")
     if _git(paths, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
-        picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
-        if picked:
-            key = _key(paths, picked)
-            for stop in state["stops"]:
-                if stop["key"] == key:
-                    stop["dropped_by_hand"] = True
-            _save(paths, state)
-        return _run_rebase(layout, paths, state, ["rebase", "--skip"])
+        return _run_rebase(layout, paths, state, ["rebase", "--skip"])   # resolved to no change: dropped
     return _run_rebase(layout, paths, state, ["rebase", "--continue"])
 
 

@@ -41,7 +41,6 @@ ABORT      ?=
 NEED       = @$(GPU_PYTHON) scripts/require_modules.py
 # make pr / build / image (docs/prs-wheels-image.md).
 TOPIC      ?=
-RUFF       ?= $(wildcard $(VENV)/bin/ruff)
 DEVICE     ?= auto
 BASE_IMAGE ?=
 
@@ -59,7 +58,7 @@ fetch: ## Download the pinned vLLM sdist (hash-checked, cached outside the tree)
 apply: ## Build build/vllm: pristine vLLM, overlay, one commit per patch (FORCE=1 discards local work)
 	@$(SERIES) apply $(if $(FORCE),--force)
 
-check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing, docs links, upstream's pre-commit hooks
+check: ## Lint the series: entries, headers, zero-fuzz apply, no overlay shadowing, relative doc links, upstream's pre-commit hooks
 	@$(SERIES) check
 
 refresh: ## Regenerate patches/ and vllm_overlay/ from commits in build/vllm
@@ -78,7 +77,7 @@ test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRIT
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS)
 
 test-upstream: apply venv ## Upstream's own tests on the patched tree vs the pristine record (RECORD=1: rerecord it), against tests/upstream/upstream_tests.toml
-	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(RECORD),--record) $(if $(FILES),--files $(FILES))
+	$(PYTHON) scripts/upstream_tests.py --tree $(TREE) --python $(abspath $(VPY)) $(if $(RECORD),--record)
 
 test-gpu: ## GPU tier: kernel tests compiled at real sizes (needs only torch + triton + pytest)
 	$(NEED) test-gpu torch triton pytest
@@ -136,7 +135,7 @@ clean: ## Remove build outputs (build/, dist/); never the sdist cache or the ven
 
 .PHONY: pr pr-stack build image
 pr: ## Export TOPIC=order-contract|fetch-kv|mla-fusion as an upstream PR: branch pr/TOPIC, dist/TOPIC/
-	@$(SERIES) pr --topic "$(TOPIC)" $(if $(RUFF),--ruff $(RUFF))
+	@$(SERIES) pr --topic "$(TOPIC)"
 
 pr-stack: venv ## After make pr for every topic: git am each PR alone and all stacked on pristine vLLM; run their tests there (CPU)
 	@$(SERIES) pr-stack --python $(abspath $(VPY))

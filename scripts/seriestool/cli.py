@@ -26,11 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("readme", help="rewrite README.md's series table from the patch headers")
     pr_p = sub.add_parser("pr", help="export one topic as an upstream PR: branch pr/<topic>, dist/<topic>/")
     pr_p.add_argument("--topic", required=True, help="one of the patch header topics")
-    pr_p.add_argument("--dist", type=Path, default=None, help="output folder (default: ROOT/dist)")
-    pr_p.add_argument("--ruff", default=None, help="the ruff executable (default: found next to python)")
     stack_p = sub.add_parser("pr-stack", help="git am each exported PR alone and all stacked on pristine "
                              "upstream; with --python, run the PRs' tests there")
-    stack_p.add_argument("--dist", type=Path, default=None, help="the exports (default: ROOT/dist)")
     stack_p.add_argument("--python", default=None, help="the Python that runs the PRs' tests (CPU)")
     sub.add_parser("topics", help="print the topics, in series order")
     reb = sub.add_parser("rebase", help="port the series to another vLLM release (git's three-way merges)")
@@ -61,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             report = buildtree.refresh(layout)
             print("\n".join(report) if report else "refresh: nothing changed")
         elif args.verb == "pr":
-            report = export.export(layout, args.topic, (args.dist or root / "dist").resolve(), ruff=args.ruff)
+            report = export.export(layout, args.topic, root / "dist")
             print("\n".join(report))
         elif args.verb == "pr-stack":
-            print("\n".join(prstack.check_stack(layout, (args.dist or root / "dist").resolve(), args.python)))
+            print("\n".join(prstack.check_stack(layout, root / "dist", args.python)))
         elif args.verb == "topics":
             print("\n".join(patchfile.TOPICS))
         elif args.verb == "rebase":

@@ -6,22 +6,20 @@ commits of earlier PRs that add files this one shares, the topic's overlay files
 tests (patches/pr-tests), then one commit per patch, authored and signed off (DCO) by the
 git identity git itself would use there.  ruff (format --check, check; the pinned tree's
 pyproject.toml) and py_compile run on the changed files before anything is written.
-Then ``dist/<topic>/`` gets ``git format-patch`` output and PR_DESCRIPTION.md, which
-fills the pinned tree's .github/PULL_REQUEST_TEMPLATE.md from the patch headers and the
-committed, clean benchmark results (results.py, headlines.py); tables and per-patch
-notes are folded in ``<details>``, at most MAX_BODY_LINES lines outside them.
+Then ``dist/<topic>/`` gets ``git format-patch`` output and PR_DESCRIPTION.md: the
+sections of vLLM's PR template from the patch headers and the committed, clean benchmark
+results (results.py, headlines.py), then the template's checklist footer; tables and
+per-patch notes are folded in ``<details>``, at most MAX_BODY_LINES lines outside them.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,11 +30,11 @@ from .pins import load_pins
 
 # Exported commits get the series' fixed date: same inputs and identity, same commit ids.
 EXPORT_DATE = gitrepo.SERIES_IDENTITY["GIT_AUTHOR_DATE"]
+EXPORT_ENV = {"GIT_AUTHOR_DATE": EXPORT_DATE, "GIT_COMMITTER_DATE": EXPORT_DATE}
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 MAX_BODY_LINES = 60     # lines of the PR body outside <details> folds
 MAX_CLAIMS = 6
 _MAX_SHOWN = 60
-_IDENT_RE = re.compile(r"^(?P<name>.*) <(?P<email>[^<>]*)> \d+ [+-]\d{4}$")
 _REF_RE = re.compile(r"vllm#(\d+)(?:\s*\(([^)]*)\))?")
 _STATUS_RE = re.compile(r"\b(merged|open|closed|not merged|draft)\b", re.I)
 # How the kernel tests run on a CPU in vLLM's tree: the Triton interpreter, and an empty
@@ -45,28 +43,16 @@ CPU_KERNEL_ENV = {"CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "cpu", "TRIT
 CPU_KERNEL_PREFIX = " ".join(f"{k}={v}" for k, v in CPU_KERNEL_ENV.items())
 
 
-def git_identity(build: Path) -> dict[str, str]:
-    """The author and committer ``git commit`` would use in build/vllm (``git var``:
-    environment, the tree's config, global and system config), with the fixed date."""
-    ident: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="series-ident-") as tmp:
-        # Before build/vllm exists: asked outside every repository.
-        where = build if gitrepo.is_repo(build) else Path(tmp)
-        for role in ("AUTHOR", "COMMITTER"):
-            proc = gitrepo.git(where, "var", f"GIT_{role}_IDENT", check=False,
-                               env={"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)})
-            match = _IDENT_RE.match(proc.stdout.strip()) if proc.returncode == 0 else None
-            if not match or not match["name"].strip() or not match["email"].strip():
-                why = (proc.stderr.strip().splitlines() or ["no identity"])[-1].removeprefix("fatal: ")
-                raise SeriesError(
-                    f"git has no {role.lower()} identity for a commit in {build} ({why}): the exported commits "
-                    f"carry a DCO 'Signed-off-by:' line (vLLM requires it) from that identity.\nSet it the way "
-                    f"git looks for it: GIT_{role}_NAME / GIT_{role}_EMAIL in the environment, "
-                    f"`git -C {build} config user.email ...`, or\n  git config --global user.name 'Your Name'\n"
-                    "  git config --global user.email you@example.com")
-            ident.update({f"GIT_{role}_NAME": match["name"].strip(), f"GIT_{role}_EMAIL": match["email"].strip(),
-                          f"GIT_{role}_DATE": EXPORT_DATE})
-    return ident
+def check_identity(repo: Path) -> None:
+    """The exported commits carry a DCO sign-off by the identity git uses in build/vllm
+    (environment, its config, global config): refuse before anything is built without one."""
+    for role in ("AUTHOR", "COMMITTER"):
+        proc = gitrepo.git(repo, "var", f"GIT_{role}_IDENT", check=False)
+        if proc.returncode:
+            raise SeriesError(f"git has no {role.lower()} identity in {repo} for the exported commits' "
+                              f"'Signed-off-by:' line ({(proc.stderr.strip().splitlines() or ['?'])[-1]}).\n"
+                              f"Set user.name and user.email (git config --global), or GIT_{role}_NAME / "
+                              f"GIT_{role}_EMAIL.")
 
 
 def pristine_root(layout: buildtree.Layout, pins: dict[str, str]) -> str:
@@ -105,23 +91,20 @@ def shown(text: str) -> str:
     return "\n".join("  " + ln for ln in lines[:_MAX_SHOWN]) + more
 
 
-def find_ruff(root: Path, explicit: str | None) -> list[str]:
-    if explicit:  # resolved now: the checks run inside the scratch checkout
-        found = str(Path(explicit).absolute()) if os.sep in explicit else shutil.which(explicit)
-        if not found or not Path(found).is_file():
-            raise SeriesError(f"ruff not found at {explicit!r}")
-        return [found]
+def find_ruff(root: Path) -> list[str]:
+    """The running Python's ruff, else the venv's (`make venv`), else one on PATH."""
     if importlib.util.find_spec("ruff") is not None:
         return [sys.executable, "-m", "ruff"]
-    found = shutil.which("ruff") or (root / ".venv" / "bin" / "ruff")
-    if not Path(found).exists():
-        raise SeriesError("ruff not found: `make venv` installs it, or pass RUFF=/path/to/ruff")
+    found = root / ".venv" / "bin" / "ruff"
+    if not found.exists():
+        found = shutil.which("ruff")
+    if not found:
+        raise SeriesError("ruff not found: `make venv` installs it")
     return [str(found)]
 
 
-def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str], origins: dict[str, str]) -> str:
-    """ruff format --check and ruff check (the tree's config), py_compile; raise on a failure.
-    ``origins``: the PR's test files, tree path -> the file in this repository."""
+def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str]) -> str:
+    """ruff format --check and ruff check (the tree's config), py_compile; raise on a failure."""
     python = [f for f in files if f.endswith((".py", ".pyi")) and (tree / f).is_file()]
     checks = [([*ruff, "format", "--check", "--no-cache", "--force-exclude", "--", *python], "ruff format --check"),
               ([*ruff, "check", "--no-fix", "--no-cache", "--force-exclude", "--output-format", "concise",
@@ -130,14 +113,7 @@ def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str], origins: d
     for cmd, what in checks if python else []:
         proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
         if proc.returncode:
-            output = proc.stdout + proc.stderr
-            ours = " ".join(origins[f] for f in python if f in origins and f in output)
-            theirs = " ".join(f for f in python if f not in origins and f in output)
-            fix = ((f"(cd build/vllm && {' '.join(ruff)} format {theirs}), commit there and `make refresh`; "
-                    if theirs else "") + (f"{' '.join(ruff)} format --config build/vllm/pyproject.toml {ours}"
-                                          if ours else ""))
-            raise SeriesError(f"{what} failed (pinned tree's pyproject.toml):\n{shown(output)}"
-                              + (f"\nTo fix: {fix}" if fix and what.startswith("ruff format") else ""))
+            raise SeriesError(f"{what} failed (pinned tree's pyproject.toml):\n{shown(proc.stdout + proc.stderr)}")
     version = subprocess.run([*ruff, "--version"], capture_output=True, text=True).stdout.strip()
     return f"checks: {version} format --check + check, py_compile: {len(python)} file(s) OK"
 
@@ -277,13 +253,6 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
     not_rocm = [k for k in kernels if not (k in heads and heads[k].result.rocm)]
     out += ["", "Not run on ROCm hardware: " + (f"benchmarks of {_code(not_rocm)}; " if not_rocm else "")
             + "the AITER code paths (tests marked `rocm`): the series repository holds no ROCm test results."]
-    host = [k for k in heads if not (heads[k].result.series.get("cuda") or heads[k].result.rocm)]
-    series = ["```sh", f"make pr TOPIC={topic}   # this PR and the lint above",
-              "make test   # CPU tier: builds build/vllm and .venv"]
-    series += [f"make bench-host   # CPU: host cost into build/results/ ({', '.join(host)})"] if host else []
-    gpu = [k for k in heads if k not in host]
-    series += [f"make bench   # GPU: benchmarks/results/<date>-<device>-<commit>.json ({', '.join(gpu)})"] if gpu else []
-    out += [""] + _fold("In the series repository (vLLM + the AITER series)", "\n".join(series + ["```"]))
     for kernel, h in heads.items():
         cases = h.result.cases(kernel)
         host_rows = benchmeta.host_cases(h.result.data, kernel) if not cases else []
@@ -297,10 +266,9 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
 
 def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches: list[patchfile.Patch],
              overlay: list[str], changed: list[str], template: str | None, series_commit: str,
-             plan: ExportPlan | None = None) -> str:
+             plan: ExportPlan) -> str:
     """The PR body in the pinned template's sections (Overview, Claims, Validation, Details):
     each thing said once, every figure rounded from committed results, tables and notes folded."""
-    plan = plan or ExportPlan(topic, [], [], list(overlay), [], {})
     title = topics.TOPIC_TITLES.get(topic, topic)
     selection = results.select(layout.root)
     heads = {k: headlines.headline(layout.root, k, f)
@@ -349,38 +317,25 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
 
 
 def render_description(template: str, title: str, content: dict[str, str]) -> str:
-    """The template's sections ('## Overview' ...) filled from content (the same names, lower
-    case); other sections keep their text without comments; the footer from '---' on stays.
-    A section the template lacks is added at the end."""
+    """Our sections (Overview, Claims, Validation, Details: those of vLLM's template), then
+    the pinned template's footer from its '---' line on (the checklist upstream asks for)."""
     lines = template.splitlines()
-    end = next((i for i, ln in enumerate(lines) if ln.strip() == "---"), len(lines))
+    footer = lines[lines.index("---"):] if "---" in lines else []
     parts = [f"# {title}", ""]
-    used = set()
-    for block in re.split(r"^(?=## )", "\n".join(lines[:end]), flags=re.M):
-        heading, _, body = block.partition("\n")
-        key = heading[3:].strip().lower() if heading.startswith("## ") else None
-        if key in content:
-            parts += [heading, "", content[key].strip(), ""]
-            used.add(key)
-        elif key is None and block.strip():
-            parts += [block.strip(), ""]      # the preamble, as it is
-        elif re.sub(r"<!--.*?-->", "", block, flags=re.S).strip():
-            parts += [re.sub(r"<!--.*?-->", "", block, flags=re.S).strip(), ""]
     for key, text in content.items():
-        if key not in used:
-            parts += [f"## {key.capitalize()}", "", text.strip(), ""]
-    return "\n".join(parts + lines[end:]).rstrip() + "\n"
+        parts += [f"## {key.capitalize()}", "", text.strip(), ""]
+    return "\n".join(parts + footer).rstrip() + "\n"
 
 
 # --- the export -----------------------------------------------------------------------------
 
-def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | None = None) -> list[str]:
+def export(layout: buildtree.Layout, topic: str, dist_root: Path) -> list[str]:
     if topic not in patchfile.TOPICS:
         raise SeriesError(f"unknown topic {topic!r}: make pr TOPIC=<{'|'.join(patchfile.TOPICS)}>")
     pins = load_pins(layout.root)
     build = layout.build
-    ident = git_identity(build)
-    ruff_cmd = find_ruff(layout.root, ruff)
+    check_identity(build if gitrepo.is_repo(build) else layout.root)
+    ruff_cmd = find_ruff(layout.root)
     all_patches = buildtree.series_patches(layout)
     mine = [p for p in all_patches if p.topic == topic]
     files = buildtree.overlay_files(layout)
@@ -407,7 +362,7 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
                 (tree / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, tree / rel)
             gitrepo.git(tree, "add", "-f", "--", *[rel for _, rel in pairs])
-            gitrepo.git(tree, "commit", "-q", "-s", "-F", "-", input_text=message, env=ident)
+            gitrepo.git(tree, "commit", "-q", "-s", "-F", "-", input_text=message, env=EXPORT_ENV)
 
         for _, shared in plan.depends:   # the commits of earlier PRs adding files this one ships too
             add([(layout.overlay / rel, rel) for rel in shared], shared_message(layout, shared))
@@ -425,11 +380,11 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
         for patch in mine:
             buildtree.apply_patch(tree, patch)
             gitrepo.git(tree, "commit", "--amend", "-q", "--reset-author", "-s", "-F", "-",
-                        input_text=upstream_message(patch), env=ident)
+                        input_text=upstream_message(patch), env=EXPORT_ENV)
         changed = gitrepo.out(tree, "diff", "--name-only", "--no-renames", "--diff-filter=d", base, "HEAD").split()
         try:
             with progress.stage("pr", f"ruff format --check, ruff check, py_compile on {len(changed)} file(s)"):
-                checked = upstream_ci_checks(tree, changed, ruff_cmd, {t.dest: t.source for t in plan.tests})
+                checked = upstream_ci_checks(tree, changed, ruff_cmd)
         except SeriesError as exc:
             raise SeriesError(f"{exc}\nThe export stopped: {branch} and dist/{topic}/ were not written.") from None
         template = gitrepo.git(tree, "show", f"{root}:{TEMPLATE}", check=False)
@@ -441,7 +396,7 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path, ruff: str | No
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     written = gitrepo.git(build, "format-patch", "--signoff", "--no-signature", "-o", str(out),
-                          f"{base}..{branch}", env=ident).stdout.split()
+                          f"{base}..{branch}", env=EXPORT_ENV).stdout.split()
     commit = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip() or "(none)"
     dirty = " + uncommitted changes" if gitrepo.series_inputs_dirty(layout.root) else ""
     text = describe(layout, topic, pins, mine, overlay, changed,

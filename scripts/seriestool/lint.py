@@ -4,25 +4,27 @@ Every check runs, whatever the others found; each finding is one line naming the
 series entries (missing, duplicate, unlisted, misnamed), patch headers (fields, topic, no
 figures, only committed result files, at most MAX_HEADER_LINES lines), ``index`` lines,
 overlay files that shadow upstream's, overlay-topics and pr-tests lines, relative links in
-the tracked Markdown (doclinks.py); then, on a scratch tree built from the cached sdist:
-the whole series applying with zero fuzz and no whitespace errors, each topic applying
-alone on pristine upstream, pins.env's target stack (stack.py), and upstream's pre-commit
-hooks on the series' Python files (precommit.py).  A check that cannot run is the finding
+the tracked Markdown naming files that exist; then, on a scratch tree built from the cached
+sdist: the whole series applying with zero fuzz and no whitespace errors, each topic applying
+alone on pristine upstream, and upstream's pre-commit hooks on the series' Python files
+(precommit.py).  A check that cannot run is the finding
 "not run: ... because ...".
 """
 
 from __future__ import annotations
 
+import re
 import tarfile
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-from . import SeriesError, doclinks, figures, gitrepo, patchfile, precommit, progress, sdist, stack, topics
-from .buildtree import Layout, PatchFailed, build_tree, hunk_failure, overlay_files, series_patches
+from . import SeriesError, figures, gitrepo, patchfile, precommit, progress, sdist, topics
+from .buildtree import Layout, PatchFailed, apply_error, build_tree, overlay_files, series_patches
 from .pins import load_pins
 
 MAX_HEADER_LINES = 15
+_LINK_RE = re.compile(r"\]\(<?([^()\s<>#]+)[^()]*\)")
 
 
 def lint_series_files(layout: Layout) -> list[str]:
@@ -82,6 +84,21 @@ def _claims_of(layout: Layout, name: str, header: list[str], tracked: set[str] |
     return findings
 
 
+def lint_doc_links(root: Path) -> list[str]:
+    """A relative link ``[text](path)`` in a tracked Markdown file must name an existing file
+    (code is skipped; URLs and #anchors are not checked)."""
+    findings = []
+    for rel in gitrepo.out(root, "ls-files", "--", "*.md").splitlines():
+        fenced = False
+        for lineno, line in enumerate((root / rel).read_text(errors="replace").splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            for target in [] if fenced else _LINK_RE.findall(re.sub(r"`[^`]*`", "", line)):
+                if ":" not in target and not ((root / rel).parent / target).exists():
+                    findings.append(f"{rel}:{lineno}: link {target!r} names no file")
+    return findings
+
+
 def topic_alone_problem(repo: Path, base: str, all_patches: list[patchfile.Patch], topic: str) -> str | None:
     """Do the topic's patches apply, in series order, on base without the other topics?
     (A temporary index: touches neither the checkout nor HEAD.)"""
@@ -100,12 +117,12 @@ def topic_alone_problem(repo: Path, base: str, all_patches: list[patchfile.Patch
                         "earlier in the series.\n  Remake it against pristine upstream (each topic must apply "
                         "alone), or move it to that topic.") if earlier else ""
                 return (f"topic {topic}: patches/{patch.name} does not apply on pristine upstream without the "
-                        f"other topics: {hunk_failure(patch, proc.stderr)}{hint}")
+                        f"other topics: {apply_error(proc.stderr)}{hint}")
     return None
 
 
 def lint(layout: Layout) -> list[str]:
-    findings = lint_series_files(layout) + lint_header_claims(layout) + doclinks.lint_links(layout.root)
+    findings = lint_series_files(layout) + lint_header_claims(layout) + lint_doc_links(layout.root)
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     with tarfile.open(sdist_file) as tar:
@@ -123,10 +140,9 @@ def lint(layout: Layout) -> list[str]:
             not_applied = str(exc).splitlines()[0]
             findings.append(not_applied)
         except SeriesError as exc:  # a missing patch file, an overlay file shadowing upstream
-            findings.append("not run: the zero-fuzz apply, topic-alone, target-stack and pre-commit hook "
-                            f"checks, because {str(exc).splitlines()[0].rstrip(':')}")
+            findings.append("not run: the zero-fuzz apply, topic-alone and pre-commit hook checks, "
+                            f"because {str(exc).splitlines()[0].rstrip(':')}")
             return findings
-        findings += stack.lint_target_stack(pins, stack.tree_reader(scratch.build))
         root = gitrepo.root_commit(scratch.build)
         for topic in patchfile.TOPICS:
             with progress.stage("check", f"topic {topic} alone on pristine upstream"):

@@ -1,23 +1,9 @@
-"""The patch file format of the series.
-
-A patch is a header, a line ``---``, and a unified diff (``-p1``, ``a/`` and
-``b/`` prefixes, 3 lines of context, no ``index`` lines):
-
-    Subject: Order MRv2 batches decode -> extend -> prefill
-    Topic: order-contract
-    Why: ...
-      continuation lines are indented by two spaces
-    How: ...
-    Upstream: vllm#25763 (merged), or "none: ..."
-    Drop when: ...
-    Tested on: CPU ...; ROCm: not run
-    ---
-    diff --git a/vllm/x.py b/vllm/x.py
-    ...
-
-In the build tree each patch is one commit whose message is the subject, a
-blank line, the other header lines, and a ``Series-Patch: <file>`` trailer;
-``make refresh`` turns such commits back into exactly this text.
+"""The patch file format of the series: a header (Subject, Topic, Why, How, Upstream,
+Drop when, Tested on; continuation lines indented two spaces), a line ``---``, and a
+unified git diff (``a/`` ``b/`` prefixes, 3 lines of context, no ``index`` lines).
+In the build tree each patch is one commit whose message is the subject, a blank line,
+the other header lines and a ``Series-Patch: <file>`` trailer; ``make refresh`` turns
+such commits back into exactly this text.
 """
 
 from __future__ import annotations

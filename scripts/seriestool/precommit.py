@@ -1,21 +1,14 @@
 """make check: upstream's pre-commit hooks on the Python files the series adds or changes.
 
-Upstream runs ``pre-commit run --hook-stage manual`` on every PR.  pre-commit itself
-cannot run here (it clones each hook's repository), so this does what it would do,
-from the pinned tree's ``.pre-commit-config.yaml`` and ``tools/pre_commit/``:
-
-* a hook runs when its stages include ``manual`` and its files/exclude/types/types_or/
-  exclude_types select one of the files (``always_run`` hooks always);
-* ``repo: local`` hooks run ``entry`` + ``args`` (+ the files unless
-  ``pass_filenames: false``) from the tree's root, ``language: python`` ones in a
-  virtual environment of exactly their ``additional_dependencies``;
-* the remote hooks that check Python files (REMOTE_HOOKS) run the PyPI package of the
-  config's ``rev`` (a rev frozen to a commit SHA names its tag in a ``# frozen: vX.Y.Z``
-  comment), with the entry of their repository's ``.pre-commit-hooks.yaml``;
-* a hook fails when it exits non-zero or changes a file; a hook whose environment
-  cannot be made is a finding too, and the other hooks still run.
-
-Hook environments are cached in SERIES_HOOK_ENVS (default ``<cache>/pre-commit-envs/``).
+pre-commit itself cannot run here (it clones each hook's repository), so this does what
+``pre-commit run --hook-stage manual`` would, from the pinned tree's config: a hook runs
+when its stages include ``manual`` and its files/exclude/types select a file; ``local``
+hooks run their entry (``python`` ones in a venv of their additional_dependencies); the
+remote hooks in REMOTE_HOOKS run the PyPI package of the config's rev (a SHA-frozen rev
+names its version in a ``# frozen: vX.Y.Z`` comment).  A hook fails when it exits
+non-zero or changes a file; one whose environment cannot be made is a finding too, and
+the others still run.  Environments are cached in SERIES_HOOK_ENVS (default
+``<cache>/pre-commit-envs/``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Progress lines for the slow steps, and interrupts that end in one line.
-
-``with stage("apply", "unpacking vllm-0.34.0.tar.gz"):`` prints
-``apply: unpacking vllm-0.34.0.tar.gz ...`` on stderr when the step starts; stdout
-stays for results.  ``interrupts_raise()`` turns SIGTERM and SIGHUP into
-``KeyboardInterrupt`` (as Ctrl-C is), so an interrupted verb runs its clean-up code
-and the command line prints one line instead of a traceback.
+"""Progress lines on stderr for the slow steps; SIGTERM and SIGHUP raise
+KeyboardInterrupt (as Ctrl-C does), so an interrupted verb cleans up and says one line.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from . import SeriesError, buildtree, export, gitrepo, patchfile, progress, topi
 from .pins import load_pins
 
 
-def _am(tree: Path, patches: list[Path], ident: dict[str, str], what: str) -> None:
-    proc = gitrepo.git(tree, "am", "-q", "--no-3way", *map(str, patches), check=False, env=ident)
+def _am(tree: Path, patches: list[Path], what: str) -> None:
+    proc = gitrepo.git(tree, "am", "-q", "--no-3way", *map(str, patches), check=False, env=export.EXPORT_ENV)
     if proc.returncode:
         gitrepo.git(tree, "am", "--abort", check=False)
         raise SeriesError(f"{what}: git am failed:\n" + export.shown(proc.stderr + proc.stdout))
@@ -29,7 +29,7 @@ def check_stack(layout: buildtree.Layout, dist_root: Path, python: str | None = 
     pins = load_pins(layout.root)
     build = layout.build
     root = export.pristine_root(layout, pins)
-    ident = export.git_identity(build)
+    export.check_identity(build)
     files = buildtree.overlay_files(layout)
     series = buildtree.series_patches(layout)
     # A topic with neither patches nor files has no PR (make pr refuses it).
@@ -45,7 +45,7 @@ def check_stack(layout: buildtree.Layout, dist_root: Path, python: str | None = 
         deps = [dists[u][0] for u, _ in export.export_plan(layout, topic, files).depends]
         with progress.stage("pr-stack", f"{topic} alone on pristine vLLM {pins['VLLM_VERSION']}"):
             with export.scratch_worktree(build, f"pr-stack-{topic}", root) as tree:
-                _am(tree, [*deps, *dists[topic]], ident, f"PR {topic} alone")
+                _am(tree, [*deps, *dists[topic]], f"PR {topic} alone")
         after = f" after {', '.join(d.parent.name + '/' + d.name for d in deps)}" if deps else ""
         report.append(f"pr-stack: {topic}: {len(dists[topic])} patch(es) apply on pristine "
                       f"vLLM {pins['VLLM_VERSION']}{after}")
@@ -53,7 +53,7 @@ def check_stack(layout: buildtree.Layout, dist_root: Path, python: str | None = 
     with progress.stage("pr-stack", "all topics stacked in series order"):
         with export.scratch_worktree(build, "pr-stack-all", root) as tree:
             for topic in names:
-                _am(tree, dists[topic], ident, f"PR {topic} on top of the earlier PRs")
+                _am(tree, dists[topic], f"PR {topic} on top of the earlier PRs")
             differ = gitrepo.out(tree, "diff", "--name-status", "--no-renames", "main", "HEAD").splitlines()
             extra = [ln for ln in differ if ln.split("\t")[-1] not in tests or not ln.startswith("A")]
             if extra:

@@ -2,32 +2,17 @@
 
     make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y   start; finishes at once when nothing conflicts
     make rebase CONTINUE=1                            after resolving a conflict
-    make rebase ABORT=1                               drop the rebase (it wrote nothing to the checkout yet)
+    make rebase ABORT=1                               drop the rebase
 
-In ``build/rebase/vllm``, a git repository of its own, the current series is
-built as ``make apply`` builds it (pristine vLLM of pins.env, the overlay
-commit, one commit per patch).  The other release's sdist, fetched and
-verified like ``make fetch``, becomes a second root commit, and
-``git rebase --onto <new pristine> <old pristine>`` replays the overlay and
-every patch: each one a three-way merge (git's ort strategy) of the patch with
-the new upstream, whose base is the old pristine tree plus the patches before
-it.  git stops at the first conflict; the report names the patch, the file,
-the patch's hunk and what upstream changed there, and the conflicted files
-carry diff3 markers (ours: new upstream and the patches before; base: the old
-tree; theirs: this patch).
-
-When every commit is replayed: patches/, patches/series and vllm_overlay/ are
-rewritten from the rebased commits (make refresh's code; a patch whose hunks
-moved or merged is regenerated, an untouched one kept byte for byte, one that
-became empty is dropped), pins.env gets the new VLLM_VERSION,
-VLLM_SDIST_SHA256, VLLM_COMMIT (the sdist's vllm/_version.py) and AITER_REF
-(its docker/Dockerfile.rocm_base), README.md's series table is regenerated
-(make readme's code), ``make check`` runs on the result, and the per-patch
-table (clean / moved / merged / resolved by hand / dropped) is printed and
-written to ``build/rebase-<X>.md``.  All or nothing: what finish writes is
-copied to build/rebase/backup first and put back if anything fails (check's
-findings are not a failure: the port is written, and reported with them).
-build/vllm is never touched: ``make apply`` rebuilds it from the new pin afterwards.
+In ``build/rebase/vllm`` the current series is built as ``make apply`` builds it; the other
+release's sdist becomes a second root commit, and ``git rebase --onto <new> <old> main``
+replays the overlay and every patch (ort merges, diff3 markers).  At a conflict the report
+names the patch (N of M, its Drop when), each file, the patch's hunk and upstream's change
+there.  When all is replayed, finish rewrites patches/, vllm_overlay/, pins.env and the
+README table from the rebased commits (make refresh's and make readme's code), runs
+``make check``, and writes the per-patch table to ``build/rebase-<X>.md``.  All or nothing:
+finish first snapshots those paths as a git tree object (named in state.json) and puts it
+back if anything fails.  build/vllm is never touched.
 """
 
 from __future__ import annotations
@@ -36,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +29,7 @@ from . import Interrupted, SeriesError, buildtree, gitrepo, lint, patchfile, pro
 from .buildtree import Layout
 from .pins import load_pins, update_pins
 
-CLEAN, MOVED, MERGED, HAND = "clean", "moved", "merged", "resolved by hand"
+CLEAN, MERGED, HAND = "clean", "merged", "resolved by hand"
 EMPTY, HAND_DROPPED = "dropped: upstream has it", "dropped by hand"
 OVERLAY = "overlay"
 WRITTEN_PATHS = ("patches", "vllm_overlay", "pins.env", "README.md")   # what finish writes
@@ -60,16 +44,11 @@ class Paths:
     dir: Path                  # build/rebase
     repo: Path                 # build/rebase/vllm: where the rebase runs and conflicts are resolved
     state: Path                # build/rebase/state.json: written once the repository is ready
-    backup: Path               # build/rebase/backup: WRITTEN_PATHS while finish writes them
 
     @classmethod
     def of(cls, layout: Layout) -> Paths:
         d = layout.build.parent / "rebase"
-        return cls(dir=d, repo=d / "vllm", state=d / "state.json", backup=d / "backup")
-
-    @property
-    def dropping(self) -> Path:
-        return self.dir.parent / f".{self.dir.name}.old"
+        return cls(dir=d, repo=d / "vllm", state=d / "state.json")
 
 
 def _load(paths: Paths) -> dict | None:
@@ -83,13 +62,9 @@ def _save(paths: Paths, state: dict) -> None:
 
 
 def _drop(paths: Paths) -> None:
-    """Remove build/rebase: renamed away first, so an interrupted removal leaves no half state."""
-    if paths.dir.exists():
-        if paths.dropping.exists():
-            shutil.rmtree(paths.dropping)
-        os.rename(paths.dir, paths.dropping)
-    if paths.dropping.exists():
-        shutil.rmtree(paths.dropping)
+    """Remove build/rebase; state.json goes first, so a half-removed tree is no rebase."""
+    paths.state.unlink(missing_ok=True)
+    shutil.rmtree(paths.dir, ignore_errors=True)
 
 
 def _git(paths: Paths, *args: str, check: bool = True, env: dict | None = None):
@@ -103,24 +78,17 @@ def _in_progress(paths: Paths) -> bool:
 
 # --- what the other sdist says about itself -----------------------------------------
 
-def _sdist_member(sdist_file: Path, rel: str) -> str | None:
-    with tarfile.open(sdist_file) as tar:
-        for member in tar.getmembers():
-            parts = member.name.split("/", 1)
-            if len(parts) == 2 and parts[1] == rel and member.isfile():
-                return tar.extractfile(member).read().decode(errors="replace")
-    return None
-
-
-def sdist_facts(sdist_file: Path) -> dict[str, str]:
+def sdist_facts(tree: Path) -> dict[str, str]:
     """VLLM_COMMIT from vllm/_version.py, AITER_REF from docker/Dockerfile.rocm_base (if present)."""
-    facts = {}
-    version_py = _sdist_member(sdist_file, "vllm/_version.py") or ""
-    commit = re.search(r"commit_id\s*=\s*['\"]([^'\"]+)['\"]", version_py)
+
+    def read(rel: str) -> str:
+        return (tree / rel).read_text() if (tree / rel).is_file() else ""
+
+    facts = {"VLLM_COMMIT": "unknown"}
+    commit = re.search(r"commit_id\s*=\s*['\"]([^'\"]+)['\"]", read("vllm/_version.py"))
     if commit:
         facts["VLLM_COMMIT"] = commit.group(1)
-    dockerfile = _sdist_member(sdist_file, "docker/Dockerfile.rocm_base") or ""
-    aiter = re.search(r"^ARG AITER_BRANCH=\"?([^\"\s]+)\"?", dockerfile, re.M)
+    aiter = re.search(r"^ARG AITER_BRANCH=\"?([^\"\s]+)\"?", read("docker/Dockerfile.rocm_base"), re.M)
     if aiter:
         facts["AITER_REF"] = aiter.group(1)
     return facts
@@ -143,14 +111,6 @@ def _commits(paths: Paths, base: str, tip: str) -> list[tuple[str, str]]:
     return [(_key(paths, c), c) for c in revs]
 
 
-def _hunks_of(paths: Paths, commit: str) -> dict[str, str]:
-    """Per file, the commit's diff without hunk positions (equal when only the positions moved)."""
-    files = _git(paths, "diff-tree", "--no-commit-id", "--name-only", "-r", "--no-renames", commit).stdout.split()
-    return {f: "\n".join("@@" if ln.startswith("@@ ") else ln
-                         for ln in gitrepo.diff(paths.repo, f"{commit}^", commit, [f]).splitlines()
-                         if not ln.startswith("index ")) for f in files}
-
-
 def _diff(paths: Paths, commit: str) -> str:
     return patchfile.strip_index_lines(gitrepo.diff(paths.repo, f"{commit}^", commit, None))
 
@@ -162,7 +122,7 @@ def classify(paths: Paths, state: dict) -> list[dict]:
     rows = []
     for key, old_commit in _commits(paths, state["old_pristine"], state["old_tip"]):
         stop, new_commit = stops.get(key), new.get(key)
-        if new_commit is None and stop and stop.get("dropped_by_hand"):
+        if new_commit is None and stop:     # a conflict resolved to no change (skipped)
             row = (HAND_DROPPED, f"conflict in {', '.join(stop['files'])}; resolved to no change")
         elif new_commit is None:
             row = (EMPTY, f"became empty on vLLM {state['to']['VLLM_VERSION']}")
@@ -171,47 +131,23 @@ def classify(paths: Paths, state: dict) -> list[dict]:
         elif _diff(paths, old_commit) == _diff(paths, new_commit):
             row = (CLEAN, "")
         else:
-            before, after = _hunks_of(paths, old_commit), _hunks_of(paths, new_commit)
-            changed = sorted(f for f in before.keys() | after.keys() if before.get(f) != after.get(f))
-            row = (MERGED, "three-way merge changed the hunks of " + ", ".join(changed)) if changed \
-                else (MOVED, "same hunks at other lines")
+            row = (MERGED, "git's three-way merge moved or changed its hunks")
         rows.append({"key": key, "status": row[0], "detail": row[1]})
     return rows
 
 
 def render_table(state: dict, rows: list[dict], check_line: str) -> str:
     frm, to = state["from"], state["to"]
-    counts = {}
+    lines = [f"# Rebase of the series: vLLM {frm['VLLM_VERSION']} -> {to['VLLM_VERSION']}", "",
+             f"`make rebase` at series commit {state['series_head'] or '(none)'}: from upstream "
+             f"{frm['VLLM_COMMIT']} (sdist sha256 `{frm['VLLM_SDIST_SHA256']}`) to upstream {to['VLLM_COMMIT']} "
+             f"(sdist sha256 `{to['VLLM_SDIST_SHA256']}`).", "",
+             "| # | commit | result | detail |", "|---|---|---|---|"]
+    patches = [row for row in rows if row["key"] != OVERLAY]
     for row in rows:
-        counts[row["status"]] = counts.get(row["status"], 0) + 1
-    order = (CLEAN, MOVED, MERGED, HAND, EMPTY, HAND_DROPPED)
-    lines = [
-        f"# Rebase of the series: vLLM {frm['VLLM_VERSION']} -> {to['VLLM_VERSION']}",
-        "",
-        f"Generated by `make rebase VLLM_VERSION={to['VLLM_VERSION']} VLLM_SDIST_SHA256=...` at series "
-        f"commit {state['series_head'] or '(none)'} with {state['git']} (`git rebase`, ort merges, "
-        f"diff3 conflicts).",
-        f"From vLLM {frm['VLLM_VERSION']} (upstream {frm['VLLM_COMMIT']}, sdist sha256 "
-        f"`{frm['VLLM_SDIST_SHA256']}`) to vLLM {to['VLLM_VERSION']} (upstream {to['VLLM_COMMIT']}, sdist "
-        f"sha256 `{to['VLLM_SDIST_SHA256']}`).",
-        "",
-        "clean: applies as before; moved: same hunks at other lines; merged: git's three-way merge changed "
-        "the hunks (context or position moved upstream) without a conflict; resolved by hand: git stopped "
-        "at a conflict; dropped: the commit became empty.",
-        "",
-        "| # | commit | result | detail |",
-        "|---|---|---|---|",
-    ]
-    number = 0
-    for row in rows:
-        if row["key"] == OVERLAY:
-            lines.append(f"| – | overlay (new files) | {row['status']} | {row['detail']} |")
-            continue
-        number += 1
+        number = patches.index(row) + 1 if row in patches else "–"
         lines.append(f"| {number} | `{row['key']}` | {row['status']} | {row['detail']} |")
-    lines += ["", "Summary: " + ", ".join(f"{s} {counts[s]}" for s in order if s in counts) + ".",
-              "", f"`make check` on the result: {check_line}", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", f"`make check` on the result: {check_line}", ""])
 
 
 # --- the conflict report ----------------------------------------------------------------
@@ -279,19 +215,12 @@ def conflict_report(paths: Paths, state: dict, git_output: str) -> str:
     upstream_diff = paths.dir / f"{key}.upstream.diff"
     upstream_diff.write_text(_git(paths, "diff", "-M", state["old_pristine"], state["new_pristine"], "--",
                                   *touched).stdout if touched else "")
-    renames = [ln for ln in _git(paths, "diff", "-M", "--name-status", state["old_pristine"],
-                                 state["new_pristine"]).stdout.splitlines()
-               if ln.startswith("R") and ln.split("\t")[1] in touched]
     for path in unmerged:
         code = codes.get(path, "")
         spans = _marker_spans(paths.repo / path)
         where = f"; conflict markers at lines {', '.join(spans)} of {paths.repo / path}" if spans else ""
         lines.append(f"  {path}: {_KINDS.get(code, 'conflict')}{where}")
         theirs = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
-        if key == OVERLAY and code == "AA":
-            lines.append(f"    vLLM {to} now has {path}: the overlay may only add files. Keep upstream's file "
-                         "(and move our changes to it into a patch), or keep ours under another name.")
-            continue
         if code == "DU":
             lines += ["    the patch changes it:", *_changed(theirs),
                       "    to drop the patch's change to it (upstream's deletion stands): "
@@ -313,9 +242,6 @@ def conflict_report(paths: Paths, state: dict, git_output: str) -> str:
                       f"    upstream ({frm} -> {to}) changed there:", *_changed(near)]
         if not shown and code == "UU":
             lines.append("    (no upstream change overlaps a hunk of the patch: see the markers)")
-    for rename in renames:
-        _, src, dst = rename.split("\t")
-        lines.append(f"  upstream renamed {src} -> {dst} (git followed the rename)")
     conflict_lines = [ln.strip() for ln in git_output.splitlines() if ln.startswith("CONFLICT")]
     lines += [f"  git: {ln}" for ln in conflict_lines[:10]]
     lines += [
@@ -377,17 +303,13 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
     old_pins = load_pins(layout.root)
     if (old_pins["VLLM_VERSION"], old_pins["VLLM_SDIST_SHA256"]) == (version, sha256):
         raise SeriesError(f"the series is already pinned to vLLM {version} with that sdist")
-    if paths.dir.exists() or paths.dropping.exists():
+    if paths.dir.exists():
         progress.say("rebase", f"removing {paths.dir}, left by an interrupted start")
         _drop(paths)
     cache = sdist.cache_dir()
     new_pins = {**old_pins, "VLLM_VERSION": version, "VLLM_SDIST_SHA256": sha256}
     old_sdist = sdist.fetch(old_pins, cache)
     new_sdist = sdist.fetch(new_pins, cache)
-    facts = sdist_facts(new_sdist)
-    new_pins.update(facts)
-    if "VLLM_COMMIT" not in facts:
-        new_pins["VLLM_COMMIT"] = "unknown"
     series_head = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip()
     try:
         paths.dir.mkdir(parents=True)
@@ -406,7 +328,6 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
         _git(paths, "tag", f"vllm-{version}", new_pristine)
         state = {
             "root": str(layout.root), "series_head": series_head, "inputs": buildtree.inputs_hash(layout),
-            "git": gitrepo.out(paths.repo, "--version"),
             "from": {k: old_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
             "to": {k: new_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
             "old_pristine": old_pristine, "old_tip": old_tip, "new_pristine": new_pristine,
@@ -425,19 +346,19 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
 
 
 def _import_pristine(paths: Paths, sdist_file: Path, pins: dict[str, str]) -> str:
-    """The other sdist as a root commit of its own, without touching the checkout."""
+    """The other sdist as a root commit of its own (pins get its VLLM_COMMIT and AITER_REF)."""
     with tempfile.TemporaryDirectory(dir=paths.dir, prefix="sdist-") as tmp:
         tree_dir = Path(tmp) / "tree"
         with progress.stage("rebase", f"unpacking {sdist_file.name}"):
             sdist.unpack(sdist_file, tree_dir)
+        pins.update(sdist_facts(tree_dir))
         env = {"GIT_DIR": str(paths.repo / ".git"), "GIT_WORK_TREE": str(tree_dir),
                "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         with progress.stage("rebase", f"committing pristine vLLM {pins['VLLM_VERSION']}"):
             gitrepo.git(tree_dir, "add", "-A", "-f", ".", env=env)
             tree = gitrepo.git(tree_dir, "write-tree", env=env).stdout.strip()
-    message = (f"vLLM {pins['VLLM_VERSION']} pristine (upstream {pins['VLLM_COMMIT']})\n\n"
-               f"From the PyPI sdist, sha256 {pins['VLLM_SDIST_SHA256']}.\n")
-    return gitrepo.git(paths.repo, "commit-tree", tree, "-F", "-", identity=True, input_text=message).stdout.strip()
+    return gitrepo.git(paths.repo, "commit-tree", tree, "-F", "-", identity=True,
+                       input_text=buildtree.pristine_message(pins)).stdout.strip()
 
 
 def resume(layout: Layout) -> tuple[int, str]:
@@ -465,21 +386,14 @@ def resume(layout: Layout) -> tuple[int, str]:
                           + "\n".join(left))
     _git(paths, "add", "-A")
     if _git(paths, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
-        picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
-        if picked:
-            key = _key(paths, picked)
-            for stop in state["stops"]:
-                if stop["key"] == key:
-                    stop["dropped_by_hand"] = True
-            _save(paths, state)
-        return _run_rebase(layout, paths, state, ["rebase", "--skip"])
+        return _run_rebase(layout, paths, state, ["rebase", "--skip"])   # resolved to no change: dropped
     return _run_rebase(layout, paths, state, ["rebase", "--continue"])
 
 
 def abort(layout: Layout) -> str:
     paths = Paths.of(layout)
     state = _load(paths)
-    if not paths.dir.exists() and not paths.dropping.exists():
+    if not paths.dir.exists():
         return "rebase: none in progress; nothing to drop"
     restored = _restore(layout, paths)
     _drop(paths)
@@ -489,33 +403,31 @@ def abort(layout: Layout) -> str:
     return f"rebase{target} dropped: {paths.dir} removed; {WRITTEN} {what}"
 
 
-def _copy_written(src: Path, dst: Path) -> None:
-    """Make dst's WRITTEN_PATHS what src has (absent where src lacks one)."""
-    for name in WRITTEN_PATHS:
-        if (dst / name).is_dir():
-            shutil.rmtree(dst / name)
-        (dst / name).unlink(missing_ok=True)
-        if (src / name).is_dir():
-            shutil.copytree(src / name, dst / name)
-        elif (src / name).exists():
-            shutil.copy2(src / name, dst / name)
-
-
-def _backup(layout: Layout, paths: Paths) -> None:
-    """Copy what finish writes to build/rebase/backup: made under another name, so complete or absent."""
-    tmp = paths.backup.with_name("backup.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    _copy_written(layout.root, tmp)
-    os.rename(tmp, paths.backup)
+def _snapshot(layout: Layout, paths: Paths, state: dict) -> None:
+    """What finish writes, kept as a git tree object of the series repository (state["backup"])."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        present = [name for name in WRITTEN_PATHS if (layout.root / name).exists()]
+        gitrepo.git(layout.root, "add", "-A", "-f", "--", *present, env=env)
+        state["backup"] = gitrepo.git(layout.root, "write-tree", env=env).stdout.strip()
+    _save(paths, state)
 
 
 def _restore(layout: Layout, paths: Paths) -> bool:
-    """Put back what a finish had begun to write (its backup); False if there is no backup."""
-    if not paths.backup.is_dir():
+    """Put back what a finish had begun to write (its snapshot); False if there is none."""
+    state = _load(paths) or {}
+    if not state.get("backup"):
         return False
-    _copy_written(paths.backup, layout.root)
-    shutil.rmtree(paths.backup)
+    for name in WRITTEN_PATHS:
+        if (layout.root / name).is_dir():
+            shutil.rmtree(layout.root / name)
+        (layout.root / name).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        gitrepo.git(layout.root, "read-tree", state["backup"], env=env)
+        gitrepo.git(layout.root, "checkout-index", "-a", "-f", env=env)
+    del state["backup"]
+    _save(paths, state)
     return True
 
 
@@ -525,9 +437,9 @@ def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
         raise SeriesError(f"{paths.repo} has changes made after git finished the rebase; undo them "
                           f"(git -C {paths.repo} stash) and `make rebase CONTINUE=1` again")
     rows = classify(paths, state)
-    regenerate = {r["key"] for r in rows if r["status"] in (MOVED, MERGED, HAND)}
+    regenerate = {r["key"] for r in rows if r["status"] in (MERGED, HAND)}
     to = state["to"]
-    _backup(layout, paths)
+    _snapshot(layout, paths, state)
     try:
         with progress.stage("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits"):
             report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
@@ -551,12 +463,8 @@ def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
     table_file = layout.build.parent / f"rebase-{to['VLLM_VERSION']}.md"
     table_file.write_text(table)
     _drop(paths)
-    stale = [f"line {n}" for n, line in enumerate((layout.root / "pins.env").read_text().splitlines(), 1)
-             if line.startswith("#") and state["from"]["VLLM_VERSION"] in line]
     out = [table, *report,
            f"pins.env: {', '.join(changed_pins) or 'unchanged'}",
-           *([f"pins.env comments still name vLLM {state['from']['VLLM_VERSION']} ({', '.join(stale)}): "
-              "review them"] if stale else []),
            f"wrote {table_file}; {paths.dir} removed. build/vllm is still the old tree: "
            "`make apply` rebuilds it on the new pin."]
     if findings:

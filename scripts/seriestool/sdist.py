@@ -1,14 +1,9 @@
 """Fetch (with pip, hash-checked), verify and unpack the pinned vLLM sdist.
 
-The sdist is cached outside the build tree (``$SERIES_CACHE``, default
-``~/.cache/vllm-aiter-series``) so a second ``make apply`` needs no network and
-``make clean`` never deletes it.
-
-pip cannot simply download vLLM's sdist: it prepares metadata, and vLLM's build
-requirements pin a CUDA torch.  As BRIEF §1 records, it works with
-``--no-build-isolation`` from a small tools venv (setuptools, setuptools-scm,
-setuptools-rust, ...) plus a three-file stand-in ``torch`` package, with
-``VLLM_TARGET_DEVICE=empty``.  pip itself enforces ``--require-hashes``.
+Cached outside the tree (``$SERIES_CACHE``, default ``~/.cache/vllm-aiter-series``), so
+``make clean`` never deletes it.  pip downloads it with ``--no-build-isolation
+--require-hashes`` from a small tools venv plus a stand-in ``torch`` package
+(``VLLM_TARGET_DEVICE=empty``): vLLM's build requirements pin a CUDA torch (BRIEF §1).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Topics: which upstream PR each patch, overlay file and PR test belongs to.
 
 A patch names its topic in its header (``Topic:``).  ``patches/overlay-topics``
-maps overlay files, one ``<glob> <topic>`` rule a line (glob relative to
-``vllm_overlay/``; ``*`` stays in one path component, ``**`` spans several;
-``a,b`` ships a shared file with each of those topics' PRs).  ``patches/pr-tests``
+maps overlay files, one ``<glob> <topic>`` rule a line (fnmatch glob relative to
+``vllm_overlay/``, the first matching rule wins; ``a,b`` ships a shared file with each
+of those topics' PRs).  ``patches/pr-tests``
 lists the tests each PR carries: ``<test file here> <its path in vLLM> <topic>``.
 ``make check`` lints both; ``make apply`` reads neither.
 """
 
 from __future__ import annotations
 
-import re
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,12 +33,6 @@ TOPIC_KERNELS = {
 }
 
 
-def glob_regex(glob: str) -> re.Pattern:
-    parts = re.split(r"(\*\*/|\*\*|\*|\?)", glob)
-    special = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
-    return re.compile("".join(special.get(p, re.escape(p)) for p in parts) + r"\Z")
-
-
 def _lines(path: Path):
     """(where, fields) of each non-comment line of a patches/ list file."""
     for lineno, raw in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
@@ -47,40 +41,34 @@ def _lines(path: Path):
             yield f"patches/{path.name}:{lineno}", line.split()
 
 
-def read_rules(patches_dir: Path) -> tuple[list[tuple[str, str, str, re.Pattern]], list[str]]:
-    """((where, glob, topic, regex) of each rule of patches/overlay-topics, findings)."""
+def read_rules(patches_dir: Path) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
+    """((where, glob, topics) of each line of patches/overlay-topics, findings)."""
     rules, findings = [], []
     for where, parts in _lines(patches_dir / OVERLAY_TOPICS):
         if len(parts) != 2:
             findings.append(f"{where}: expected '<glob> <topic>', got {' '.join(parts)!r}")
             continue
-        glob, topic = parts
+        names = parts[1].split(",")
         findings += [f"{where}: unknown topic {one!r} (one of {', '.join(TOPICS)})"
-                     for one in topic.split(",") if one not in TOPICS]
-        glob = glob.removeprefix("vllm_overlay/")
-        rules.append((where, glob, topic, glob_regex(glob)))
+                     for one in names if one not in TOPICS]
+        rules.append((where, parts[0], names))
     return rules, findings
 
 
 def owners(rules, rel: str) -> list[str]:
-    """The topics that ship an overlay file, in series order; [] when its rules disagree."""
-    matched = {topic for _, _, topic, regex in rules if regex.match(rel)}
-    return [t for t in TOPICS if t in next(iter(matched)).split(",")] if len(matched) == 1 else []
+    """The topics that ship an overlay file (its first matching rule's), in series order."""
+    for _, glob, names in rules:
+        if fnmatch.fnmatchcase(rel, glob):
+            return [t for t in TOPICS if t in names]
+    return []
 
 
 def lint_overlay_topics(patches_dir: Path, files: list[str]) -> list[str]:
     rules, findings = read_rules(patches_dir)
-    for rel in files:
-        matched = sorted({topic for _, _, topic, regex in rules if regex.match(rel)})
-        if not matched:
-            findings.append(f"vllm_overlay/{rel}: no topic (add a line '<glob> <topic>' to "
-                            f"patches/{OVERLAY_TOPICS})")
-        elif len(matched) > 1:
-            findings.append(f"vllm_overlay/{rel}: matches rules of several topics ({', '.join(matched)}) "
-                            f"in patches/{OVERLAY_TOPICS}")
-    for where, glob, _, regex in rules:
-        if not any(regex.match(rel) for rel in files):
-            findings.append(f"{where}: {glob!r} matches no overlay file")
+    findings += [f"vllm_overlay/{rel}: no topic (add a line '<glob> <topic>' to patches/{OVERLAY_TOPICS})"
+                 for rel in files if not owners(rules, rel)]
+    findings += [f"{where}: {glob!r} matches no overlay file" for where, glob, _ in rules
+                 if not any(fnmatch.fnmatchcase(rel, glob) for rel in files)]
     return findings
 
 

@@ -1,9 +1,5 @@
-"""A small fake upstream and series repo, so the mechanics tests run fast and offline.
-
-Helpers live here, not in conftest.py: every test folder's conftest module is
-named ``conftest``, so ``from conftest import ...`` breaks as soon as two test
-folders are collected in one run.
-"""
+"""A small fake upstream and series repo, so the mechanics tests run fast and offline
+(helpers here, not in conftest.py: `from conftest import` breaks across test folders)."""
 
 from __future__ import annotations
 
@@ -46,14 +42,15 @@ def commit_message(subject: str, topic: str = "fetch-kv", path: str = "vllm/util
     return header[0].removeprefix("Subject: ") + "\n\n" + "\n".join(header[1:]) + "\n"
 
 
-def make_diff(path: str, old: str, new: str) -> str:
-    body = "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                        f"a/{path}", f"b/{path}", n=3))
-    return f"diff --git a/{path} b/{path}\n" + body
-
-
 def make_patch(subject: str, path: str, old: str, new: str, topic: str = "fetch-kv") -> str:
-    return HEADER.format(subject=subject, topic=topic, path=path) + "\n---\n" + make_diff(path, old, new)
+    diff = "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                        f"a/{path}", f"b/{path}", n=3))
+    return HEADER.format(subject=subject, topic=topic, path=path) + f"\n---\ndiff --git a/{path} b/{path}\n" + diff
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 def envs_edit_1(text: str) -> str:
@@ -96,6 +93,17 @@ class FakeSeries:
 
     def tree(self) -> str:
         return self.git("rev-parse", "HEAD^{tree}")
+
+    def add_patch(self, name: str, text: str) -> None:
+        """A patch file, listed last in patches/series."""
+        (self.patches / name).write_text(text)
+        with open(self.patches / "series", "a") as f:
+            f.write(name + "\n")
+
+    def commit(self, message: str = "the series") -> None:
+        """Commit everything in the series repository."""
+        self.git("add", "-A", cwd=self.root)
+        self.git("commit", "-qm", message, cwd=self.root)
 
     def upstream(self, files: dict[str, str]) -> None:
         """Make the fake sdist hold these files instead, and pin its new sha256."""

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from fake_upstream import REPO
 
@@ -56,8 +54,7 @@ def test_result_writing_verbs_default_to_ignored_folders():
 
 def test_series_verbs_leave_the_checkout_clean(fake_series, tmp_path):
     fs = fake_series
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "series", cwd=fs.root)
+    fs.commit("series")
     config = tmp_path / "gitconfig"
     config.write_text("[user]\n\tname = Ada\n\temail = ada@example.com\n")
     env = {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
@@ -65,27 +62,3 @@ def test_series_verbs_leave_the_checkout_clean(fake_series, tmp_path):
         proc = fs.run(*args, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert fs.git("status", "--porcelain", "--ignored=no", cwd=fs.root) == "", args
-
-
-def test_test_folders_collect_together():
-    """pytest imports every test folder's helpers by their bare module name (rootdir-less
-    folders, prepend import mode): two folders with a same-named module, or a test importing
-    `conftest`, break as soon as those folders run in one session."""
-    seen: dict[str, Path] = {}
-    problems = []
-    for path in sorted((REPO / "tests").rglob("*.py")):
-        rel = path.relative_to(REPO)
-        if "__pycache__" in rel.parts:
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-            if "conftest" in names:
-                problems.append(f"{rel} imports conftest (put the helpers in a uniquely named module)")
-        if path.name in ("conftest.py", "__init__.py"):
-            continue
-        if path.name in seen:
-            problems.append(f"{rel} and {seen[path.name]} share the module name {path.stem}")
-        seen[path.name] = rel
-    assert not problems, "\n".join(problems)

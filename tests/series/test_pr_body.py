@@ -1,4 +1,4 @@
-"""make pr's PR_DESCRIPTION.md: the pinned template's sections, short, figures only from clean results."""
+"""make pr's PR_DESCRIPTION.md: vLLM's template sections, short, figures only from clean results."""
 
 from __future__ import annotations
 
@@ -8,13 +8,28 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_export import TEMPLATE, _identity, _ok, _repack
+from fake_upstream import UPSTREAM, ok
+from test_export import _identity
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from seriestool import buildtree, export, figures, headlines, patchfile, results, topics  # noqa: E402
 from seriestool.pins import load_pins  # noqa: E402
+
+# vLLM's PR template: its sections (ours replace them) and the checklist footer (kept).
+TEMPLATE = """## Overview
+
+<!-- Summarize the change. -->
+
+---
+
+<details>
+<summary> Pull Request Checklist </summary>
+
+- [ ] **Testing and Validation:** the fake checklist item.
+</details>
+"""
 
 
 def _result(commit: str, when: str, speedups: list[float], *, device: str = "NVIDIA H200",
@@ -39,15 +54,14 @@ def _claims(text: str) -> list[str]:
     return [ln[2:] for ln in body.splitlines() if ln.startswith("- ")]
 
 
-def test_pr_body_uses_the_template_and_only_clean_committed_results(fake_series, tmp_path):
+def test_pr_body_quotes_only_clean_committed_results(fake_series, tmp_path):
     fs = fake_series
-    _repack(fs, {".github/PULL_REQUEST_TEMPLATE.md": TEMPLATE})
+    fs.upstream({**UPSTREAM, ".github/PULL_REQUEST_TEMPLATE.md": TEMPLATE})
     patch = (fs.patches / "0002-check-sub.patch").read_text()
     (fs.patches / "0002-check-sub.patch").write_text(
         patch.replace("Upstream: none", "Upstream: vllm#25763 (merged v0.11.1); related vllm#27367 "
                       "(open)"))
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "the series", cwd=fs.root)
+    fs.commit("the series")
     commit = fs.git("rev-parse", "HEAD", cwd=fs.root)
     out = fs.root / "benchmarks" / "results"
     out.mkdir(parents=True)
@@ -63,26 +77,23 @@ def test_pr_body_uses_the_template_and_only_clean_committed_results(fake_series,
     edited = _result(commit, "2026-11-24T00:00:00", [1.5] * 3)
     edited["benchmarks"][0]["extra_info"]["speedup"] = 9.0
     (out / "20261124-edited.json").write_text(json.dumps(edited))
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "results", cwd=fs.root)
+    fs.commit("results")
     # Newest of all, but not committed: not a result the PR may quote.
     (out / "20261129-mi300.json").write_text(
         json.dumps(_result(commit, "2026-11-29T00:00:00", [9.0] * 3, device="AMD Instinct MI300X", hip="7.0")))
 
-    _ok(fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path)))
+    ok(fs.run("pr", "--topic", "fetch-kv", env=_identity(tmp_path)))
     text = (fs.root / "dist" / "fetch-kv" / "PR_DESCRIPTION.md").read_text()
     assert text.startswith("# [ROCm] AITER FA: faster KV-cache fetch")
     assert [ln for ln in text.splitlines() if ln.startswith("#")][1:] == [
         "## Overview", "## Claims", "## Validation", "## Details"]
     assert "Related: vllm#25763 (merged), vllm#27367 (open)." in text
     claims = _claims(text)
-    assert 2 <= len(claims) <= 6
-    assert not any(c.startswith("New files") for c in claims)   # said once, in Details
+    assert 2 <= len(claims) <= 6 and "Comment sub." in claims
     assert "New files (none replaces an upstream file):\n- `vllm/ops/new_kernel.py`: new module." in text
     assert claims[0] == ("`fetch_kv` gathers cached K/V at 2.0–3.0× the speed of upstream's "
                          "`cp_mha_gather_cache` and 90% of a same-bytes copy (32K tokens, bf16, NHD, D 128, "
                          "H_kv 1/4/8; NVIDIA H200, cold L2).")
-    assert "Comment sub." in claims
     assert "Results: `benchmarks/results/20261120-h200.json` (NVIDIA H200, CUDA 13.0" in text
     assert "No committed clean results for `fetch_kv_plan`, `paged_context`." in text
     # The per-case table is folded, with the warm numbers beside the cold ones.
@@ -93,10 +104,9 @@ def test_pr_body_uses_the_template_and_only_clean_committed_results(fake_series,
     for other in ("9.00×", "MI300X", "1.50×"):
         assert other not in text
     assert export.lines_outside_folds(text) <= export.MAX_BODY_LINES
-    assert "- [ ] **Testing and Validation:** the fake checklist item." in text
-    assert "<!-- Summarize the change. -->" not in text
-    assert ("Not run on ROCm hardware: benchmarks of `fetch_kv`, `fetch_kv_plan`, `paged_context`; the AITER "
-            "code paths (tests marked `rocm`)") in text
+    assert text.endswith("---\n\n<details>\n<summary> Pull Request Checklist </summary>\n\n"
+                         "- [ ] **Testing and Validation:** the fake checklist item.\n</details>\n")
+    assert "Not run on ROCm hardware: benchmarks of `fetch_kv`, `fetch_kv_plan`, `paged_context`" in text
 
 
 def test_lines_outside_folds_counts_what_a_reviewer_scrolls():
@@ -131,52 +141,25 @@ def _real_bodies() -> dict[str, str]:
     return out
 
 
-def test_real_pr_bodies_say_each_thing_once_and_where_commands_run():
+def test_real_pr_bodies_are_short_say_each_thing_once_and_quote_only_generated_figures():
     layout = buildtree.Layout(root=REPO, build=REPO / "build" / "vllm")
     bodies = _real_bodies()
+    generated = set(headlines.figures(headlines.headlines(REPO, results.select(REPO))).values())
     for topic, text in bodies.items():
+        assert export.lines_outside_folds(text) <= export.MAX_BODY_LINES, topic
         assert "n/a×" not in text and "n/a%" not in text, topic
         for patch in (p for p in buildtree.series_patches(layout) if p.topic == topic):
-            how = patch.fields()["How"]
-            assert text.count(how) == 1, (topic, patch.name)
+            assert text.count(patch.fields()["How"]) == 1, (topic, patch.name)
         validation = text.split("## Validation", 1)[1].split("Results:", 1)[0]
         for line in validation.splitlines():
             if "pytest" in line and not line.startswith("make "):
-                assert "# GPU" in line or "# CPU" in line, (topic, line)
-                if "# CPU" in line:
-                    assert "VLLM_TARGET_DEVICE=cpu" in line, (topic, line)
-    assert "tests/kernels/attention/test_triton_fetch_kv.py" in bodies["fetch-kv"]
-    assert "tests/kernels/attention/test_triton_mla_rope_cache.py" in bodies["mla-fusion"]
-    assert "Depends on PR `fetch-kv`: its first commit adds `vllm/v1/attention/ops/triton_launch.py`" \
-        in bodies["mla-fusion"]
-    assert "shared with PR `mla-fusion`, which builds on that commit" in bodies["fetch-kv"]
-
-
-def test_real_pr_bodies_are_short_and_quote_only_generated_figures():
-    bodies = _real_bodies()
-    heads = headlines.headlines(REPO, results.select(REPO))
-    generated = set(headlines.figures(heads).values())
-    for topic, text in bodies.items():
-        assert export.lines_outside_folds(text) <= export.MAX_BODY_LINES, topic
-        assert [ln for ln in text.splitlines() if ln.startswith("## ")] == [
-            "## Overview", "## Claims", "## Validation", "## Details"], topic
-        overview = text.split("## Overview\n\n", 1)[1].split("\n\n", 1)[0]
-        assert len(overview.splitlines()) <= 2, topic
+                assert "# GPU" in line or "VLLM_TARGET_DEVICE=cpu" in line, (topic, line)
         claims = _claims(text)
         assert 3 <= len(claims) <= 6, (topic, claims)
-        for claim in claims:
-            for fig in figures.find_figures(claim):
-                assert any(fig.text in g or g in fig.text for g in generated), (topic, fig.text)
+        for fig in (f for claim in claims for f in figures.find_figures(claim)):
+            assert any(fig.text in g or g in fig.text for g in generated), (topic, fig.text)
         for table in re.findall(r"^\|.*\|$", text, flags=re.M):
             assert text.rfind("<details>", 0, text.find(table)) > text.rfind("</details>", 0, text.find(table)), \
                 f"{topic}: a table outside <details>"
-
-
-def test_ratio_cells_and_goal_counts_follow_the_printed_rounding():
-    """A case shown as 1.25× counts as at the 1.25× goal; a missing ratio is `n/a`, not `n/a×`."""
-    from seriestool import benchmeta
-
-    assert benchmeta._x(1.246) == "1.25×" and benchmeta._x(None) == "n/a"
-    assert benchmeta.shown_ratio(1.246) >= headlines.PAGED_CONTEXT_GOAL > benchmeta.shown_ratio(1.244)
-    table = benchmeta.case_table([{"case": "c", "mode": "warm", "results": {"ours": {"us": 1.0}}}])
-    assert "n/a×" not in table and "n/a%" not in table and "| n/a |" in table
+    assert "Depends on PR `fetch-kv`: its first commit adds `vllm/v1/attention/ops/triton_launch.py`" \
+        in bodies["mla-fusion"]

@@ -22,9 +22,3 @@ def test_make_check_passes_on_this_series():
 def test_readme_series_table_is_current():
     text = (REPO / "README.md").read_text()
     assert readme.render(REPO, text) == text, "README.md is stale: run `make readme`"
-
-
-def test_ci_runs_the_readme_commands():
-    ci = (REPO / ".ci/run").read_text()
-    assert "make apply" in ci and "make test" in ci
-    assert "make apply" in (REPO / "README.md").read_text()

@@ -1,16 +1,15 @@
-"""make rebase on a fake upstream: clean, moved, merged, dropped, conflict + CONTINUE, ABORT."""
+"""make rebase on a fake upstream: clean, merged, dropped, conflict + CONTINUE, ABORT."""
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import sys
 
-import pytest
-from fake_upstream import ENVS_PY, REPO, UPSTREAM, envs_edit_2, make_patch, write_sdist
+from fake_upstream import ENVS_PY, REPO, UPSTREAM, envs_edit_2, make_patch, ok, write_sdist
 
 sys.path.insert(0, str(REPO / "scripts"))
-from seriestool import readme  # noqa: E402
+from seriestool import readme, rebase  # noqa: E402
+from seriestool.buildtree import Layout  # noqa: E402
 
 NEXT = "9.10.0"
 # The next fake release. envs.py gains 5 lines at the top (0001's hunk moves) and edits the
@@ -29,30 +28,20 @@ NEXT_UPSTREAM = {
 RESOLVED = "return a - b  # upstream, checked"
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
-
-
-def _add(fs, name: str, text: str) -> None:
-    (fs.patches / name).write_text(text)
-    with open(fs.patches / "series", "a") as f:
-        f.write(name + "\n")
 
 
 def _prepare(fs) -> str:
     """Three more patches, the series committed, the next release's sdist in the cache."""
-    _add(fs, "0003-other-flag.patch",
+    fs.add_patch("0003-other-flag.patch",
          make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY)))
     init = UPSTREAM["vllm/__init__.py"]
-    _add(fs, "0004-init-marker.patch",
+    fs.add_patch("0004-init-marker.patch",
          make_patch("Mark the package", "vllm/__init__.py", init, init + "SERIES = True\n"))
-    _add(fs, "0005-readme.patch",
+    fs.add_patch("0005-readme.patch",
          make_patch("README note", "README.md", UPSTREAM["README.md"], "fake upstream, patched\n"))
     (fs.root / "README.md").write_text(f"# Fake series\n\n{readme.BEGIN}\n{readme.END}\n")
-    _ok(fs.run("readme"))
-    fs.git("add", "-A", cwd=fs.root)
-    fs.git("commit", "-qm", "the series", cwd=fs.root)
+    ok(fs.run("readme"))
+    fs.commit("the series")
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
     write_sdist(sdist, NEXT_UPSTREAM, version=NEXT)
     return hashlib.sha256(sdist.read_bytes()).hexdigest()
@@ -65,7 +54,7 @@ def _rebase(fs, *args: str):
 def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_series):
     fs = fake_series
     sha = _prepare(fs)
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     build_head = fs.git("rev-parse", "HEAD")
     pins_before = (fs.root / "pins.env").read_text()
     kept = (fs.patches / "0004-init-marker.patch").read_bytes()
@@ -85,19 +74,11 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
                           "    upstream (9.9.9 -> 9.10.0) changed there:\n"
                           "      -    return a - b\n"
                           "      +    return a - b  # upstream\n"), out
-    assert "@@" not in out
+    assert "@@" not in out and "make rebase CONTINUE=1" in out and "make rebase ABORT=1" in out
     lines = (rebase_tree / "vllm/utils.py").read_text().splitlines()
-    assert lines[5].startswith("<<<<<<< ") and lines[11].startswith(">>>>>>> ")
-    assert "make rebase CONTINUE=1" in out and "make rebase ABORT=1" in out
-    assert "Traceback" not in proc.stderr
-    conflicted = (rebase_tree / "vllm/utils.py").read_text()
-    assert "<<<<<<< " in conflicted and "||||||| " in conflicted   # diff3 markers: ours, base, theirs
-    upstream_diff = (fs.root / "build" / "rebase" / "0002-check-sub.patch.upstream.diff").read_text()
-    assert "+    return a - b  # upstream" in upstream_diff
+    assert lines[5].startswith("<<<<<<< ") and lines[11].startswith(">>>>>>> ") and "||||||| " in lines[7]
     # Nothing of the checkout moved while the rebase waits.
-    assert (fs.root / "pins.env").read_text() == pins_before
-    assert fs.git("status", "--porcelain", cwd=fs.root) == ""
-    assert fs.git("rev-parse", "HEAD") == build_head
+    assert (fs.root / "pins.env").read_text() == pins_before and fs.git("status", "--porcelain", cwd=fs.root) == ""
 
     # A file that still has markers is refused, naming it.
     proc = _rebase(fs, "--continue")
@@ -106,19 +87,17 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
 
     (rebase_tree / "vllm/utils.py").write_text(
         UPSTREAM["vllm/utils.py"].replace("return a - b", RESOLVED))
-    proc = _ok(_rebase(fs, "--continue"))
-    out = proc.stdout
+    out = ok(_rebase(fs, "--continue")).stdout
     rows = {line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| ")}
-    assert rows["overlay (new files)"].endswith("| clean |  |")
-    assert "| moved | same hunks at other lines |" in rows["`0001-add-series-flag.patch`"]
-    assert "| resolved by hand | conflict in vllm/utils.py |" in rows["`0002-check-sub.patch`"]
-    assert "| merged | three-way merge changed the hunks of vllm/envs.py |" in rows["`0003-other-flag.patch`"]
-    assert rows["`0004-init-marker.patch`"].endswith("| clean |  |")
+    assert rows["`overlay`"] == "| – | `overlay` | clean |  |"
+    assert rows["`0001-add-series-flag.patch`"].startswith("| 1 | `0001-add-series-flag.patch` | merged |")
+    assert rows["`0002-check-sub.patch`"] == ("| 2 | `0002-check-sub.patch` | resolved by hand | "
+                                              "conflict in vllm/utils.py |")
+    assert "| merged |" in rows["`0003-other-flag.patch`"] and "| clean |" in rows["`0004-init-marker.patch`"]
     assert "| dropped: upstream has it | became empty on vLLM 9.10.0 |" in rows["`0005-readme.patch`"]
-    assert "Summary: clean 2, moved 1, merged 1, resolved by hand 1, dropped: upstream has it 1." in out
     assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
     table = (fs.root / "build" / f"rebase-{NEXT}.md").read_text()
-    assert table.startswith("# Rebase of the series: vLLM 9.9.9 -> 9.10.0") and "| moved |" in table
+    assert table.startswith("# Rebase of the series: vLLM 9.9.9 -> 9.10.0")
 
     # The checkout now holds the port: pins, refreshed patches, the dropped patch gone.
     pins = (fs.root / "pins.env").read_text()
@@ -131,31 +110,20 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     # README's series table follows: no link to the dropped patch, nothing left to remedy.
     text = (fs.root / "README.md").read_text()
     assert readme.render(fs.root, text) == text and "0005-readme.patch" not in text
-    assert "README.md: series table rewritten" in out and "make refresh" not in out
+    assert "README.md: series table rewritten" in out
     assert (fs.patches / "0004-init-marker.patch").read_bytes() == kept        # clean: byte for byte
-    assert "@@ -9,6 +9,7 @@" in (fs.patches / "0001-add-series-flag.patch").read_text()  # moved: renumbered
+    assert "@@ -9,6 +9,7 @@" in (fs.patches / "0001-add-series-flag.patch").read_text()  # renumbered
     assert f"+    {RESOLVED}" in (fs.patches / "0002-check-sub.patch").read_text()
     assert not (fs.root / "build" / "rebase").exists()
     assert fs.git("rev-parse", "HEAD") == build_head     # build/vllm untouched until make apply
 
-    _ok(fs.run("apply"))
+    ok(fs.run("apply"))
     assert fs.git("log", "--reverse", "--format=%s").splitlines()[0] == f"vLLM {NEXT} pristine (upstream gnext1234)"
     assert RESOLVED in (fs.build / "vllm/utils.py").read_text()
     assert "OTHER_FLAG = 1" in (fs.build / "vllm/envs.py").read_text()
 
 
-def _as_if_finish_was_killed_while_writing(fs) -> None:
-    """What a SIGKILL between finish's backup and its end leaves: the backup, a half-written checkout."""
-    backup = fs.root / "build" / "rebase" / "backup"
-    for name in ("patches", "vllm_overlay"):
-        shutil.copytree(fs.root / name, backup / name)
-    for name in ("pins.env", "README.md"):
-        shutil.copy2(fs.root / name, backup / name)
-    (fs.root / "pins.env").write_text("half written\n")
-    (fs.patches / "0005-readme.patch").unlink()
-
-
-def test_rebase_abort_and_guards(fake_series):
+def test_rebase_guards_and_an_all_or_nothing_finish(fake_series):
     fs = fake_series
     sha = _prepare(fs)
     (fs.root / "pins.env").write_text((fs.root / "pins.env").read_text() + "# local edit\n")
@@ -174,77 +142,40 @@ def test_rebase_abort_and_guards(fake_series):
     changed = _rebase(fs, "--continue")
     assert changed.returncode == 2 and "changed since the rebase started" in changed.stderr
     fs.git("checkout", "--", "patches", cwd=fs.root)
-
-    _as_if_finish_was_killed_while_writing(fs)
-    proc = _ok(_rebase(fs, "--abort"))
-    assert proc.stdout.startswith("rebase to vLLM 9.10.0 dropped") and proc.stdout.endswith(
-        "patches/, vllm_overlay/, pins.env and README.md restored to what they were before an interrupted "
-        "finish wrote them\n")
-    assert not (fs.root / "build" / "rebase").exists()
-    assert fs.git("status", "--porcelain", cwd=fs.root) == ""
-    assert "no rebase in progress" in _rebase(fs, "--continue").stderr
-    assert "none in progress" in _ok(_rebase(fs, "--abort")).stdout
-
-
-def test_rebase_resolving_to_no_change_drops_the_patch(fake_series):
-    fs = fake_series
-    sha = _prepare(fs)
-    (fs.root / "notes.md").write_text("See [the utils patch](patches/0002-check-sub.patch).\n")
-    fs.git("add", "notes.md", cwd=fs.root)
-    fs.git("commit", "-qm", "a note", cwd=fs.root)
-    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
-    tree = fs.root / "build" / "rebase" / "vllm"
-    (tree / "vllm/utils.py").write_text(NEXT_UPSTREAM["vllm/utils.py"])   # keep upstream's line only
-    proc = _rebase(fs, "--continue")
-    out = proc.stdout
-    assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
-    assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
-    # make check's finding (the note's link to the dropped patch) does not undo the port; it is said so.
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "`make check` on the result: 1 finding(s): notes.md:1: link 'patches/0002-check-sub.patch'" in out
-    assert out.endswith("The port is written (patches/, vllm_overlay/, pins.env and README.md); `make check` "
-                        "found 1 finding(s), listed in the table above: fix them, and `make check` again, "
-                        "before committing the port.\n")
-    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
-    assert not (fs.root / "build" / "rebase").exists()
-
-@pytest.mark.parametrize("then", ["continue", "abort"])
-def test_rebase_finish_that_fails_restores_the_checkout_and_keeps_the_rebase(fake_series, then):
-    fs = fake_series
-    sha = _prepare(fs)
-    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1
     tree = fs.root / "build" / "rebase" / "vllm"
     (tree / "vllm/utils.py").write_text(UPSTREAM["vllm/utils.py"].replace("return a - b", RESOLVED))
-    # make check cannot run at finish: the new sdist in the cache is damaged.
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
-    good = sdist.read_bytes()
-    sdist.write_bytes(b"damaged")
-    for _ in range(2):      # CONTINUE=1 again fails the same way, from the same checkout
+    sdist.write_bytes(b"damaged")      # make check cannot run at finish
+    for _ in range(2):                 # CONTINUE=1 again fails the same way, from the same checkout
         proc = _rebase(fs, "--continue")
         assert proc.returncode == 2 and "sha256 mismatch" in proc.stderr, proc.stdout + proc.stderr
         assert ("patches/, vllm_overlay/, pins.env and README.md restored as they were; "
                 f"{fs.root / 'build' / 'rebase'} kept") in proc.stderr
-        assert fs.git("status", "--porcelain", cwd=fs.root) == ""      # all of it as committed
-        assert (tree / ".git").is_dir() and not (fs.root / "build" / "rebase" / "backup").exists()
-    if then == "abort":
-        out = _ok(_rebase(fs, "--abort")).stdout
-        assert out.endswith("removed; patches/, vllm_overlay/, pins.env and README.md hold nothing of it\n")
-        assert fs.git("status", "--porcelain", cwd=fs.root) == ""
-        return
-    _as_if_finish_was_killed_while_writing(fs)
-    sdist.write_bytes(good)
-    out = _ok(_rebase(fs, "--continue")).stdout       # puts the backup back, then finishes
-    assert "`make check` on the result: series OK (4 patches, 1 overlay files)" in out
-    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
+        assert fs.git("status", "--porcelain", cwd=fs.root) == "" and (tree / ".git").is_dir()
+    # As if finish was killed while it wrote: its snapshot taken, the checkout half written.
+    paths = rebase.Paths.of(Layout(fs.root, fs.build))
+    rebase._snapshot(Layout(fs.root, fs.build), paths, rebase._load(paths))
+    (fs.root / "pins.env").write_text("half written\n")
+    (fs.patches / "0005-readme.patch").unlink()
+    (fs.patches / "0009-new.patch").write_text("written by the killed finish\n")
+    proc = ok(_rebase(fs, "--abort"))
+    assert proc.stdout.startswith("rebase to vLLM 9.10.0 dropped") and proc.stdout.endswith(
+        "restored to what they were before an interrupted finish wrote them\n")
+    assert fs.git("status", "--porcelain", "--untracked-files=all", cwd=fs.root) == ""
     assert not (fs.root / "build" / "rebase").exists()
+    assert "no rebase in progress" in _rebase(fs, "--continue").stderr
+    assert "none in progress" in ok(_rebase(fs, "--abort")).stdout
 
 
 def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
+    """The modify/delete help; resolved to no change, the patch is dropped; make check's finding
+    (a note's link to the dropped patch) does not undo the port, it is said so."""
     fs = fake_series
     _prepare(fs)
     patch = fs.patches / "0002-check-sub.patch"
     patch.write_text(patch.read_text().replace("Drop when: never", "Drop when: upstream drops vllm/utils.py"))
-    fs.git("commit", "-qam", "0002's drop condition", cwd=fs.root)
+    (fs.root / "notes.md").write_text("See [the utils patch](patches/0002-check-sub.patch).\n")
+    fs.commit("0002's drop condition")
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
     write_sdist(sdist, {k: v for k, v in NEXT_UPSTREAM.items() if k != "vllm/utils.py"}, version=NEXT)
     sha = hashlib.sha256(sdist.read_bytes()).hexdigest()
@@ -263,19 +194,14 @@ def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
         "    to restore it (as the patch leaves it; git left that in the tree): leave it, CONTINUE=1 stages it\n"
     ), proc.stdout
     fs.git("rm", "-q", "vllm/utils.py", cwd=tree)
-    out = _ok(_rebase(fs, "--continue")).stdout
+    proc = _rebase(fs, "--continue")
+    out = proc.stdout
     assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
     assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()
-
-
-def test_rebase_conflict_in_the_overlay_is_not_counted_as_a_patch(fake_series):
-    fs = fake_series
-    _prepare(fs)
-    sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
-    write_sdist(sdist, {**NEXT_UPSTREAM, "vllm/ops/new_kernel.py": "def kernel():\n    return 0\n"}, version=NEXT)
-    proc = _rebase(fs, "--version", NEXT, "--sha256", hashlib.sha256(sdist.read_bytes()).hexdigest())
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.startswith(
-        "rebase: conflict in the overlay commit (vllm_overlay/, before the 5 patches; vLLM 9.9.9 -> 9.10.0)\n"
-        "  vllm/ops/new_kernel.py: both added it; conflict markers at lines "), proc.stdout
-    assert "vLLM 9.10.0 now has vllm/ops/new_kernel.py: the overlay may only add files." in proc.stdout
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "`make check` on the result: 1 finding(s): notes.md:1: link 'patches/0002-check-sub.patch'" in out
+    assert out.endswith("The port is written (patches/, vllm_overlay/, pins.env and README.md); `make check` "
+                        "found 1 finding(s), listed in the table above: fix them, and `make check` again, "
+                        "before committing the port.\n")
+    assert f"VLLM_VERSION={NEXT}\n" in (fs.root / "pins.env").read_text()
+    assert not (fs.root / "build" / "rebase").exists()

@@ -88,7 +88,7 @@ def test_listed_difference_with_other_outcomes_is_a_problem(exp):
 
 
 def test_the_committed_expectations_load():
-    exp = ut.Expectations.load(ut.DEFAULT_CONFIG)
+    exp = ut.Expectations.load(ut.CONFIG)
     assert exp.files and all((f.startswith("tests/") and f.endswith(".py")) for f in exp.files)
     assert len(set(exp.files)) == len(exp.files)
     patches = {p.name for p in (REPO / "patches").glob("*.patch")}
@@ -100,7 +100,7 @@ def test_the_committed_expectations_load():
 
 
 def test_the_committed_pristine_record_is_this_pins_and_selections():
-    exp = ut.Expectations.load(ut.DEFAULT_CONFIG)
+    exp = ut.Expectations.load(ut.CONFIG)
     record = ut.load_record(ut.RECORD, exp.files)
     assert record["tests"] and set(record["tests"].values()) <= set(ut.FAILED) | {"passed", "skipped",
                                                                                   "xfailed", "xpassed"}
@@ -110,7 +110,7 @@ def test_the_committed_pristine_record_is_this_pins_and_selections():
 
 
 def test_a_record_of_another_pin_or_selection_is_refused(tmp_path):
-    exp = ut.Expectations.load(ut.DEFAULT_CONFIG)
+    exp = ut.Expectations.load(ut.CONFIG)
     good = ut.json.loads(ut.RECORD.read_text())
     for key, value in (("sdist_sha256", "0" * 64), ("files_sha256", ut.files_hash(exp.files[1:]))):
         path = tmp_path / "pristine.json"

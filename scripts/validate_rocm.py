@@ -109,7 +109,7 @@ def cannot_run(part: str, env: dict, args) -> str | None:
                     "the e2e part never downloads")
         if not (args.upstream and args.patched):
             return ("UPSTREAM= and PATCHED= (the commands running each install's Python, "
-                    "scripts/e2e/README.md) are needed")
+                    "docs/sweeps-and-e2e.md) are needed")
     return None
 
 

@@ -137,7 +137,7 @@ def test_unified_attention_matches_reference_and_paged_context(unified, device, 
 
 def test_loads_from_the_staged_files_and_names_a_missing_definition(unified, tmp_path,
                                                                     monkeypatch):
-    """PINNED_PY (what ``run_bench.py --stage`` copies for a GPU machine without
+    """PINNED_PY (what ``upstream_kernels.py stage`` copies for a GPU machine without
     build/vllm) holds every file the loader reads; a tree missing one of the
     definitions raises UpstreamUnavailable, which names it."""
     for rel in upstream_kernels.PINNED_PY:

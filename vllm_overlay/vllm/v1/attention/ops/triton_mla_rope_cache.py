@@ -595,24 +595,132 @@ def _check_and_launch(
         )
         launch = launches.get(key)
     if launch is None:
-        q_out, launch = _check(
-            fn,
-            ql_nope=ql_nope,
-            q_pe=q_pe,
-            q_out=q_out,
-            kv_c=kv_c,
-            k_pe=k_pe,
-            kv_cache=kv_cache,
-            slot_mapping=slot_mapping,
-            positions=positions,
-            cos_sin_cache=cos_sin_cache,
-            is_neox=is_neox,
-            kv_cache_dtype=kv_cache_dtype,
-            k_scale=k_scale,
-            q_scale=q_scale,
+        decode = ql_nope is not None
+        model_dtype = q_pe.dtype
+        same = kv_c.dtype == k_pe.dtype == model_dtype
+        if (
+            model_dtype not in _MODEL_DTYPES
+            or not same
+            or (ql_nope is not None and ql_nope.dtype != model_dtype)
+        ):
+            raise TypeError(
+                f"{fn}: q_pe, kv_c, k_pe, ql_nope need one of {_MODEL_DTYPES}, "
+                "all alike"
+            )
+        if cos_sin_cache.dtype not in _MODEL_DTYPES:
+            raise TypeError(f"{fn}: cos_sin_cache must be one of {_MODEL_DTYPES}")
+        stored = _stored_cache_dtype(fn, kv_cache, kv_cache_dtype, model_dtype, k_scale)
+        kv_fp8_max = _FP8_MAX.get(stored, 0.0)
+        if not kv_fp8_max:
+            k_scale = None  # not read
+
+        assert q_pe.dim() == 3, f"{fn}: q_pe must be [T, H, R]"
+        num_tokens, num_heads, rot_dim = q_pe.shape
+        assert kv_c.dim() == 2 and kv_c.shape[0] == num_tokens, f"{fn}: kv_c: [T, L]"
+        lora_rank = kv_c.shape[1]
+        width = lora_rank + rot_dim
+        assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, (
+            f"{fn}: rotary dim must be even"
         )
-        if launch is None:  # nothing to launch
-            return q_out
+        assert k_pe.shape in ((num_tokens, rot_dim), (num_tokens, 1, rot_dim)), (
+            f"{fn}: k_pe must be [T, R] or [T, 1, R]"
+        )
+        assert kv_cache.dim() == 3 and kv_cache.shape[2] == width, (
+            f"{fn}: kv_cache must be [num_blocks, block_size, L + R]"
+        )
+        assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == rot_dim, (
+            f"{fn}: cos_sin_cache must be [max_pos, R]"
+        )
+        assert positions.shape == (num_tokens,), f"{fn}: positions must be [T]"
+        assert slot_mapping.dim() == 1 and slot_mapping.shape[0] <= num_tokens, (
+            f"{fn}: slot_mapping: [S <= T]"
+        )
+        q_fp8_max = 0.0
+        # Strides of the decode form's ql_nope and q_out (the prefill form
+        # reads neither).
+        stride_qn = stride_qo = (0, 0, 1)
+        if ql_nope is not None:
+            assert ql_nope.shape == (num_tokens, num_heads, lora_rank), (
+                f"{fn}: ql_nope must be [T, H, L]"
+            )
+            if q_out is None:
+                q_out = ql_nope.new_empty(
+                    (num_tokens, num_heads, width),
+                    dtype=decode_q_out_dtype(ql_nope, q_scale),
+                )
+            assert q_out.shape == (num_tokens, num_heads, width), (
+                f"{fn}: q_out must be [T, H, L + R]"
+            )
+            if q_scale is not None:
+                _check_scale(fn, "q_scale", q_scale)
+                q_fp8_max = _FP8_MAX.get(q_out.dtype, 0.0)
+                if not q_fp8_max:
+                    raise TypeError(f"{fn}: q_scale is given, so q_out must be fp8")
+            elif q_out.dtype != model_dtype:
+                raise TypeError(
+                    f"{fn}: q_out must be {model_dtype} (or fp8 with q_scale)"
+                )
+            stride_qn, stride_qo = ql_nope.stride(), q_out.stride()
+        device = q_pe.device
+        for t in (
+            ql_nope,
+            q_out,
+            kv_c,
+            k_pe,
+            kv_cache,
+            cos_sin_cache,
+            k_scale,
+            q_scale,
+        ):
+            assert t is None or t.device == device, f"{fn}: tensors on two devices"
+        for t in (ql_nope, q_pe, q_out, kv_c, k_pe, kv_cache, cos_sin_cache):
+            assert t is None or t.stride(-1) == 1, f"{fn}: unit last stride"
+        if num_tokens == 0 or num_heads == 0:
+            return q_out  # nothing to launch
+
+        block_l, block_half, block_t, block_h, num_warps = _tile_config(
+            num_tokens, num_heads, lora_rank, rot_dim, decode
+        )
+        grid = (cdiv(num_tokens, block_t), cdiv(num_heads, block_h) + 1)
+        call = KernelCall(
+            _mla_rope_cache_kernel,
+            grid,
+            num_tokens=num_tokens,
+            num_slots=slot_mapping.shape[0],
+            num_heads=num_heads,
+            block_size=kv_cache.shape[1],
+            stride_qn_t=stride_qn[0],
+            stride_qn_h=stride_qn[1],
+            stride_qp_t=q_pe.stride(0),
+            stride_qp_h=q_pe.stride(1),
+            stride_qo_t=stride_qo[0],
+            stride_qo_h=stride_qo[1],
+            stride_kvc_t=kv_c.stride(0),
+            stride_kpe_t=k_pe.stride(0),
+            stride_cache_b=kv_cache.stride(0),
+            stride_cache_s=kv_cache.stride(1),
+            stride_cs_p=cos_sin_cache.stride(0),
+            L=lora_rank,
+            HALF=rot_dim // 2,
+            BLOCK_L=block_l,
+            BLOCK_HALF=block_half,
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
+            IS_NEOX=bool(is_neox),
+            DECODE=decode,
+            Q_FP8_MAX=q_fp8_max,
+            KV_FP8_MAX=kv_fp8_max,
+            num_warps=num_warps,
+            # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32
+            # RoPE, and both forms (compiled separately) write identical bytes.
+            enable_fp_fusion=False,
+        )
+        launch = MLARopeLaunch(
+            call=call,
+            cache_dtype=stored,
+            reads_k_scale=bool(kv_fp8_max),
+            reads_q_scale=bool(q_fp8_max),
+        )
         if key is not None:
             launches[key] = launch  # type: ignore[index]
     if kv_cache.dtype != launch.cache_dtype:
@@ -631,140 +739,6 @@ def _check_and_launch(
         q_scale_ptr=q_scale if launch.reads_q_scale else None,
     )
     return q_out
-
-
-def _check(
-    fn: str,
-    *,
-    ql_nope: torch.Tensor | None,
-    q_pe: torch.Tensor,
-    q_out: torch.Tensor | None,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor | None,
-    q_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, MLARopeLaunch | None]:
-    """The checks of one layer geometry and its launch (None: no tokens);
-    returns ``q_out`` too (the decode form allocates one when None)."""
-    decode = ql_nope is not None
-    model_dtype = q_pe.dtype
-    same = kv_c.dtype == k_pe.dtype == model_dtype
-    if (
-        model_dtype not in _MODEL_DTYPES
-        or not same
-        or (ql_nope is not None and ql_nope.dtype != model_dtype)
-    ):
-        raise TypeError(
-            f"{fn}: q_pe, kv_c, k_pe, ql_nope need one of {_MODEL_DTYPES}, all alike"
-        )
-    if cos_sin_cache.dtype not in _MODEL_DTYPES:
-        raise TypeError(f"{fn}: cos_sin_cache must be one of {_MODEL_DTYPES}")
-    stored = _stored_cache_dtype(fn, kv_cache, kv_cache_dtype, model_dtype, k_scale)
-    kv_fp8_max = _FP8_MAX.get(stored, 0.0)
-    if not kv_fp8_max:
-        k_scale = None  # not read
-
-    assert q_pe.dim() == 3, f"{fn}: q_pe must be [T, H, R]"
-    num_tokens, num_heads, rot_dim = q_pe.shape
-    assert kv_c.dim() == 2 and kv_c.shape[0] == num_tokens, f"{fn}: kv_c: [T, L]"
-    lora_rank = kv_c.shape[1]
-    width = lora_rank + rot_dim
-    assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, (
-        f"{fn}: rotary dim must be even"
-    )
-    assert k_pe.shape in ((num_tokens, rot_dim), (num_tokens, 1, rot_dim)), (
-        f"{fn}: k_pe must be [T, R] or [T, 1, R]"
-    )
-    assert kv_cache.dim() == 3 and kv_cache.shape[2] == width, (
-        f"{fn}: kv_cache must be [num_blocks, block_size, L + R]"
-    )
-    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == rot_dim, (
-        f"{fn}: cos_sin_cache must be [max_pos, R]"
-    )
-    assert positions.shape == (num_tokens,), f"{fn}: positions must be [T]"
-    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] <= num_tokens, (
-        f"{fn}: slot_mapping: [S <= T]"
-    )
-    q_fp8_max = 0.0
-    # Strides of the decode form's ql_nope and q_out (the prefill form reads neither).
-    stride_qn = stride_qo = (0, 0, 1)
-    if ql_nope is not None:
-        assert ql_nope.shape == (num_tokens, num_heads, lora_rank), (
-            f"{fn}: ql_nope must be [T, H, L]"
-        )
-        if q_out is None:
-            q_out = ql_nope.new_empty(
-                (num_tokens, num_heads, width),
-                dtype=decode_q_out_dtype(ql_nope, q_scale),
-            )
-        assert q_out.shape == (num_tokens, num_heads, width), (
-            f"{fn}: q_out must be [T, H, L + R]"
-        )
-        if q_scale is not None:
-            _check_scale(fn, "q_scale", q_scale)
-            q_fp8_max = _FP8_MAX.get(q_out.dtype, 0.0)
-            if not q_fp8_max:
-                raise TypeError(f"{fn}: q_scale is given, so q_out must be fp8")
-        elif q_out.dtype != model_dtype:
-            raise TypeError(f"{fn}: q_out must be {model_dtype} (or fp8 with q_scale)")
-        stride_qn, stride_qo = ql_nope.stride(), q_out.stride()
-    device = q_pe.device
-    for t in (ql_nope, q_out, kv_c, k_pe, kv_cache, cos_sin_cache, k_scale, q_scale):
-        assert t is None or t.device == device, f"{fn}: tensors on two devices"
-    for t in (ql_nope, q_pe, q_out, kv_c, k_pe, kv_cache, cos_sin_cache):
-        assert t is None or t.stride(-1) == 1, f"{fn}: unit last stride"
-    if num_tokens == 0 or num_heads == 0:
-        return q_out, None
-
-    block_l, block_half, block_t, block_h, num_warps = _tile_config(
-        num_tokens, num_heads, lora_rank, rot_dim, decode
-    )
-    grid = (cdiv(num_tokens, block_t), cdiv(num_heads, block_h) + 1)
-    call = KernelCall(
-        _mla_rope_cache_kernel,
-        grid,
-        num_tokens=num_tokens,
-        num_slots=slot_mapping.shape[0],
-        num_heads=num_heads,
-        block_size=kv_cache.shape[1],
-        stride_qn_t=stride_qn[0],
-        stride_qn_h=stride_qn[1],
-        stride_qp_t=q_pe.stride(0),
-        stride_qp_h=q_pe.stride(1),
-        stride_qo_t=stride_qo[0],
-        stride_qo_h=stride_qo[1],
-        stride_kvc_t=kv_c.stride(0),
-        stride_kpe_t=k_pe.stride(0),
-        stride_cache_b=kv_cache.stride(0),
-        stride_cache_s=kv_cache.stride(1),
-        stride_cs_p=cos_sin_cache.stride(0),
-        L=lora_rank,
-        HALF=rot_dim // 2,
-        BLOCK_L=block_l,
-        BLOCK_HALF=block_half,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        IS_NEOX=bool(is_neox),
-        DECODE=decode,
-        Q_FP8_MAX=q_fp8_max,
-        KV_FP8_MAX=kv_fp8_max,
-        num_warps=num_warps,
-        # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32
-        # RoPE, and both forms (compiled separately) write identical bytes.
-        enable_fp_fusion=False,
-    )
-    return q_out, MLARopeLaunch(
-        call=call,
-        cache_dtype=stored,
-        reads_k_scale=bool(kv_fp8_max),
-        reads_q_scale=bool(q_fp8_max),
-    )
 
 
 def mla_rope_concat_and_cache(

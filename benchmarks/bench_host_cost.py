@@ -393,7 +393,10 @@ def _noop(*args, **kwargs) -> None:
 
 class _StubCompiled:
     """Stands in for the CompiledKernel ``kernel[grid](...)`` returns: its
-    launcher (``compiled[grid](*args)``) does nothing."""
+    launcher (``run``, and ``compiled[grid](*args)``) does nothing."""
+
+    function = packed_metadata = None
+    run = staticmethod(_noop)
 
     def __getitem__(self, grid):
         return _noop
@@ -428,10 +431,14 @@ class _StubKernel(_JIT):  # type: ignore[misc, valid-type]
 
 class _StubDriver:
     """Triton's active driver where there is none (the CPU): the current
-    device, which KernelCall's variant guard reads."""
+    device and stream, which KernelCall reads."""
 
     @staticmethod
     def get_current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_current_stream(device: int) -> int:
         return 0
 
 

@@ -29,8 +29,9 @@ MLA (``mla_attention.py`` + ``mla.py``), per layer of a step with ``D``
 decode and ``P`` prefill tokens:
 
   * ours (0303): the prefill rows' ``mla_rope_and_cache`` and the decode rows'
-    ``mla_rope_concat_and_cache`` (the decode query, written into a new
-    ``q_out``): the step's rows of each kind and their launches once per step
+    ``mla_rope_concat_and_cache`` (the decode query, written into the decode
+    rows' view of a persistent ``q_out`` buffer, as ``MLARopeFusion.q_out``
+    hands the layer; until 2026-12-03 a new tensor per layer): the step's rows of each kind and their launches once per step
     (as MLACommonMetadataBuilder builds them), per layer ``q_pe`` of the
     prefill views forward_impl makes for forward_mha anyway, and the decode
     rows' ``q_pe`` / ``kv_c`` / ``k_pe``.  Not modelled: the layer's own
@@ -425,6 +426,7 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
     ql_nope = torch.randn(h, decodes, lr, device=dev, dtype=dtype,
                           generator=gen).transpose(0, 1)
     k_scale = torch.tensor(1.0, dtype=torch.float32, device=dev)
+    q_out_buffer = torch.empty(max(decodes, 1), h, lr + r, device=dev, dtype=dtype)
     stand_in = torch.zeros(1024, device=dev)
 
     def piece_common():  # the projections of the piece before attention, both sides
@@ -463,7 +465,9 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
                                    cos_sin, False, kv_cache_dtype="auto", k_scale=k_scale,
                                    launches=p_launches)
             if decodes:
-                q_out = ql_nope.new_empty((decodes, h, lr + r))
+                # The decode rows' view of the layers' persistent q_out buffer
+                # (MLARopeFusion.q_out; its workspace lookup is not modelled).
+                q_out = q_out_buffer[:decodes]
                 mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], kv_c[:decodes],
                                           k_pe[:decodes], cache, d_sl, d_pos, cos_sin, False,
                                           kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,

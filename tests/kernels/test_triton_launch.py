@@ -16,15 +16,29 @@ from vllm.v1.attention.ops import triton_launch
 from vllm.v1.attention.ops.triton_launch import KernelCall
 
 NAMES = ["x_ptr", "y_ptr", "s_ptr", "n", "stride", "BLOCK"]
+STREAM = 7
 
 
 class _Compiled:
+    """Records what its launcher (``run``) is handed: the grid, the stream,
+    the launch hooks and the kernel's arguments."""
+
+    function = "function handle"
+    packed_metadata = "packed metadata"
+
     def __init__(self):
         self.calls = []
 
-    def __getitem__(self, grid):
+    def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, leave,
+            *args):
+        assert (function, packed) == (self.function, self.packed_metadata)
+        self.calls.append(((gx, gy, gz), stream, enter, args))
+
+    def __getitem__(self, grid):  # as CompiledKernel[grid] calls run
         def runner(*args, stream=None):
-            self.calls.append((grid, args))
+            hooks = triton.knobs.runtime
+            self.run(*grid, STREAM, self.function, self.packed_metadata, "metadata",
+                     hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
 
         return runner
 
@@ -60,7 +74,7 @@ def jit(monkeypatch):
     monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, False))
     monkeypatch.setattr(triton_launch, "_COMPILED", {})
     driver = types.SimpleNamespace(active=types.SimpleNamespace(
-        get_current_device=lambda: 0))
+        get_current_device=lambda: 0, get_current_stream=lambda device: STREAM))
     monkeypatch.setattr(triton.runtime, "driver", driver, raising=False)
     return _FakeJIT()
 
@@ -79,9 +93,27 @@ def test_first_call_compiles_then_relaunches_with_every_parameter(jit):
     assert grid == (7, 3, 1) and kwargs["num_warps"] == 4 and kwargs["s_ptr"] is None
     call(x_ptr=x, y_ptr=y)
     assert len(jit.launches) == 1
-    (grid, args), = jit.compiled[0].calls
+    (grid, stream, hook, args), = jit.compiled[0].calls
     assert grid == (7, 3, 1)  # three dimensions: CompiledKernel[grid] reads grid[2]
+    assert stream == STREAM and hook is None  # no hook set: none handed on
     assert args[0] is x and args[1] is y and args[2:] == (None, 5, 16, 64)
+
+
+def test_a_launch_hook_set_goes_through_the_compiled_kernels_own_launch(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    call = _call(jit)
+    call(x_ptr=x, y_ptr=y)
+    hooks = triton.knobs.runtime.launch_enter_hook
+    seen = []
+    hooks.add(seen.append)
+    try:
+        call(x_ptr=x, y_ptr=y)
+    finally:
+        hooks.remove(seen.append)
+    call(x_ptr=x, y_ptr=y)
+    (_, _, with_hook, args), (_, _, without, again) = jit.compiled[0].calls
+    assert with_hook is hooks and without is None and args == again
+    assert len(jit.launches) == 1
 
 
 def test_another_keyword_order_is_only_a_miss(jit):

@@ -5,11 +5,12 @@ Each case runs ``first_launch.py`` in a fresh process on a real Triton wheel
 (scripts/triton_releases.py) with a stand-in driver for an NVIDIA (sm_90) or AMD
 (gfx942) target: ``kernel[grid]`` really specialises and compiles, and
 ``relaunch_supported()`` is not stubbed.  The first call of each variant goes
-through ``kernel[grid]``, later ones through ``CompiledKernel[grid]``; for
-every call, the compiled kernel whose launcher the call reached must be the one
-``JITFunction.run`` itself selects for the same arguments (``warmup=True``), and
-a relaunch must hand that launcher exactly what Triton's own launch handed it
-(every parameter in order, the ``None`` pointer and the constexpr included).
+through ``kernel[grid]``, later ones straight to the compiled kernel's
+launcher; for every call, the compiled kernel whose launcher the call reached
+must be the one ``JITFunction.run`` itself selects for the same arguments
+(``warmup=True``), and a relaunch must hand that launcher what Triton's own
+launch handed it (every parameter in order, the ``None`` pointer and the
+constexpr included), without launch metadata and hooks unless a hook is set.
 """
 
 from __future__ import annotations
@@ -78,9 +79,13 @@ def test_relaunch_matches_triton_on_each_release(release, target, tmp_path):
     # 2 GiB bound there), the first with the big storage (6).
     new = {0, 2, 3} | ({6} if target.startswith("hip") else set())
     assert {i for i, c in enumerate(calls) if c["jit"]} == new
-    # A relaunch hands the launcher exactly what Triton's own launch handed it.
+    # A relaunch hands the launcher what Triton's own launch handed it (grid,
+    # stream, kernel handle, metadata, every argument), with no launch
+    # metadata and no hooks, as no hook is set.
     for relaunch, jit in ((1, 0), (4, 0), (7, 6)):
-        assert calls[relaunch]["args"] == calls[jit]["args"], (relaunch, jit)
+        args, expected = calls[relaunch]["args"], calls[jit]["args"]
+        assert args[:6] == expected[:6] and args[9:] == expected[9:], (relaunch, jit)
+        assert args[6:9] == ["None", "None", "None"]
     # A launch hook set later: CompiledKernel[grid] hands the launcher the hook
     # and the launch metadata, the rest as before.
     assert calls[5]["args"][7] == result["hook"] and calls[5]["args"][6] != "None"

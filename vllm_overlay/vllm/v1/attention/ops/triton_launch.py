@@ -6,17 +6,20 @@ An attention op called once per layer between the pieces of a piecewise CUDA
 graph pays ``kernel[grid](...)`` on every layer: ``JITFunction.run`` binds,
 specialises and keys every argument (about 3x a torch op on the host).  The
 kernel it compiled can be launched again through its own launcher,
-``CompiledKernel[grid]`` (about 1.1x; Triton's launch hooks and metadata
-included).
+``CompiledKernel.run``, called as ``CompiledKernel[grid]`` calls it on the
+releases in ``TESTED_TRITON``: with no launch hook set (profilers set them),
+without the launch metadata and hooks, which only hooks read; with one set,
+through ``CompiledKernel[grid]`` itself.
 
 ``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and every argument
 that is not a tensor (scalars, constexprs, ``None`` for pointers the kernel
 does not read, ``num_warps`` ...).  ``call(q_ptr=q, ...)`` launches
 ``kernel[grid](**fixed, **tensors)`` the first time for each guard value and
-relaunches that compiled kernel afterwards.  The guard, read on every call, is
-what Triton specialises on beyond the fixed arguments: the tensors' names in
-call order, which are None, the others' dtypes and, on AMD, whether each
-storage is within the buffer ops' 2 GiB; a call with a pointer that is not
+relaunches that compiled kernel afterwards, on the current stream.  The
+guard, read on every call, is what Triton specialises on beyond the fixed
+arguments: the tensors' names in call order, which are None, the others'
+dtypes and, on AMD, whether each storage is within the buffer ops' 2 GiB;
+a call with a pointer that is not
 16-byte aligned goes through ``kernel[grid]`` (unless the kernel takes that
 pointer with ``do_not_specialize_on_alignment``).  A fixed int argument
 counts by what Triton specialises on: whether it fits int32, is 1, is a
@@ -66,6 +69,7 @@ def relaunch_supported() -> tuple[bool, bool]:
         from triton.runtime import driver
 
         target = driver.active.get_current_target()
+        _launch_hooks_set()  # (triton.knobs: Triton 3.4 and later)
     except Exception:  # vLLM's placeholder, another layout, no driver
         return False, False
     ok = TESTED_TRITON[0] <= version <= TESTED_TRITON[1]
@@ -112,16 +116,33 @@ class KernelCall:
             (kernel, tuple(fixed), tuple(key)), len(_CONFIGS)
         )
         # The launcher and argument order per guard value.
-        self._launchers: dict[tuple | None, tuple[Any, Any]] = {}
+        self._launchers: dict[tuple | None, _Relaunch] = {}
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
         guard = None
         if self._relaunch and not torch.compiler.is_compiling():
             guard = self.guard(tensors)
-            launcher = self._launchers.get(guard)
-            if launcher is not None:
-                run, order = launcher
-                run(*order((*self._fixed_values, *tensors.values())))
+            relaunch = self._launchers.get(guard)
+            if relaunch is not None:
+                args = relaunch.order((*self._fixed_values, *tensors.values()))
+                if _launch_hooks_set():
+                    relaunch.compiled[self.grid](*args)
+                    return
+                # CompiledKernel[grid]'s own call of run, less what only
+                # launch hooks read (launch metadata, the hooks).
+                grid = self.grid
+                relaunch.run(
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    relaunch.current_stream(relaunch.current_device()),
+                    relaunch.function,
+                    relaunch.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                )
                 return
         self._launch(guard, tensors)
 
@@ -167,10 +188,10 @@ class KernelCall:
             order = operator.itemgetter(*(given.index(n) for n in names))
             if len(_COMPILED) < _MAX_COMPILED:
                 _COMPILED[key] = (compiled, order)
-            self._launchers[guard] = (compiled[self.grid], order)
+            self._launchers[guard] = _Relaunch(compiled, order, self.grid)
             return
         compiled, order = found
-        self._launchers[guard] = (compiled[self.grid], order)
+        self._launchers[guard] = _Relaunch(compiled, order, self.grid)
         compiled[self.grid](*order((*self._fixed_values, *tensors.values())))
 
     def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
@@ -183,6 +204,32 @@ class KernelCall:
             for name, t in tensors.items()
         }
         self.kernel.warmup(**self.fixed, **args, grid=self.grid)
+
+
+class _Relaunch:
+    """A compiled kernel's launcher and what ``CompiledKernel[grid]`` hands
+    it; how to put a call's arguments in the kernel's order; the driver's
+    current device and stream, read per launch as Triton reads them."""
+
+    def __init__(self, compiled, order, grid: tuple[int, ...]) -> None:
+        compiled[grid]  # loads the kernel's handles, as its first launch did
+        active = triton.runtime.driver.active
+        self.compiled = compiled
+        self.run = compiled.run
+        self.function = compiled.function
+        self.packed_metadata = compiled.packed_metadata
+        self.order = order
+        self.current_device = active.get_current_device
+        self.current_stream = active.get_current_stream
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook is set (a callable up to Triton 3.4, a
+    ``HookChain`` with calls after)."""
+    runtime = triton.knobs.runtime
+    enter = runtime.launch_enter_hook
+    leave = runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 _DTYPE = itertools.repeat("dtype")

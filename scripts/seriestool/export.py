@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import SeriesError, benchmeta, buildtree, gitrepo, headlines, lint, patchfile, progress, results, topics
+from . import SeriesError, buildtree, gitrepo, headlines, lint, patchfile, progress, results, topics
 from .pins import load_pins
 
 # Exported commits get the series' fixed date: same inputs and identity, same commit ids.
@@ -254,12 +254,7 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
     out += ["", "Not run on ROCm hardware: " + (f"benchmarks of {_code(not_rocm)}; " if not_rocm else "")
             + "the AITER code paths (tests marked `rocm`): the series repository holds no ROCm test results."]
     for kernel, h in heads.items():
-        cases = h.result.cases(kernel)
-        host_rows = benchmeta.host_cases(h.result.data, kernel) if not cases else []
-        baseline = ("the unpatched functions, host code timed by pytest-benchmark" if host_rows
-                    else benchmeta.baseline_of(layout.root, kernel, cases))
-        table = benchmeta.host_table(host_rows) if host_rows else benchmeta.case_table(cases, h.compare)
-        body = "\n\n".join(x for x in [h.sentence, f"Baseline: {baseline}." if baseline else "", table] if x)
+        body = "\n\n".join(x for x in [f"Baseline: {h.baseline()}." if h.baseline() else "", h.table()] if x)
         out += [""] + _fold(f"Per-case results: <code>{kernel}</code> on {h.device}", body)
     return "\n".join(out)
 

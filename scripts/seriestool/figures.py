@@ -1,15 +1,7 @@
-"""What counts as a figure: a measured or counted result, as opposed to an identifier or a shape.
-
-Figures belong in result files and the text generated from them (``make report``,
-``make pr``), never typed by hand into a patch header (``make check``) or README/docs
-prose (``make report`` warns): a typed figure drifts from the data.  A figure is a number
-with a unit of a measurement or a test run: a ratio (``2.3x``, ``2.28-3.51x``, ``3 ×``;
-not ``1 x 128``, ``4x4``, ``0x7f``), a percentage, a time (``17µs``, ``170 s``, ``5.9
-minutes``), a rate (``5.4 TB/s``, ``120 tok/s``, ``3 TFLOPS``), an error in ulp, a test
-count (``457 passed``, ``test_x.py 16/16``), a before -> after count (``46 -> 0``) and a
-bare ``µs``.  Not figures: identifiers and versions (``vllm#25763``, ``0.33.0``, ``e4m3``,
-``gfx942``), shapes and settings (``D 128``, ``32K tokens``, ``block 16/32``, ``default
-512``), sizes (``60 MB``) and spelled-out words (``one ulp``).
+"""Figures (measured or counted results) in text: a patch header must carry none (``make check``),
+README/docs only inside generated regions (``make report`` warns).  A figure is a number with
+the unit of a measurement or a test run: a ratio, percent, time, rate, error in ulp, test count,
+before -> after count or a bare ``µs``; identifiers, versions, shapes and sizes are not figures.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The figures readers see, named and rounded, each from one committed result file.
+"""The figures readers see, each from one committed result file: headlines and per-case tables.
 
-One definition per kernel of its headline (which cases, which ratio), used by ``make
-report`` (README status table, benchmarks/RESULTS.md, docs/) and ``make pr`` (the PR
-body's Claims), so the same claim shows the same figure everywhere.  Ratios and µs are
-rounded to two significant digits, percentages to whole percent; a range collapses to one
-value when its ends round alike.  A ``Headline`` has ``figures`` (name -> rounded text),
-``claims`` (sentences for the PR body and RESULTS.md) and ``short`` (a table cell).
+One definition per kernel of its headline (which cases, which ratio), used by ``make report``
+and ``make pr``, so a claim shows the same figure everywhere.  Ratios and µs are rounded to two
+significant digits, percentages to whole percent; a range collapses when its ends round alike.
 """
 
 from __future__ import annotations
@@ -16,15 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import benchmeta
-from .results import ResultFile, Selection
+from .results import ResultFile, Selection, host_cases, timing_mode
 
 # The paged-context goal the fetch-kv topic set itself (a target, not a measurement).
 PAGED_CONTEXT_GOAL = 1.25
 _ROUTE_DEFAULT_RE = re.compile(r'VLLM_ROCM_AITER_FA_PAGED_CONTEXT_MAX_TOKENS",\s*"(\d+)"')
 
-
-# --- rounding -------------------------------------------------------------------------------
 
 def _sig2(value: float) -> str:
     """About two significant digits: 0.45, 1.0 (from 0.95), 2.3, 12, 137."""
@@ -35,177 +29,241 @@ def _sig2(value: float) -> str:
     return f"{value:.2g}"
 
 
-def _span(values: list[float], fmt: Callable[[float], str], unit: str) -> str | None:
+def _span(values: list, fmt: Callable[[float], str], unit: str) -> str:
+    """The range of the numbers among ``values``, rounded; "n/a" when there are none."""
+    values = [v for v in values if isinstance(v, (int, float))]
     if not values:
-        return None
+        return "n/a"
     lo, hi = fmt(min(values)), fmt(max(values))
     return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
 
 
-def ratio(values: list[float]) -> str | None:
+def ratio(values: list) -> str:
     """``2.2–2.4×``."""
     return _span(values, _sig2, "×")
 
 
-def percent(fractions: list[float]) -> str | None:
+def percent(fractions: list) -> str:
     """``89–90%`` (from fractions)."""
-    return _span([100 * f for f in fractions], lambda v: f"{v:.0f}", "%")
-
-
-def microseconds(values: list[float]) -> str | None:
-    """``2.2–3.7 µs``."""
-    return _span(values, _sig2, " µs")
+    return _span([100 * f for f in fractions if isinstance(f, (int, float))], lambda v: f"{v:.0f}", "%")
 
 
 def listing(values) -> str:
     """``1/4/8``: the distinct values, sorted (shapes, not figures)."""
-    return "/".join(str(v) for v in sorted(set(values)))
+    return "/".join(str(v) for v in sorted(set(values))) or "n/a"
 
 
 def tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
-_HOST_MODES = {"host": "host µs per call", "eager": "eager wall clock"}
-
-
 def modes(cases: list[dict]) -> str:
     """``cold L2`` / ``warm L2`` / ``L2: 20 warm, 16 flushed`` / ``host µs per call``."""
-    counts = Counter(benchmeta.timing_mode(c) for c in cases)
+    counts = Counter(timing_mode(c) for c in cases)
     if len(counts) == 1:
         mode = next(iter(counts))
-        return _HOST_MODES.get(mode, f"{mode} L2")
+        return {"host": "host µs per call", "eager": "eager wall clock"}.get(mode, f"{mode} L2")
     return "L2: " + ", ".join(f"{n} {m}" for m, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _values(cases, fn) -> list[float]:
-    return [v for v in map(fn, cases) if isinstance(v, (int, float))]
+def us(case: dict, impl: str) -> float | None:
+    return case.get("results", {}).get(impl, {}).get("us")
 
 
-# --- headlines -----------------------------------------------------------------------------------
+def over(case: dict, impl: str) -> float | None:
+    """``impl`` µs / ours µs (how much faster ours is), or None."""
+    a, b = us(case, impl), us(case, "ours")
+    return a / b if a and b else None
+
+
+def copy_fraction(case: dict) -> float | None:
+    """The case's fraction of same-bytes copy bandwidth, or None where the copy is no
+    ceiling for the operation (its suite says ``copy_ceiling=False``)."""
+    return None if case.get("copy_ceiling") is False else case.get("frac_copy")
+
+
+def _fmt(value, spec: str, unit: str = "") -> str:
+    """A table cell: ``value`` formatted, or ``n/a`` (never ``n/a×``)."""
+    return format(value, spec) + unit if isinstance(value, (int, float)) else "n/a"
+
+
+def _us(case: dict, impl: str) -> str:
+    return _fmt(us(case, impl), ".1f")
+
+
+def _x(value) -> str:
+    return _fmt(value, ".2f", "×")
+
+
+def _pct(fraction) -> str:
+    return _fmt(fraction * 100 if isinstance(fraction, (int, float)) else None, ".0f", "%")
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str, Callable[[dict], object]]]) -> str:
+    """Markdown: one line per row; ``columns`` are (title, ``---`` or ``---:``, cell of a row)."""
+    out = ["| " + " | ".join(title for title, _, _ in columns) + " |",
+           "|" + "".join(f"{align}|" for _, align, _ in columns)]
+    out += ["| " + " | ".join(str(cell(row)) for _, _, cell in columns) + " |" for row in rows]
+    return "\n".join(out)
+
+
+HOST_ROW_COLUMNS = [  # host rows (pytest-benchmark medians, before / after the series)
+    ("case", "---", lambda r: r["case"]),
+    ("before µs (median)", "---:", lambda r: _fmt(r["before_us"], ".1f")),
+    ("after µs (median)", "---:", lambda r: _fmt(r["after_us"], ".1f")),
+    ("before / after", "---:", lambda r: _x(r["speedup"]))]
+HOST_COST_COLUMNS = [  # host µs per call of each entry point beside one torch op
+    ("entry", "---", lambda c: c["case"]),
+    ("call", "---", lambda c: c.get("call", "n/a")),
+    ("ours µs", "---:", lambda c: _us(c, "ours")),
+    ("torch op µs", "---:", lambda c: _us(c, "torch_op")),
+    ("ours / torch op", "---:", lambda c: _x(c.get("ratio_to_torch_op"))),
+    ("target", "---:", lambda c: "none" if c.get("target_ratio") is None else _fmt(c["target_ratio"], ".1f", "×")),
+    ("met", "---", lambda c: {None: "n/a", True: "yes", False: "no"}[c.get("meets_target")]),
+    ("plain path µs", "---:", lambda c: _us(c, "ours_plain")),
+    ("upstream µs", "---:", lambda c: _us(c, "baseline")),
+    ("GPU µs (ours)", "---:", lambda c: _fmt(c["results"]["ours"].get("gpu_us"), ".1f"))]
+EAGER_STEP_COLUMNS = [  # eager wall clock of a step, ours vs upstream, and GPU-only time
+    ("step", "---", lambda c: c["case"]),
+    ("ours µs", "---:", lambda c: _us(c, "ours")),
+    ("upstream µs", "---:", lambda c: _us(c, "baseline")),
+    ("speedup", "---:", lambda c: _x(c.get("speedup"))),
+    ("ours GPU µs", "---:", lambda c: _us(c, "ours_gpu")),
+    ("upstream GPU µs", "---:", lambda c: _us(c, "baseline_gpu")),
+    ("GPU speedup", "---:", lambda c: _x(c.get("gpu_speedup"))),
+    ("ours", "---", lambda c: f"{c.get('ours_bound', 'n/a')}-bound"),
+    ("upstream", "---", lambda c: f"{c.get('baseline_bound', 'n/a')}-bound")]
+
+
+def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
+    """Every measured variant of every case, speedup and fraction of copy; ``compare``:
+    variants that also get a ratio column (their µs / ours); cold cases carry their warm
+    speedup and fraction of copy beside."""
+    def mode(c):
+        sets = c.get("buffer_sets")
+        return f"cold ×{sets}" if timing_mode(c) == "cold" and sets else timing_mode(c)
+
+    extra = sorted({impl for c in cases for impl in c["results"]} - {"ours", "baseline", "copy"})
+    columns = [("case", "---", lambda c: c["case"]), ("timing", "---", mode),
+               ("ours µs", "---:", lambda c: _us(c, "ours")), ("baseline µs", "---:", lambda c: _us(c, "baseline"))]
+    columns += [(f"{impl} µs", "---:", lambda c, impl=impl: _us(c, impl)) for impl in extra]
+    columns += [("copy µs", "---:", lambda c: _us(c, "copy")),
+                ("speedup vs baseline", "---:", lambda c: _x(c.get("speedup")))]
+    columns += [(f"vs {impl}", "---:", lambda c, impl=impl: _x(over(c, impl))) for impl in compare]
+    columns += [("ours GB/s", "---:", lambda c: _fmt(c["results"]["ours"].get("gbps"), ".0f")),
+                ("of copy BW", "---:", lambda c: _pct(copy_fraction(c)))]
+    if any("results_warm" in c for c in cases):
+        columns += [("warm: speedup", "---:", lambda c: _x(c.get("speedup_warm"))),
+                    ("warm: of copy", "---:", lambda c: _pct(None if c.get("copy_ceiling") is False
+                                                             else c.get("frac_copy_warm")))]
+    return _table(cases, columns)
+
 
 @dataclass
 class Headline:
     kernel: str
     result: ResultFile
-    figures: dict[str, str] = field(default_factory=dict)
-    claims: list[str] = field(default_factory=list)
-    short: str = ""
-    sentence: str = ""  # none is generated since issue 35; export.py still reads the field
+    cases: list[dict]  # the kernel's device-timed cases, or else its host rows (pytest-benchmark)
+    host: bool = False  # cases are host rows
+    claims: list[str] = field(default_factory=list)  # sentences for the PR body and RESULTS.md
+    short: str = ""  # the README status table's cell
     compare: tuple[str, ...] = ()  # extra ratio columns of the kernel's table
 
     @property
     def device(self) -> str:
         return self.result.device
 
-    def put(self, key: str, text: str | None) -> str:
-        """Record a figure under ``<kernel>.<key>``; "n/a" when the data has none."""
-        text = text or "n/a"
-        self.figures[f"{self.kernel}.{key}"] = text
-        return text
+    def baseline(self) -> str | None:
+        """What "baseline" was, as the run recorded it (``baseline_desc``)."""
+        if self.host:
+            return "the unpatched (pristine vLLM) functions, host code timed by pytest-benchmark"
+        return next((c["baseline_desc"] for c in self.cases if c.get("baseline_desc")), None)
+
+    def table(self) -> str:
+        if self.host:
+            return _table(self.cases, HOST_ROW_COLUMNS)
+        mode = timing_mode({"kernel": self.kernel})
+        if mode in ("host", "eager"):
+            return _table(self.cases, HOST_COST_COLUMNS if mode == "host" else EAGER_STEP_COLUMNS)
+        return case_table(self.cases, self.compare)
 
 
-def paged_route_max_tokens(root: Path) -> int | None:
-    """The paged-context route's default threshold, as the series' patch sets it."""
-    for path in sorted((root / "patches").glob("*.patch")):
-        match = _ROUTE_DEFAULT_RE.search(path.read_text(errors="replace"))
-        if match:
-            return int(match.group(1))
-    return None
-
-
-def _fetch_kv(h: Headline, cases: list[dict], root: Path) -> None:
-    sel = [c for c in cases if c.get("shapes", {}).get("tokens") == 32768
+def _fetch_kv(h: Headline, root: Path) -> None:
+    sel = [c for c in h.cases if c.get("shapes", {}).get("tokens") == 32768
            and c["shapes"].get("layout") == "NHD" and c["shapes"].get("head_size") == 128
            and c["shapes"].get("cache_dtype") == c["shapes"].get("out_dtype") == "torch.bfloat16"]
-    speed = h.put("speedup_32k", ratio(_values(sel, lambda c: c.get("speedup"))))
-    copy = h.put("copy_32k", percent(_values(sel, lambda c: c.get("frac_copy"))))
-    heads = h.put("heads_32k", listing(c["shapes"]["num_kv_heads"] for c in sel) if sel else None)
-    mode = h.put("mode_32k", modes(sel or cases))
+    speed = ratio([c.get("speedup") for c in sel])
+    copy = percent([c.get("frac_copy") for c in sel])
+    heads = listing(c["shapes"]["num_kv_heads"] for c in sel)
+    mode = modes(sel or h.cases)
     h.claims.append(f"`fetch_kv` gathers cached K/V at {speed} the speed of upstream's "
                     f"`cp_mha_gather_cache` and {copy} of a same-bytes copy (32K tokens, bf16, NHD, "
                     f"D 128, H_kv {heads}; {h.device}, {mode}).")
     h.short = f"{speed} upstream's gather, {copy} of copy (32K tokens, {mode})"
 
 
-def _fetch_kv_plan(h: Headline, cases: list[dict], root: Path) -> None:
-    cost = h.put("us", microseconds(_values(cases, lambda c: benchmeta.us(c, "ours"))))
+def _fetch_kv_plan(h: Headline, root: Path) -> None:
+    cost = _span([us(c, "ours") for c in h.cases], _sig2, " µs")
     h.claims.append(f"The per-step plan (`fetch_kv_plan`, built once for all layers) costs {cost} "
                     f"({h.device}).")
     h.short = f"plan {cost} per step"
 
 
-def _mla_rope_cache(h: Headline, cases: list[dict], root: Path) -> None:
+def _mla_rope_cache(h: Headline, root: Path) -> None:
     h.compare = ("compiled_unfused",)
-    prefill = [c for c in cases if str(c.get("case", "")).startswith("prefill_")
-               and c.get("shapes", {}).get("kv_cache_dtype") == "auto"
-               and c["shapes"].get("T", 0) >= 8192]
-    decode = [c for c in cases if str(c.get("case", "")).startswith("decode_")]
-    p_speed = h.put("prefill_speedup", ratio(_values(prefill, lambda c: c.get("speedup"))))
-    p_copy = h.put("prefill_copy", percent(_values(prefill, lambda c: c.get("frac_copy"))))
-    p_tokens = h.put("prefill_tokens", " / ".join(tokens(t) for t in
-                                                 sorted({c["shapes"]["T"] for c in prefill})) or None)
-    d_speed = h.put("decode_speedup", ratio(_values(decode, lambda c: c.get("speedup"))))
-    d_comp = h.put("decode_vs_compiled", ratio(_values(decode, lambda c: benchmeta.over(c, "compiled_unfused"))))
-    d_tokens = h.put("decode_max_tokens", str(max(c["shapes"]["T"] for c in decode)) if decode else None)
-    d_heads = h.put("decode_heads", listing(c["shapes"]["H"] for c in decode) if decode else None)
-    d_caches = h.put("decode_caches", " and ".join(
-        sorted({"bf16" if c["shapes"].get("kv_cache_dtype") == "auto" else c["shapes"].get("kv_cache_dtype")
-                for c in decode})) if decode else None)
-    p_mode, d_mode = h.put("prefill_mode", modes(prefill)), h.put("decode_mode", modes(decode))
+    prefill = [c for c in h.cases if str(c.get("case", "")).startswith("prefill_")
+               and c.get("shapes", {}).get("kv_cache_dtype") == "auto" and c["shapes"].get("T", 0) >= 8192]
+    decode = [c for c in h.cases if str(c.get("case", "")).startswith("decode_")]
+    p_speed = ratio([c.get("speedup") for c in prefill])
+    d_speed = ratio([c.get("speedup") for c in decode])
     if prefill:
+        p_tokens = " / ".join(tokens(t) for t in sorted({c["shapes"]["T"] for c in prefill}))
         h.claims.append(f"MLA prefill ({p_tokens} tokens, bf16 cache): RoPE + cache write at {p_speed} "
-                        f"the speed of vLLM's CUDA `concat_and_cache_mla_rope_fused`, {p_copy} of a "
-                        f"same-bytes copy ({h.device}, {p_mode}).")
+                        f"the speed of vLLM's CUDA `concat_and_cache_mla_rope_fused`, "
+                        f"{percent([c.get('frac_copy') for c in prefill])} of a same-bytes copy "
+                        f"({h.device}, {modes(prefill)}).")
     if decode:
-        h.claims.append(f"MLA decode (T ≤ {d_tokens}, {d_heads} heads, {d_caches} caches): one launch "
-                        f"at {d_speed} the CUDA kernel + concat and {d_comp} the compiled unfused "
-                        f"sequence ({h.device}, {d_mode}).")
+        caches = {"bf16" if c["shapes"].get("kv_cache_dtype") == "auto" else c["shapes"].get("kv_cache_dtype")
+                  for c in decode}
+        h.claims.append(f"MLA decode (T ≤ {max(c['shapes']['T'] for c in decode)}, "
+                        f"{listing(c['shapes']['H'] for c in decode)} heads, {' and '.join(sorted(caches))} "
+                        f"caches): one launch at {d_speed} the CUDA kernel + concat and "
+                        f"{ratio([over(c, 'compiled_unfused') for c in decode])} the compiled unfused "
+                        f"sequence ({h.device}, {modes(decode)}).")
     h.short = f"prefill {p_speed} vLLM's CUDA kernel; decode {d_speed}"
 
 
-def _paged_context(h: Headline, cases: list[dict], root: Path) -> None:
+def _paged_context(h: Headline, root: Path) -> None:
     h.compare = ("gather_fa2",)
-    limit = paged_route_max_tokens(root)
-
-    def new_total(c):
-        s = c.get("shapes", {})
-        return s.get("requests", 0) * s.get("new_tokens", 0)
-
-    routed = [c for c in cases if limit is not None and new_total(c) <= limit]
-    fa2 = h.put("routed_vs_fa2", ratio(_values(routed, lambda c: benchmeta.over(c, "gather_fa2"))))
-    same = h.put("routed_vs_baseline", ratio(_values(routed, lambda c: c.get("speedup"))))
+    limit = None  # the route's default threshold, as the series' patch sets it
+    for patch in sorted((root / "patches").glob("*.patch")):
+        if match := _ROUTE_DEFAULT_RE.search(patch.read_text()):
+            limit = int(match[1])
+            break
+    routed = [c for c in h.cases if limit is not None
+              and c.get("shapes", {}).get("requests", 0) * c.get("shapes", {}).get("new_tokens", 0) <= limit]
+    fa2 = ratio([over(c, "gather_fa2") for c in routed])
+    same = ratio([c.get("speedup") for c in routed])
     # Counted as the per-case tables print them (two decimals): 1.246 shows as 1.25× and counts.
-    goal = [c for c in routed if benchmeta.shown_ratio(c.get("speedup")) >= PAGED_CONTEXT_GOAL]
-    at_goal = h.put("routed_at_goal", f"{len(goal)} of {len(routed)} cases at ≥ {PAGED_CONTEXT_GOAL:g}×"
-                    if routed else None)
-    contexts = sorted({c["shapes"]["context"] for c in cases if "context" in c.get("shapes", {})})
-    span = h.put("contexts", f"{tokens(contexts[0])}–{tokens(contexts[-1])}" if contexts else None)
-    mode = h.put("mode", modes(routed or cases))
+    goal = [c for c in routed if round(c.get("speedup") or 0, 2) >= PAGED_CONTEXT_GOAL]
+    at_goal = f"{len(goal)} of {len(routed)} cases at ≥ {PAGED_CONTEXT_GOAL:g}×" if routed else "n/a"
+    contexts = sorted({c["shapes"]["context"] for c in h.cases if "context" in c.get("shapes", {})})
+    span = f"{tokens(contexts[0])}–{tokens(contexts[-1])}" if contexts else "n/a"
     h.claims.append(f"Short extends (≤ {limit} new tokens a step) attend to their cached context straight "
                     f"from the paged cache: {fa2} the speed of gather + FlashAttention-2 and {same} that "
                     f"of gather + the same Triton kernel, {at_goal} "
-                    f"({span} cached tokens; {h.device}, {mode}).")
+                    f"({span} cached tokens; {h.device}, {modes(routed or h.cases)}).")
     h.short = f"≤ {limit} new tokens: {fa2} gather + FA2, {same} gather + same kernel"
 
 
-def _order_host(h: Headline, rows: list[dict], root: Path) -> None:
-    speed = h.put("speedup", ratio(_values(rows, lambda r: r.get("speedup"))))
-    h.put("cases", str(len(rows)))
+def _order_host(h: Headline, root: Path) -> None:
+    speed = ratio([r["speedup"] for r in h.cases])
     h.claims.append(f"Host time per step of the batch-order code: unpatched / patched = {speed} "
                     f"({h.device}, pytest-benchmark medians).")
     h.short = f"host time per step, unpatched / patched {speed}"
 
 
-def _generic(h: Headline, cases: list[dict], root: Path) -> None:
-    speed = h.put("speedup", ratio(_values(cases, lambda c: c.get("speedup"))))
-    mode = modes(cases) if cases else "host"
-    h.claims.append(f"`{h.kernel}`: {speed} the speed of its baseline over {len(cases)} cases "
-                    f"({h.device}, {mode}).")
-    h.short = f"{speed} its baseline"
-
-
-KERNELS: dict[str, Callable[[Headline, list[dict], Path], None]] = {
+KERNELS: dict[str, Callable[[Headline, Path], None]] = {
     "fetch_kv": _fetch_kv,
     "fetch_kv_plan": _fetch_kv_plan,
     "mla_rope_cache": _mla_rope_cache,
@@ -215,22 +273,14 @@ KERNELS: dict[str, Callable[[Headline, list[dict], Path], None]] = {
 
 
 def headline(root: Path, kernel: str, result: ResultFile) -> Headline:
-    h = Headline(kernel, result)
     cases = result.cases(kernel)
-    rows = benchmeta.host_cases(result.data, kernel) if not cases else []
-    KERNELS.get(kernel, _generic)(h, cases or rows, root)
+    h = Headline(kernel, result, cases or host_cases(result.data, kernel), host=not cases)
+    if kernel in KERNELS:
+        KERNELS[kernel](h, root)
     return h
 
 
 def headlines(root: Path, selection: Selection) -> dict[str, Headline]:
     """kernel -> the headline of its newest usable result file."""
-    out = {}
-    for kernel in sorted({k for f in selection.usable for k in f.kernels()}):
-        result = selection.latest(kernel)
-        if result is not None:
-            out[kernel] = headline(root, kernel, result)
-    return out
-
-
-def figures(heads: dict[str, Headline]) -> dict[str, str]:
-    return {name: text for h in heads.values() for name, text in h.figures.items()}
+    kernels = sorted({k for f in selection.usable for k in f.kernels()})
+    return {k: headline(root, k, selection.latest(k)) for k in kernels}

@@ -1,11 +1,9 @@
-"""Committed benchmark results: which files may back a claim, and the newest of each kernel.
+"""Committed benchmark results: which files may back a claim, and the cases in them.
 
-Shared by ``make report`` (scripts/bench_report.py) and ``make pr`` (seriestool/export.py).
-Only ``benchmarks/results/*.json`` as committed at HEAD count, and only a file the tool
-wrote for a clean, known commit: ``machine_info.series.dirty`` is ``false``, its series
-commit is an ancestor of HEAD, and nobody edited it afterwards (no ``commit_note``; a
-``series_seal``, written by ``make bench``, that matches).  Every other file is skipped
-with the reasons, which the tools print.
+Only ``benchmarks/results/*.json`` as committed at HEAD count, and only a file ``make bench``
+wrote on a clean tree (``machine_info.series.dirty`` false) at a commit of HEAD's history,
+unedited since (no ``commit_note``; its ``series_seal``, if any, matches).  Other files are
+skipped with the reasons.
 """
 
 from __future__ import annotations
@@ -15,10 +13,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gitrepo
+from . import SeriesError, gitrepo
 
-RESULTS_DIR = "benchmarks/results"
 SEAL_KEY = "series_seal"
+# Suites that time the host: host µs per call (bench_host_cost.py) and eager wall clock
+# of whole steps (bench_eager_step.py); no L2 mode.
+HOST_TIMED = {"host_cost": "host", "eager_step": "eager"}
 
 
 def _digest(data: dict) -> str:
@@ -32,76 +32,47 @@ def seal(data: dict) -> dict:
     return {**data, SEAL_KEY: {"by": "scripts/run_bench.py", "sha256": _digest(data)}}
 
 
-@dataclass
+def timing_mode(case: dict) -> str:
+    """host / eager (host-timed suites), else cold / warm as recorded; files from before
+    the cold rotation: graph replays were warm, the rest ``do_bench`` with its L2 flush."""
+    for prefix, mode in HOST_TIMED.items():
+        if str(case.get("kernel", "")).startswith(prefix):
+            return mode
+    return case.get("mode") or ("warm" if case.get("graph") else "flushed")
+
+
 class ResultFile:
-    path: str  # relative to the repository root
-    data: dict
-
-    @property
-    def name(self) -> str:
-        return Path(self.path).name
-
-    @property
-    def series(self) -> dict:
-        info = self.data.get("machine_info")
-        series = info.get("series", info) if isinstance(info, dict) else {}
-        return series if isinstance(series, dict) else {}
-
-    @property
-    def device(self) -> str:
-        return str(self.series.get("device", "unknown device"))
-
-    @property
-    def when(self) -> str:
-        return str(self.data.get("datetime", ""))
-
-    @property
-    def commit(self) -> str:
-        return str(self.series.get("commit") or "")
-
-    @property
-    def rocm(self) -> bool:
-        return bool(self.series.get("hip"))
-
-    def _infos(self) -> list[dict]:
-        return [b["extra_info"] for b in self.data.get("benchmarks", [])
-                if isinstance(b, dict) and isinstance(b.get("extra_info"), dict)]
+    def __init__(self, path: str, data: dict):
+        self.path = path  # relative to the repository root
+        self.data = data
+        self.name = Path(path).name
+        self.series = data.get("machine_info", {}).get("series", {})
+        self.device = str(self.series.get("device", "unknown device"))
+        self.when = str(data.get("datetime", ""))
+        self.commit = str(self.series.get("commit") or "")
+        self.rocm = bool(self.series.get("hip"))
 
     def kernels(self) -> list[str]:
-        return sorted({i["kernel"] for i in self._infos() if isinstance(i.get("kernel"), str)})
+        return sorted({b["extra_info"]["kernel"] for b in self.data.get("benchmarks", [])
+                       if "kernel" in b.get("extra_info", {})})
 
     def cases(self, kernel: str) -> list[dict]:
-        """extra_info of the kernel's timed cases (device suites: with ``results``)."""
-        return [i for i in self._infos() if i.get("kernel") == kernel and "results" in i]
-
-    def has(self, kernel: str) -> bool:
-        return kernel in self.kernels()
+        """extra_info of the kernel's device-timed cases (those with ``results``)."""
+        infos = [b.get("extra_info", {}) for b in self.data.get("benchmarks", [])]
+        return [i for i in infos if i.get("kernel") == kernel and "results" in i]
 
 
-def committed(root: Path) -> list[ResultFile]:
-    """Every ``benchmarks/results/*.json`` committed at HEAD, as committed (sorted by path)."""
-    proc = gitrepo.git(root, "ls-tree", "--name-only", "HEAD", "--", f"{RESULTS_DIR}/", check=False)
-    out = []
-    for path in sorted(proc.stdout.splitlines() if proc.returncode == 0 else []):
-        if path.endswith(".json"):
-            try:
-                data = json.loads(gitrepo.git(root, "show", f"HEAD:{path}", check=False).stdout)
-            except ValueError:
-                continue
-            if isinstance(data, dict):
-                out.append(ResultFile(path, data))
-    return out
-
-
-def commit_problem(root: Path, commit: str) -> str | None:
-    """Why ``commit`` cannot be a result's commit here, or None."""
-    if not commit or commit == "unknown":
-        return "no series commit recorded"
-    if gitrepo.git(root, "cat-file", "-e", f"{commit}^{{commit}}", check=False).returncode:
-        return f"series commit {commit} is not in this repository"
-    if gitrepo.git(root, "merge-base", "--is-ancestor", commit, "HEAD", check=False).returncode:
-        return f"series commit {commit} is not in HEAD's history"
-    return None
+def host_cases(data: dict, kernel: str) -> list[dict]:
+    """A kernel's host-side (CPU) benchmarks, pytest-benchmark's own median per variant:
+    rows of case, before/after µs and before / after as the speedup."""
+    by_case: dict[str, dict] = {}
+    for bench in data.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if info.get("kernel") == kernel and "variant" in info and "results" not in info:
+            by_case.setdefault(info.get("case", "?"), {})[info["variant"]] = bench["stats"]["median"] * 1e6
+    return [{"case": case, "before_us": v.get("before"), "after_us": v.get("after"),
+             "speedup": v["before"] / v["after"] if v.get("before") and v.get("after") else None}
+            for case, v in by_case.items()]
 
 
 def problems(root: Path, result: ResultFile) -> list[str]:
@@ -112,12 +83,17 @@ def problems(root: Path, result: ResultFile) -> list[str]:
         out.append("from a dirty tree (machine_info.series.dirty = true)")
     elif dirty is not False:
         out.append(f"tree state not recorded as clean (machine_info.series.dirty = {dirty!r})")
-    if problem := commit_problem(root, result.commit):
-        out.append(problem)
+    commit = result.commit
+    if not commit or commit == "unknown":
+        out.append("no series commit recorded")
+    elif gitrepo.git(root, "cat-file", "-e", f"{commit}^{{commit}}", check=False).returncode:
+        out.append(f"series commit {commit} is not in this repository")
+    elif gitrepo.git(root, "merge-base", "--is-ancestor", commit, "HEAD", check=False).returncode:
+        out.append(f"series commit {commit} is not in HEAD's history")
     if "commit_note" in result.series:
         out.append("its commit was edited after the run (machine_info.series.commit_note)")
     mark = result.data.get(SEAL_KEY)
-    if isinstance(mark, dict) and mark.get("sha256") != _digest(result.data):
+    if mark is not None and mark.get("sha256") != _digest(result.data):
         out.append("edited after the run (series_seal does not match the content)")
     return out
 
@@ -129,22 +105,25 @@ class Selection:
 
     def latest(self, kernel: str, device: str | None = None) -> ResultFile | None:
         """The newest usable file with cases of ``kernel`` (on ``device`` when given)."""
-        having = [f for f in self.usable if f.has(kernel) and device in (None, f.device)]
+        having = [f for f in self.usable if kernel in f.kernels() and device in (None, f.device)]
         return max(having, key=lambda f: (f.when, f.path)) if having else None
 
     def devices(self, kernel: str) -> list[str]:
-        return sorted({f.device for f in self.usable if f.has(kernel)})
-
-    def notes(self) -> list[str]:
-        return [f"{f.path}: not used ({'; '.join(reasons)})" for f, reasons in self.skipped]
+        return sorted({f.device for f in self.usable if kernel in f.kernels()})
 
 
 def select(root: Path) -> Selection:
-    usable, skipped = [], []
-    for result in committed(root):
+    """Every ``benchmarks/results/*.json`` committed at HEAD, as committed, usable or skipped."""
+    selection = Selection([], [])
+    listed = gitrepo.out(root, "ls-tree", "--name-only", "HEAD", "--", "benchmarks/results/")
+    for path in sorted(p for p in listed.splitlines() if p.endswith(".json")):
+        try:
+            result = ResultFile(path, json.loads(gitrepo.out(root, "show", f"HEAD:{path}")))
+        except ValueError as exc:
+            raise SeriesError(f"{path} as committed is not JSON: {exc}") from None
         reasons = problems(root, result)
         if reasons:
-            skipped.append((result, reasons))
+            selection.skipped.append((result, reasons))
         else:
-            usable.append(result)
-    return Selection(usable, skipped)
+            selection.usable.append(result)
+    return selection

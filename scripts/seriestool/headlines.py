@@ -45,7 +45,7 @@ def ratio(values: list) -> str:
 
 def percent(fractions: list) -> str:
     """``89–90%`` (from fractions)."""
-    return _span([100 * f for f in fractions if isinstance(f, (int, float))], lambda v: f"{v:.0f}", "%")
+    return _span([100 * f for f in fractions if f is not None], lambda v: f"{v:.0f}", "%")
 
 
 def listing(values) -> str:
@@ -77,8 +77,7 @@ def over(case: dict, impl: str) -> float | None:
 
 
 def copy_fraction(case: dict) -> float | None:
-    """The case's fraction of same-bytes copy bandwidth, or None where the copy is no
-    ceiling for the operation (its suite says ``copy_ceiling=False``)."""
+    """The case's fraction of copy bandwidth; None where its suite says the copy is no ceiling."""
     return None if case.get("copy_ceiling") is False else case.get("frac_copy")
 
 
@@ -163,15 +162,12 @@ def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
 class Headline:
     kernel: str
     result: ResultFile
+    device: str
     cases: list[dict]  # the kernel's device-timed cases, or else its host rows (pytest-benchmark)
-    host: bool = False  # cases are host rows
+    host: bool  # cases are host rows
     claims: list[str] = field(default_factory=list)  # sentences for the PR body and RESULTS.md
     short: str = ""  # the README status table's cell
     compare: tuple[str, ...] = ()  # extra ratio columns of the kernel's table
-
-    @property
-    def device(self) -> str:
-        return self.result.device
 
     def baseline(self) -> str | None:
         """What "baseline" was, as the run recorded it (``baseline_desc``)."""
@@ -188,95 +184,74 @@ class Headline:
         return case_table(self.cases, self.compare)
 
 
-def _fetch_kv(h: Headline, root: Path) -> None:
-    sel = [c for c in h.cases if c.get("shapes", {}).get("tokens") == 32768
-           and c["shapes"].get("layout") == "NHD" and c["shapes"].get("head_size") == 128
-           and c["shapes"].get("cache_dtype") == c["shapes"].get("out_dtype") == "torch.bfloat16"]
-    speed = ratio([c.get("speedup") for c in sel])
-    copy = percent([c.get("frac_copy") for c in sel])
-    heads = listing(c["shapes"]["num_kv_heads"] for c in sel)
-    mode = modes(sel or h.cases)
-    h.claims.append(f"`fetch_kv` gathers cached K/V at {speed} the speed of upstream's "
-                    f"`cp_mha_gather_cache` and {copy} of a same-bytes copy (32K tokens, bf16, NHD, "
-                    f"D 128, H_kv {heads}; {h.device}, {mode}).")
-    h.short = f"{speed} upstream's gather, {copy} of copy (32K tokens, {mode})"
-
-
-def _fetch_kv_plan(h: Headline, root: Path) -> None:
-    cost = _span([us(c, "ours") for c in h.cases], _sig2, " µs")
-    h.claims.append(f"The per-step plan (`fetch_kv_plan`, built once for all layers) costs {cost} "
-                    f"({h.device}).")
-    h.short = f"plan {cost} per step"
-
-
-def _mla_rope_cache(h: Headline, root: Path) -> None:
-    h.compare = ("compiled_unfused",)
-    prefill = [c for c in h.cases if str(c.get("case", "")).startswith("prefill_")
-               and c.get("shapes", {}).get("kv_cache_dtype") == "auto" and c["shapes"].get("T", 0) >= 8192]
-    decode = [c for c in h.cases if str(c.get("case", "")).startswith("decode_")]
-    p_speed = ratio([c.get("speedup") for c in prefill])
-    d_speed = ratio([c.get("speedup") for c in decode])
-    if prefill:
-        p_tokens = " / ".join(tokens(t) for t in sorted({c["shapes"]["T"] for c in prefill}))
-        h.claims.append(f"MLA prefill ({p_tokens} tokens, bf16 cache): RoPE + cache write at {p_speed} "
-                        f"the speed of vLLM's CUDA `concat_and_cache_mla_rope_fused`, "
-                        f"{percent([c.get('frac_copy') for c in prefill])} of a same-bytes copy "
-                        f"({h.device}, {modes(prefill)}).")
-    if decode:
-        caches = {"bf16" if c["shapes"].get("kv_cache_dtype") == "auto" else c["shapes"].get("kv_cache_dtype")
-                  for c in decode}
-        h.claims.append(f"MLA decode (T ≤ {max(c['shapes']['T'] for c in decode)}, "
-                        f"{listing(c['shapes']['H'] for c in decode)} heads, {' and '.join(sorted(caches))} "
-                        f"caches): one launch at {d_speed} the CUDA kernel + concat and "
-                        f"{ratio([over(c, 'compiled_unfused') for c in decode])} the compiled unfused "
-                        f"sequence ({h.device}, {modes(decode)}).")
-    h.short = f"prefill {p_speed} vLLM's CUDA kernel; decode {d_speed}"
-
-
-def _paged_context(h: Headline, root: Path) -> None:
-    h.compare = ("gather_fa2",)
-    limit = None  # the route's default threshold, as the series' patch sets it
-    for patch in sorted((root / "patches").glob("*.patch")):
-        if match := _ROUTE_DEFAULT_RE.search(patch.read_text()):
-            limit = int(match[1])
-            break
-    routed = [c for c in h.cases if limit is not None
-              and c.get("shapes", {}).get("requests", 0) * c.get("shapes", {}).get("new_tokens", 0) <= limit]
-    fa2 = ratio([over(c, "gather_fa2") for c in routed])
-    same = ratio([c.get("speedup") for c in routed])
-    # Counted as the per-case tables print them (two decimals): 1.246 shows as 1.25× and counts.
-    goal = [c for c in routed if round(c.get("speedup") or 0, 2) >= PAGED_CONTEXT_GOAL]
-    at_goal = f"{len(goal)} of {len(routed)} cases at ≥ {PAGED_CONTEXT_GOAL:g}×" if routed else "n/a"
-    contexts = sorted({c["shapes"]["context"] for c in h.cases if "context" in c.get("shapes", {})})
-    span = f"{tokens(contexts[0])}–{tokens(contexts[-1])}" if contexts else "n/a"
-    h.claims.append(f"Short extends (≤ {limit} new tokens a step) attend to their cached context straight "
-                    f"from the paged cache: {fa2} the speed of gather + FlashAttention-2 and {same} that "
-                    f"of gather + the same Triton kernel, {at_goal} "
-                    f"({span} cached tokens; {h.device}, {modes(routed or h.cases)}).")
-    h.short = f"≤ {limit} new tokens: {fa2} gather + FA2, {same} gather + same kernel"
-
-
-def _order_host(h: Headline, root: Path) -> None:
-    speed = ratio([r["speedup"] for r in h.cases])
-    h.claims.append(f"Host time per step of the batch-order code: unpatched / patched = {speed} "
-                    f"({h.device}, pytest-benchmark medians).")
-    h.short = f"host time per step, unpatched / patched {speed}"
-
-
-KERNELS: dict[str, Callable[[Headline, Path], None]] = {
-    "fetch_kv": _fetch_kv,
-    "fetch_kv_plan": _fetch_kv_plan,
-    "mla_rope_cache": _mla_rope_cache,
-    "paged_context": _paged_context,
-    "order_host": _order_host,
-}
-
-
 def headline(root: Path, kernel: str, result: ResultFile) -> Headline:
+    """The kernel's claims and README cell from ``result``: one definition per kernel."""
     cases = result.cases(kernel)
-    h = Headline(kernel, result, cases or host_cases(result.data, kernel), host=not cases)
-    if kernel in KERNELS:
-        KERNELS[kernel](h, root)
+    h = Headline(kernel, result, result.device, cases or host_cases(result.data, kernel), host=not cases)
+    if kernel == "fetch_kv":
+        sel = [c for c in cases if c.get("shapes", {}).get("tokens") == 32768
+               and c["shapes"].get("layout") == "NHD" and c["shapes"].get("head_size") == 128
+               and c["shapes"].get("cache_dtype") == c["shapes"].get("out_dtype") == "torch.bfloat16"]
+        speed = ratio([c.get("speedup") for c in sel])
+        copy = percent([c.get("frac_copy") for c in sel])
+        mode = modes(sel or cases)
+        h.claims.append(f"`fetch_kv` gathers cached K/V at {speed} the speed of upstream's "
+                        f"`cp_mha_gather_cache` and {copy} of a same-bytes copy (32K tokens, bf16, NHD, "
+                        f"D 128, H_kv {listing(c['shapes']['num_kv_heads'] for c in sel)}; {h.device}, {mode}).")
+        h.short = f"{speed} upstream's gather, {copy} of copy (32K tokens, {mode})"
+    elif kernel == "fetch_kv_plan":
+        cost = _span([us(c, "ours") for c in cases], _sig2, " µs")
+        h.claims.append(f"The per-step plan (`fetch_kv_plan`, built once for all layers) costs {cost} "
+                        f"({h.device}).")
+        h.short = f"plan {cost} per step"
+    elif kernel == "mla_rope_cache":
+        h.compare = ("compiled_unfused",)
+        prefill = [c for c in cases if c["case"].startswith("prefill_")
+                   and c.get("shapes", {}).get("kv_cache_dtype") == "auto" and c["shapes"].get("T", 0) >= 8192]
+        decode = [c for c in cases if c["case"].startswith("decode_")]
+        p_speed = ratio([c.get("speedup") for c in prefill])
+        d_speed = ratio([c.get("speedup") for c in decode])
+        if prefill:
+            p_tokens = " / ".join(tokens(t) for t in sorted({c["shapes"]["T"] for c in prefill}))
+            h.claims.append(f"MLA prefill ({p_tokens} tokens, bf16 cache): RoPE + cache write at {p_speed} "
+                            f"the speed of vLLM's CUDA `concat_and_cache_mla_rope_fused`, "
+                            f"{percent([c.get('frac_copy') for c in prefill])} of a same-bytes copy "
+                            f"({h.device}, {modes(prefill)}).")
+        if decode:
+            dtypes = {c["shapes"]["kv_cache_dtype"] for c in decode}
+            caches = sorted("bf16" if d == "auto" else d for d in dtypes)
+            h.claims.append(f"MLA decode (T ≤ {max(c['shapes']['T'] for c in decode)}, "
+                            f"{listing(c['shapes']['H'] for c in decode)} heads, {' and '.join(caches)} "
+                            f"caches): one launch at {d_speed} the CUDA kernel + concat and "
+                            f"{ratio([over(c, 'compiled_unfused') for c in decode])} the compiled unfused "
+                            f"sequence ({h.device}, {modes(decode)}).")
+        h.short = f"prefill {p_speed} vLLM's CUDA kernel; decode {d_speed}"
+    elif kernel == "paged_context":
+        h.compare = ("gather_fa2",)
+        limit = None  # the route's default threshold, as the series' patch sets it
+        for patch in sorted((root / "patches").glob("*.patch")):
+            if match := _ROUTE_DEFAULT_RE.search(patch.read_text()):
+                limit = int(match[1])
+                break
+        routed = [c for c in cases if limit is not None
+                  and c.get("shapes", {}).get("requests", 0) * c.get("shapes", {}).get("new_tokens", 0) <= limit]
+        fa2 = ratio([over(c, "gather_fa2") for c in routed])
+        same = ratio([c.get("speedup") for c in routed])
+        # Counted as the per-case tables print them (two decimals): 1.246 shows as 1.25× and counts.
+        goal = [c for c in routed if round(c.get("speedup") or 0, 2) >= PAGED_CONTEXT_GOAL]
+        at_goal = f"{len(goal)} of {len(routed)} cases at ≥ {PAGED_CONTEXT_GOAL:g}×" if routed else "n/a"
+        contexts = sorted({c["shapes"]["context"] for c in cases if "context" in c.get("shapes", {})})
+        span = f"{tokens(contexts[0])}–{tokens(contexts[-1])}" if contexts else "n/a"
+        h.claims.append(f"Short extends (≤ {limit} new tokens a step) attend to their cached context straight "
+                        f"from the paged cache: {fa2} the speed of gather + FlashAttention-2 and {same} that "
+                        f"of gather + the same Triton kernel, {at_goal} "
+                        f"({span} cached tokens; {h.device}, {modes(routed or cases)}).")
+        h.short = f"≤ {limit} new tokens: {fa2} gather + FA2, {same} gather + same kernel"
+    elif kernel == "order_host":
+        speed = ratio([r["speedup"] for r in h.cases])
+        h.claims.append(f"Host time per step of the batch-order code: unpatched / patched = {speed} "
+                        f"({h.device}, pytest-benchmark medians).")
+        h.short = f"host time per step, unpatched / patched {speed}"
     return h
 
 

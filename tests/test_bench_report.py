@@ -89,7 +89,7 @@ def test_report_writes_status_and_results_md_from_clean_committed_results(repo, 
     details = (repo / "benchmarks" / "RESULTS.md").read_text()
     for name, reason in (("dirty", "from a dirty tree"), ("noted", "its commit was edited after the run"),
                          ("edited", "edited after the run (series_seal does not match"),
-                         ("elsewhere", f"series commit {'1' * 40} is not in this repository")):
+                         ("elsewhere", f"series commit {'1' * 40} is not in HEAD's history")):
         assert f"{name}.json`: {reason}" in details
         assert f"{name}.json: not used ({reason}" in out
     assert "uncommitted" not in details and "7.00×" not in details and "1.50×" not in details

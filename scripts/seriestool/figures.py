@@ -7,7 +7,7 @@ before -> after count or a bare ``µs``; identifiers, versions, shapes and sizes
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # A number that is not part of an identifier or a version: not preceded by a
 # letter, digit, '_', '.', '#', '/', '-' or '*' (vllm#123, v0.1, e4m3, 8/4, 2**31).
@@ -39,8 +39,7 @@ _KINDS = {f"k{i}": kind for i, (kind, _) in enumerate(_PATTERNS)}
 RESULT_FILE_RE = re.compile(r"benchmarks/results/[^\s`'\"()\[\],;]+")
 
 
-@dataclass(frozen=True)
-class Figure:
+class Figure(NamedTuple):
     kind: str
     text: str
     start: int
@@ -52,17 +51,16 @@ def find_figures(text: str) -> list[Figure]:
             for m in _FIGURE_RE.finditer(text)]
 
 
-# Generated regions of Markdown: `make report`'s, `make readme`'s and `make compile-report`'s.
-GENERATED_RE = re.compile(
+# Not prose: generated regions (`make report`'s, `make readme`'s, `make compile-report`'s) and code.
+_NOT_PROSE_RE = re.compile(
     r"<!-- gen:(?P<block>[\w.:-]+) -->.*?<!-- /gen:(?P=block) -->"
     r"|<!-- series-table:begin[^>]*-->.*?<!-- series-table:end -->"
-    r"|<!-- (?P<tool>compile-tier|roofline):begin[^>]*-->.*?<!-- (?P=tool):end -->",
+    r"|<!-- (?P<tool>compile-tier|roofline):begin[^>]*-->.*?<!-- (?P=tool):end -->"
+    r"|```.*?```|`[^`\n]*`",
     re.S)
 
 
 def hand_typed(text: str) -> list[tuple[int, Figure]]:
-    """(line number, figure) of every figure outside generated regions and code spans."""
-    blanked = GENERATED_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
-    blanked = re.sub(r"```.*?```|`[^`\n]*`", lambda m: re.sub(r"[^\n]", " ", m.group(0)), blanked,
-                     flags=re.S)
+    """(line number, figure) of every figure outside generated regions and code."""
+    blanked = _NOT_PROSE_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
     return [(blanked.count("\n", 0, f.start) + 1, f) for f in find_figures(blanked)]

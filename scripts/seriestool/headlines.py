@@ -58,11 +58,10 @@ def tokens(n: int) -> str:
 
 
 def modes(cases: list[dict]) -> str:
-    """``cold L2`` / ``warm L2`` / ``L2: 20 warm, 16 flushed`` / ``host µs per call``."""
+    """``cold L2`` / ``warm L2`` / ``L2: 20 warm, 16 flushed``."""
     counts = Counter(timing_mode(c) for c in cases)
     if len(counts) == 1:
-        mode = next(iter(counts))
-        return {"host": "host µs per call", "eager": "eager wall clock"}.get(mode, f"{mode} L2")
+        return f"{next(iter(counts))} L2"
     return "L2: " + ", ".join(f"{n} {m}" for m, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
@@ -74,11 +73,6 @@ def over(case: dict, impl: str) -> float | None:
     """``impl`` µs / ours µs (how much faster ours is), or None."""
     a, b = us(case, impl), us(case, "ours")
     return a / b if a and b else None
-
-
-def copy_fraction(case: dict) -> float | None:
-    """The case's fraction of copy bandwidth; None where its suite says the copy is no ceiling."""
-    return None if case.get("copy_ceiling") is False else case.get("frac_copy")
 
 
 def _fmt(value, spec: str, unit: str = "") -> str:
@@ -94,8 +88,10 @@ def _x(value) -> str:
     return _fmt(value, ".2f", "×")
 
 
-def _pct(fraction) -> str:
-    return _fmt(fraction * 100 if isinstance(fraction, (int, float)) else None, ".0f", "%")
+def _of_copy(case: dict, key: str) -> str:
+    """Percent of copy bandwidth; n/a where the case's suite says the copy is no ceiling."""
+    fraction = None if case.get("copy_ceiling") is False else case.get(key)
+    return _fmt(fraction * 100 if fraction is not None else None, ".0f", "%")
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, Callable[[dict], object]]]) -> str:
@@ -150,11 +146,10 @@ def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
                 ("speedup vs baseline", "---:", lambda c: _x(c.get("speedup")))]
     columns += [(f"vs {impl}", "---:", lambda c, impl=impl: _x(over(c, impl))) for impl in compare]
     columns += [("ours GB/s", "---:", lambda c: _fmt(c["results"]["ours"].get("gbps"), ".0f")),
-                ("of copy BW", "---:", lambda c: _pct(copy_fraction(c)))]
+                ("of copy BW", "---:", lambda c: _of_copy(c, "frac_copy"))]
     if any("results_warm" in c for c in cases):
         columns += [("warm: speedup", "---:", lambda c: _x(c.get("speedup_warm"))),
-                    ("warm: of copy", "---:", lambda c: _pct(None if c.get("copy_ceiling") is False
-                                                             else c.get("frac_copy_warm")))]
+                    ("warm: of copy", "---:", lambda c: _of_copy(c, "frac_copy_warm"))]
     return _table(cases, columns)
 
 

@@ -130,29 +130,6 @@ EAGER_STEP_COLUMNS = [  # eager wall clock of a step, ours vs upstream, and GPU-
     ("upstream", "---", lambda c: f"{c.get('baseline_bound', 'n/a')}-bound")]
 
 
-def case_table(cases: list[dict], compare: tuple[str, ...] = ()) -> str:
-    """Every measured variant of every case, speedup and fraction of copy; ``compare``:
-    variants that also get a ratio column (their µs / ours); cold cases carry their warm
-    speedup and fraction of copy beside."""
-    def mode(c):
-        sets = c.get("buffer_sets")
-        return f"cold ×{sets}" if timing_mode(c) == "cold" and sets else timing_mode(c)
-
-    extra = sorted({impl for c in cases for impl in c["results"]} - {"ours", "baseline", "copy"})
-    columns = [("case", "---", lambda c: c["case"]), ("timing", "---", mode),
-               ("ours µs", "---:", lambda c: _us(c, "ours")), ("baseline µs", "---:", lambda c: _us(c, "baseline"))]
-    columns += [(f"{impl} µs", "---:", lambda c, impl=impl: _us(c, impl)) for impl in extra]
-    columns += [("copy µs", "---:", lambda c: _us(c, "copy")),
-                ("speedup vs baseline", "---:", lambda c: _x(c.get("speedup")))]
-    columns += [(f"vs {impl}", "---:", lambda c, impl=impl: _x(over(c, impl))) for impl in compare]
-    columns += [("ours GB/s", "---:", lambda c: _fmt(c["results"]["ours"].get("gbps"), ".0f")),
-                ("of copy BW", "---:", lambda c: _of_copy(c, "frac_copy"))]
-    if any("results_warm" in c for c in cases):
-        columns += [("warm: speedup", "---:", lambda c: _x(c.get("speedup_warm"))),
-                    ("warm: of copy", "---:", lambda c: _of_copy(c, "frac_copy_warm"))]
-    return _table(cases, columns)
-
-
 @dataclass
 class Headline:
     kernel: str
@@ -171,12 +148,30 @@ class Headline:
         return next((c["baseline_desc"] for c in self.cases if c.get("baseline_desc")), None)
 
     def table(self) -> str:
+        """The per-case table; of device-timed cases: every measured variant, speedup, fraction of
+        copy, a ratio column for each of ``compare``, and cold cases' warm figures beside."""
         if self.host:
             return _table(self.cases, HOST_ROW_COLUMNS)
-        mode = timing_mode({"kernel": self.kernel})
-        if mode in ("host", "eager"):
-            return _table(self.cases, HOST_COST_COLUMNS if mode == "host" else EAGER_STEP_COLUMNS)
-        return case_table(self.cases, self.compare)
+        suite = timing_mode({"kernel": self.kernel})
+        if suite in ("host", "eager"):
+            return _table(self.cases, HOST_COST_COLUMNS if suite == "host" else EAGER_STEP_COLUMNS)
+
+        def timing(c):
+            sets = c.get("buffer_sets")
+            return f"cold ×{sets}" if timing_mode(c) == "cold" and sets else timing_mode(c)
+
+        extra = sorted({impl for c in self.cases for impl in c["results"]} - {"ours", "baseline", "copy"})
+        columns = [("case", "---", lambda c: c["case"]), ("timing", "---", timing)]
+        columns += [(f"{impl} µs", "---:", lambda c, impl=impl: _us(c, impl))
+                    for impl in ["ours", "baseline", *extra, "copy"]]
+        columns += [("speedup vs baseline", "---:", lambda c: _x(c.get("speedup")))]
+        columns += [(f"vs {impl}", "---:", lambda c, impl=impl: _x(over(c, impl))) for impl in self.compare]
+        columns += [("ours GB/s", "---:", lambda c: _fmt(c["results"]["ours"].get("gbps"), ".0f")),
+                    ("of copy BW", "---:", lambda c: _of_copy(c, "frac_copy"))]
+        if any("results_warm" in c for c in self.cases):
+            columns += [("warm: speedup", "---:", lambda c: _x(c.get("speedup_warm"))),
+                        ("warm: of copy", "---:", lambda c: _of_copy(c, "frac_copy_warm"))]
+        return _table(self.cases, columns)
 
 
 def headline(root: Path, kernel: str, result: ResultFile) -> Headline:
@@ -184,9 +179,9 @@ def headline(root: Path, kernel: str, result: ResultFile) -> Headline:
     cases = result.cases(kernel)
     h = Headline(kernel, result, result.device, cases or host_cases(result.data, kernel), host=not cases)
     if kernel == "fetch_kv":
-        sel = [c for c in cases if c.get("shapes", {}).get("tokens") == 32768
-               and c["shapes"].get("layout") == "NHD" and c["shapes"].get("head_size") == 128
-               and c["shapes"].get("cache_dtype") == c["shapes"].get("out_dtype") == "torch.bfloat16"]
+        shape = {"tokens": 32768, "layout": "NHD", "head_size": 128, "cache_dtype": "torch.bfloat16",
+                 "out_dtype": "torch.bfloat16"}
+        sel = [c for c in cases if shape.items() <= c.get("shapes", {}).items()]
         speed = ratio([c.get("speedup") for c in sel])
         copy = percent([c.get("frac_copy") for c in sel])
         mode = modes(sel or cases)

@@ -8,7 +8,7 @@ git identity git itself would use there.  ruff (format --check, check; the pinne
 pyproject.toml) and py_compile run on the changed files before anything is written.
 Then ``dist/<topic>/`` gets ``git format-patch`` output and PR_DESCRIPTION.md: the
 sections of vLLM's PR template from the patch headers and the committed, clean benchmark
-results (results.py, headlines.py), then the template's checklist footer; tables and
+results (results.py), then the template's checklist footer; tables and
 per-patch notes are folded in ``<details>``, at most MAX_BODY_LINES lines outside them.
 """
 
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import SeriesError, buildtree, gitrepo, headlines, lint, patchfile, progress, results, topics
+from . import SeriesError, buildtree, gitrepo, lint, patchfile, progress, results, topics
 from .pins import load_pins
 
 # Exported commits get the series' fixed date: same inputs and identity, same commit ids.
@@ -266,7 +266,7 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
     each thing said once, every figure rounded from committed results, tables and notes folded."""
     title = topics.TOPIC_TITLES.get(topic, topic)
     selection = results.select(layout.root)
-    heads = {k: headlines.headline(layout.root, k, f)
+    heads = {k: results.headline(layout.root, k, f)
              for k in topics.TOPIC_KERNELS.get(topic, ()) if (f := selection.latest(k))}
     fields = [p.fields() for p in patches]
     first_why = next((f["Why"].strip() for f in fields if f.get("Why")), "")

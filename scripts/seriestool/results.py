@@ -116,8 +116,9 @@ class Selection:
 def select(root: Path) -> Selection:
     """Every ``benchmarks/results/*.json`` committed at HEAD, as committed, usable or skipped."""
     selection = Selection([], [])
-    listed = gitrepo.out(root, "ls-tree", "--name-only", "HEAD", "--", "benchmarks/results/")
-    for path in sorted(p for p in listed.splitlines() if p.endswith(".json")):
+    # Without a commit yet (a new series repository) the listing fails: nothing is committed.
+    listed = gitrepo.git(root, "ls-tree", "--name-only", "HEAD", "--", "benchmarks/results/", check=False)
+    for path in sorted(p for p in listed.stdout.splitlines() if p.endswith(".json")):
         try:
             result = ResultFile(path, json.loads(gitrepo.out(root, "show", f"HEAD:{path}")))
         except ValueError as exc:

@@ -112,7 +112,7 @@ bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>
 bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step) into build/results/ (BENCH_OUT= to keep)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host $(PYTEST_ARGS)
 
-report: ## Turn committed benchmarks/results/*.json into README/docs tables and benchmarks/RESULTS.md; flag hand-typed figures
+report: ## Turn committed benchmarks/results/*.json into the README status table and benchmarks/RESULTS.md; flag hand-typed figures
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py
 
 compile-report: venv ## AMD compile tier: benchmarks/results/compile/<target>.json, docs/compile-tier.md + roofline-amd.md

@@ -92,12 +92,12 @@ def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
     """(kernel, device) -> {"file", "cases"} of the newest committed, clean results file with
     the kernel's timed cases (the files `make report` uses); host-timed suites have no bound."""
     sys.path.insert(0, str(root / "scripts"))
-    from seriestool import benchmeta, results
+    from seriestool import results
 
     selection = results.select(root)
     latest = {}
     for kernel in sorted({k for f in selection.usable for k in f.kernels()}):
-        if benchmeta.timing_mode({"kernel": kernel}) in benchmeta.HOST_TIMED.values():
+        if results.timing_mode({"kernel": kernel}) in results.HOST_TIMED.values():
             continue
         for device in selection.devices(kernel):
             found = selection.latest(kernel, device)

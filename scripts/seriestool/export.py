@@ -8,7 +8,7 @@ git identity git itself would use there.  ruff (format --check, check; the pinne
 pyproject.toml) and py_compile run on the changed files before anything is written.
 Then ``dist/<topic>/`` gets ``git format-patch`` output and PR_DESCRIPTION.md: the
 sections of vLLM's PR template from the patch headers and the committed, clean benchmark
-results (results.py, headlines.py), then the template's checklist footer; tables and
+results (results.py), then the template's checklist footer; tables and
 per-patch notes are folded in ``<details>``, at most MAX_BODY_LINES lines outside them.
 """
 
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import SeriesError, benchmeta, buildtree, gitrepo, headlines, lint, patchfile, progress, results, topics
+from . import SeriesError, buildtree, gitrepo, lint, patchfile, progress, results, topics
 from .pins import load_pins
 
 # Exported commits get the series' fixed date: same inputs and identity, same commit ids.
@@ -254,12 +254,7 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
     out += ["", "Not run on ROCm hardware: " + (f"benchmarks of {_code(not_rocm)}; " if not_rocm else "")
             + "the AITER code paths (tests marked `rocm`): the series repository holds no ROCm test results."]
     for kernel, h in heads.items():
-        cases = h.result.cases(kernel)
-        host_rows = benchmeta.host_cases(h.result.data, kernel) if not cases else []
-        baseline = ("the unpatched functions, host code timed by pytest-benchmark" if host_rows
-                    else benchmeta.baseline_of(layout.root, kernel, cases))
-        table = benchmeta.host_table(host_rows) if host_rows else benchmeta.case_table(cases, h.compare)
-        body = "\n\n".join(x for x in [h.sentence, f"Baseline: {baseline}." if baseline else "", table] if x)
+        body = "\n\n".join(x for x in [f"Baseline: {h.baseline()}." if h.baseline() else "", h.table()] if x)
         out += [""] + _fold(f"Per-case results: <code>{kernel}</code> on {h.device}", body)
     return "\n".join(out)
 
@@ -271,7 +266,7 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
     each thing said once, every figure rounded from committed results, tables and notes folded."""
     title = topics.TOPIC_TITLES.get(topic, topic)
     selection = results.select(layout.root)
-    heads = {k: headlines.headline(layout.root, k, f)
+    heads = {k: results.headline(layout.root, k, f)
              for k in topics.TOPIC_KERNELS.get(topic, ()) if (f := selection.latest(k))}
     fields = [p.fields() for p in patches]
     first_why = next((f["Why"].strip() for f in fields if f.get("Why")), "")

@@ -1,21 +1,13 @@
-"""What counts as a figure: a measured or counted result, as opposed to an identifier or a shape.
-
-Figures belong in result files and the text generated from them (``make report``,
-``make pr``), never typed by hand into a patch header (``make check``) or README/docs
-prose (``make report`` warns): a typed figure drifts from the data.  A figure is a number
-with a unit of a measurement or a test run: a ratio (``2.3x``, ``2.28-3.51x``, ``3 ×``;
-not ``1 x 128``, ``4x4``, ``0x7f``), a percentage, a time (``17µs``, ``170 s``, ``5.9
-minutes``), a rate (``5.4 TB/s``, ``120 tok/s``, ``3 TFLOPS``), an error in ulp, a test
-count (``457 passed``, ``test_x.py 16/16``), a before -> after count (``46 -> 0``) and a
-bare ``µs``.  Not figures: identifiers and versions (``vllm#25763``, ``0.33.0``, ``e4m3``,
-``gfx942``), shapes and settings (``D 128``, ``32K tokens``, ``block 16/32``, ``default
-512``), sizes (``60 MB``) and spelled-out words (``one ulp``).
+"""Figures (measured or counted results) in text: a patch header must carry none (``make check``),
+README/docs only inside generated regions (``make report`` warns).  A figure is a number with
+the unit of a measurement or a test run: a ratio, percent, time, rate, error in ulp, test count,
+before -> after count or a bare ``µs``; identifiers, versions, shapes and sizes are not figures.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # A number that is not part of an identifier or a version: not preceded by a
 # letter, digit, '_', '.', '#', '/', '-' or '*' (vllm#123, v0.1, e4m3, 8/4, 2**31).
@@ -47,8 +39,7 @@ _KINDS = {f"k{i}": kind for i, (kind, _) in enumerate(_PATTERNS)}
 RESULT_FILE_RE = re.compile(r"benchmarks/results/[^\s`'\"()\[\],;]+")
 
 
-@dataclass(frozen=True)
-class Figure:
+class Figure(NamedTuple):
     kind: str
     text: str
     start: int
@@ -60,17 +51,16 @@ def find_figures(text: str) -> list[Figure]:
             for m in _FIGURE_RE.finditer(text)]
 
 
-# Generated regions of Markdown: `make report`'s, `make readme`'s and `make compile-report`'s.
-GENERATED_RE = re.compile(
+# Not prose: generated regions (`make report`'s, `make readme`'s, `make compile-report`'s) and code.
+_NOT_PROSE_RE = re.compile(
     r"<!-- gen:(?P<block>[\w.:-]+) -->.*?<!-- /gen:(?P=block) -->"
     r"|<!-- series-table:begin[^>]*-->.*?<!-- series-table:end -->"
-    r"|<!-- (?P<tool>compile-tier|roofline):begin[^>]*-->.*?<!-- (?P=tool):end -->",
+    r"|<!-- (?P<tool>compile-tier|roofline):begin[^>]*-->.*?<!-- (?P=tool):end -->"
+    r"|```.*?```|`[^`\n]*`",
     re.S)
 
 
 def hand_typed(text: str) -> list[tuple[int, Figure]]:
-    """(line number, figure) of every figure outside generated regions and code spans."""
-    blanked = GENERATED_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
-    blanked = re.sub(r"```.*?```|`[^`\n]*`", lambda m: re.sub(r"[^\n]", " ", m.group(0)), blanked,
-                     flags=re.S)
+    """(line number, figure) of every figure outside generated regions and code."""
+    blanked = _NOT_PROSE_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
     return [(blanked.count("\n", 0, f.start) + 1, f) for f in find_figures(blanked)]

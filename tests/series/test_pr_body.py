@@ -14,7 +14,7 @@ from test_export import _identity
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from seriestool import buildtree, export, figures, headlines, patchfile, results, topics  # noqa: E402
+from seriestool import buildtree, export, figures, patchfile, results, topics  # noqa: E402
 from seriestool.pins import load_pins  # noqa: E402
 
 # vLLM's PR template: its sections (ours replace them) and the checklist footer (kept).
@@ -144,7 +144,8 @@ def _real_bodies() -> dict[str, str]:
 def test_real_pr_bodies_are_short_say_each_thing_once_and_quote_only_generated_figures():
     layout = buildtree.Layout(root=REPO, build=REPO / "build" / "vllm")
     bodies = _real_bodies()
-    generated = set(headlines.figures(headlines.headlines(REPO, results.select(REPO))).values())
+    generated = {f.text for h in results.headlines(REPO, results.select(REPO)).values()
+                 for claim in h.claims for f in figures.find_figures(claim)}
     for topic, text in bodies.items():
         assert export.lines_outside_folds(text) <= export.MAX_BODY_LINES, topic
         assert "n/a×" not in text and "n/a%" not in text, topic

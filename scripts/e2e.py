@@ -1,12 +1,434 @@
 #!/usr/bin/env python3
-"""Entry point of the end-to-end ROCm recipes; see docs/sweeps-and-e2e.md."""
+"""python3 scripts/e2e.py RECIPE... --model MODEL [options] [-- VLLM ARGS]
 
+Each recipe (throughput, mixed, serve, gsm8k, or all) runs vLLM's own tools with the upstream,
+then the patched install, after a preflight of both, and writes one JSON (docs/sweeps-and-e2e.md).
+Exit status: 0 all measured and every gate passed, 1 a run or a gate failed, 2 the preflight
+or the arguments failed (nothing ran).  validate_rocm.py uses its probe and run_logged too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
 import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mixed_batch import parse_engine_args
 
-from e2e.cli import main  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+# What a Python has, printed as one JSON line; run by each install's Python (and by
+# validate_rocm.py's own), it never imports vLLM.
+PROBE = r'''
+import importlib, json
+from importlib.util import find_spec
+facts = {"found": [m for m in ("vllm", "lm_eval", "pytest", "pytest_benchmark") if find_spec(m)],
+         "hip": None, "gpus": 0, "device": None, "arch": None}
+for name in ("torch", "triton", "aiter"):
+    try:
+        facts[name] = str(getattr(importlib.import_module(name), "__version__", "unknown"))
+    except BaseException as exc:
+        facts[name] = None
+        facts[name + "_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+if facts["torch"]:
+    import torch
+    facts.update(hip=torch.version.hip, gpus=torch.cuda.device_count())
+    if facts["gpus"]:
+        props = torch.cuda.get_device_properties(0)
+        arch = props.gcnArchName.split(":")[0] if facts["hip"] else f"sm_{props.major}{props.minor}"
+        facts.update(device=props.name, arch=arch)
+print("PROBE " + json.dumps(facts))
+'''
+VLLM = ("-m", "vllm.entrypoints.cli.main")
+MODEL_LEN_MARGIN = 64
+SERVE_LEN = 1024          # serve: random input and output length
+SERVER_START_S = 1800
+GSM8K = "exact_match,strict-match"
+GSM8K_STDERR = "exact_match_stderr,strict-match"
+GATE_SIGMAS = 3  # gsm8k: patched >= upstream - 3 combined standard errors
+RECORDED = re.compile(r"VLLM_|AITER_|(HIP|CUDA|ROCR)_VISIBLE_DEVICES$|HSA_OVERRIDE_GFX_VERSION$")
+SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+
+
+def commit() -> str:
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                         text=True)
+    return git.stdout.strip() or os.environ.get("SERIES_COMMIT", "unknown")
+
+
+def probe(cmd: list[str], env: dict) -> dict:
+    """PROBE's facts from ``cmd`` (a Python running ``-c PROBE``), or {"error": why none}."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    except (OSError, subprocess.TimeoutExpired) as exc:  # no such program, or no answer
+        return {"error": f"cannot run it: {exc}"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PROBE "):
+            return json.loads(line.removeprefix("PROBE "))
+    return {"error": f"not a working Python (exit {proc.returncode}): "
+                     f"{(proc.stderr or proc.stdout).strip()[-300:]}"}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group (vLLM's engine processes too), SIGKILL a minute later."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_logged(cmd: list, env: dict, log: Path, timeout_s: float | None = None) -> int:
+    """Run ``cmd`` in a process group of its own, output appended to ``log``; the group is
+    stopped on return (subprocess.TimeoutExpired after ``timeout_s``)."""
+    with open(log, "a") as fh:
+        print(f"$ {shlex.join(map(str, cmd))}", file=fh, flush=True)
+        proc = subprocess.Popen(list(map(str, cmd)), stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        finally:
+            stop(proc)
+
+
+def recorded_env(env: dict) -> dict:
+    """The variables a result records: VLLM_*, AITER_*, device visibility; secrets redacted."""
+    return {k: "<redacted>" if SECRET.search(k) else env[k] for k in sorted(env)
+            if RECORDED.match(k)}
+
+
+def command(install: list[str], args: list, env: dict) -> list[str]:
+    """``args`` run by an install: a Python, or a prefix ending in one (`docker exec C python3`,
+    which passes no environment), with the recorded variables but no secrets set by `env`."""
+    inner = [f"{k}={v}" for k, v in recorded_env(env).items() if v != "<redacted>"]
+    return [*install[:-1], "env", *inner, install[-1], *map(str, args)]
+
+
+@dataclass
+class Run:
+    """One recipe over both installs: its options, environment, folder and results so far."""
+    recipe: str
+    args: argparse.Namespace
+    env: dict
+    work: Path
+    benchmarks: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
+
+    def measure(self, install: str, case: str, params: dict, cmds: list, log: Path, parse):
+        """Run ``cmds`` in order (each must exit 0), then record ``parse()`` or the failure."""
+        info = {"recipe": self.recipe, "case": case, "install": install,
+                "model": self.args.model, "params": params,
+                "command": " && ".join(shlex.join(c) for c in cmds), "log": str(log),
+                "results": {}}
+        print(f"[e2e] {self.recipe} {case} {install}: {info['command']}", flush=True)
+        try:
+            for cmd in cmds:
+                rc = run_logged(cmd, self.env, log, self.args.timeout_s)
+                if rc != 0:
+                    last = log.read_text(errors="replace").strip().splitlines()[-1]
+                    raise RuntimeError(f"exit {rc}: {last[:300]}")
+            info["results"] = parse()
+        except subprocess.TimeoutExpired:
+            info["error"] = f"timed out after {self.args.timeout_s:g} s"
+        except RuntimeError as exc:
+            info["error"] = str(exc)
+        except (OSError, ValueError, KeyError) as exc:  # cannot run, or no results to read
+            info["error"] = f"{type(exc).__name__}: {exc}"
+        if "error" in info:
+            self.failed.append(f"{self.recipe} {case} {install}: {info['error']}")
+        self.benchmarks.append({"name": f"{self.recipe}[{case}-{install}]",
+                                "group": self.recipe, "extra_info": info})
+
+
+def _numbers(path: Path) -> dict:
+    """The finite numbers of the JSON file a tool wrote (not its lists, strings, infinities)."""
+    data = json.loads(path.read_text())
+    return {k: v for k, v in data.items() if type(v) in (int, float) and math.isfinite(v)}
+
+
+def throughput(run: Run, name: str, install: list[str]) -> None:
+    a = run.args
+    for input_len, output_len in a.lengths:
+        prompts = a.num_prompts or max(32, (1 << 20) // input_len)  # ~1M prompt tokens
+        out = run.work / f"throughput-{name}-{input_len}x{output_len}.json"
+        cmd = command(install, [
+            *VLLM, "bench", "throughput", "--model", a.model, "--dataset-name", "random",
+            "--random-input-len", input_len, "--random-output-len", output_len,
+            "--random-range-ratio", "0", "--num-prompts", prompts,
+            "--max-model-len", input_len + output_len + MODEL_LEN_MARGIN,
+            "--tensor-parallel-size", a.tp, "--seed", "0", "--output-json", out,
+            *a.engine_args], run.env)
+        run.measure(name, f"{input_len}/{output_len}",
+                    {"input_len": input_len, "output_len": output_len, "num_prompts": prompts},
+                    [cmd], out.with_suffix(".log"), lambda out=out: _numbers(out))
+
+
+def compare_mixed(mixed: dict, reference: dict) -> dict:
+    """The order-contract verdict of a mixed run and its unchunked reference run."""
+    if not mixed.get("mixed_steps"):
+        verdict = "not-triggered"   # no step held decode + extend + prefill
+    elif not reference.get("needle_found"):
+        verdict = "inconclusive"    # the model cannot do the task even unchunked
+    else:
+        verdict = "pass" if mixed.get("needle_found") else "fail"
+    return {"verdict": verdict, "mixed_steps": mixed.get("mixed_steps", 0),
+            "steps": len(mixed.get("steps", []))}
+
+
+def mixed(run: Run, name: str, install: list[str]) -> None:
+    a = run.args
+    outs = {m: run.work / f"mixed-{name}-{m}.json" for m in ("reference", "mixed")}
+    cmds = [command(install, [ROOT / "scripts" / "mixed_batch.py", "--model", a.model,
+                              "--mode", mode, "--out", out, "--tensor-parallel-size", a.tp,
+                              *a.engine_args], run.env)
+            for mode, out in outs.items()]
+    run.measure(name, "order-contract", {}, cmds, run.work / f"mixed-{name}.log",
+                lambda: compare_mixed(json.loads(outs["mixed"].read_text()),
+                                      json.loads(outs["reference"].read_text())))
+
+
+def _wait_ready(server: subprocess.Popen, port: int) -> str | None:
+    """None once the server answers /health; else why not."""
+    deadline = time.monotonic() + SERVER_START_S
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+            return None
+        except OSError:
+            time.sleep(2)
+    if server.poll() is not None:
+        return f"the server exited with {server.returncode} before it was ready"
+    return f"the server was not ready after {SERVER_START_S} s"
+
+
+def serve(run: Run, name: str, install: list[str]) -> None:
+    a = run.args
+    with socket.socket() as sock:  # a free port: sweep cells may share a node
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = run.work / f"serve-{name}-server.log"
+    cmd = command(install, [*VLLM, "serve", a.model, "--port", port, "--tensor-parallel-size",
+                            a.tp, "--max-model-len", 2 * SERVE_LEN + MODEL_LEN_MARGIN,
+                            "--seed", "0", *a.engine_args], run.env)
+    with open(log, "w") as fh:
+        server = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=run.env,
+                                  start_new_session=True)
+    try:
+        why = _wait_ready(server, port)
+        if why:
+            run.failed.append(f"serve server {name}: {why} ({log})")
+            return
+        for conc in a.concurrency:
+            out = run.work / f"serve-{name}-c{conc}.json"
+            prompts = max(32, 5 * conc)
+            bench = command(install, [
+                *VLLM, "bench", "serve", "--backend", "vllm", "--model", a.model, "--port", port,
+                "--dataset-name", "random", "--random-input-len", SERVE_LEN,
+                "--random-output-len", SERVE_LEN, "--random-range-ratio", "0", "--ignore-eos",
+                "--max-concurrency", conc, "--num-prompts", prompts,
+                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                "--seed", "0", "--save-result", "--result-dir", run.work,
+                "--result-filename", out.name], run.env)
+            run.measure(name, f"c{conc}", {"concurrency": conc, "num_prompts": prompts},
+                        [bench], out.with_suffix(".log"), lambda out=out: _numbers(out))
+    finally:
+        stop(server)
+
+
+def parse_lm_eval(out_dir: Path) -> dict:
+    files = sorted(out_dir.rglob("results_*.json"), key=os.path.getmtime)
+    if not files:
+        raise ValueError(f"lm_eval wrote no results_*.json under {out_dir}")
+    data = json.loads(files[-1].read_text())
+    return {k: v for k, v in data["results"]["gsm8k"].items() if k.startswith("exact_match")}
+
+
+def gsm8k(run: Run, name: str, install: list[str]) -> None:
+    a = run.args
+    out = run.work / f"gsm8k-{name}"
+    model_args = {"pretrained": a.model, "tensor_parallel_size": a.tp, "max_model_len": 4096,
+                  "gpu_memory_utilization": 0.8, "seed": 0, **parse_engine_args(a.engine_args)}
+    cmd = command(install, ["-m", "lm_eval", "--model", "vllm", "--model_args",
+                            ",".join(f"{k}={v}" for k, v in model_args.items()),
+                            "--tasks", "gsm8k", "--num_fewshot", "5", "--batch_size", "auto",
+                            "--seed", "0", "--output_path", out,
+                            *(["--limit", a.limit] if a.limit else [])], run.env)
+    run.measure(name, "gsm8k-5shot", {"limit": a.limit}, [cmd], out.with_suffix(".log"),
+                lambda: parse_lm_eval(out))
+
+
+RECIPES = {"throughput": throughput, "mixed": mixed, "serve": serve, "gsm8k": gsm8k}
+
+
+def comparison(benchmarks: list[dict]) -> list[dict]:
+    """patched / upstream for every number both installs measured in the same case."""
+    results = {(b["extra_info"]["case"], b["extra_info"]["install"]): b["extra_info"]["results"]
+               for b in benchmarks}
+    rows = []
+    for (case, install), patched in results.items():
+        upstream = results.get((case, "upstream"), {}) if install == "patched" else {}
+        for metric, value in patched.items():
+            base = upstream.get(metric)
+            if type(value) in (int, float) and type(base) in (int, float):
+                rows.append({"case": case, "metric": metric, "upstream": base, "patched": value,
+                             "ratio": value / base if base else None})
+    return rows
+
+
+def gate(recipe: str, benchmarks: list[dict]) -> dict | None:
+    """mixed: the patched verdict is ``pass`` (upstream's is recorded, not gated); gsm8k:
+    patched >= upstream - 3 combined standard errors (lm_eval's own); the others: none."""
+    sides = {b["extra_info"]["install"]: b["extra_info"]["results"] for b in benchmarks}
+    if recipe == "mixed":
+        verdicts = {install: results.get("verdict") for install, results in sides.items()}
+        return {**verdicts, "passed": verdicts["patched"] == "pass",
+                "rule": "patched: the answer holds the needle after mixed decode + extend + prefill"}
+    if recipe != "gsm8k":
+        return None
+    up = sides["upstream"]
+    pa = sides["patched"]
+    if GSM8K not in up or GSM8K not in pa:
+        return {"metric": GSM8K, "passed": False, "rule": "both accuracies are needed"}
+    tolerance = GATE_SIGMAS * math.hypot(up.get(GSM8K_STDERR, 0), pa.get(GSM8K_STDERR, 0))
+    return {"metric": GSM8K, "upstream": up[GSM8K], "patched": pa[GSM8K], "tolerance": tolerance,
+            "passed": pa[GSM8K] >= up[GSM8K] - tolerance,
+            "rule": f"patched >= upstream - {GATE_SIGMAS} x combined stderr ({tolerance:.4f})"}
+
+
+def run_recipe(recipe: str, installs: dict, args, env: dict, probes: dict) -> dict:
+    """Run ``recipe`` for both installs; write and return its results document."""
+    stamp = datetime.datetime.now(datetime.UTC)
+    series = {"commit": commit(), "device": probes["upstream"].get("device", "unknown")}
+    tag = (f"{stamp:%Y%m%d-%H%M%S}-{re.sub(r'[^A-Za-z0-9.]+', '-', series['device']).lower()}-"
+           f"{series['commit'][:10]}-{recipe}")
+    run = Run(recipe, args, env, args.work / tag)
+    run.work.mkdir(parents=True, exist_ok=True)
+    for name, install in installs.items():
+        RECIPES[recipe](run, name, install)
+    result = gate(recipe, run.benchmarks)
+    if result and result["passed"] is False:
+        run.failed.append(f"gate failed: {result['rule']}")
+    doc = {"format": "e2e/1", "recipe": recipe, "datetime": stamp.isoformat(timespec="seconds"),
+           "machine_info": {"node": socket.gethostname(), "series": series},
+           "installs": {name: {"command": shlex.join(install), "probe": probes[name]}
+                        for name, install in installs.items()},
+           "env": recorded_env(env), "engine_args": args.engine_args,
+           "benchmarks": run.benchmarks, "comparison": comparison(run.benchmarks),
+           "gate": result, "failed": run.failed or None}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{tag}.json"
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    doc["path"] = str(path)
+    return doc
+
+
+def problems(facts: dict, tp: int, need_lm_eval: bool) -> list[str]:
+    """What an install's probe lacks for the recipes."""
+    if "error" in facts:
+        return [facts["error"]]
+    found = []
+    if not facts["torch"]:
+        found.append(f"torch does not import ({facts['torch_error']}): a ROCm torch is needed")
+    elif not facts["hip"]:
+        found.append(f"torch {facts['torch']} is not a ROCm build (no torch.version.hip)")
+    elif facts["gpus"] < tp:
+        found.append(f"sees {facts['gpus']} GPU(s), the run needs {tp} (HIP_VISIBLE_DEVICES?)")
+    if not facts["aiter"]:
+        found.append(f"import aiter failed ({facts['aiter_error']})")
+    if "vllm" not in facts["found"]:
+        found.append("vllm is not installed in this Python")
+    if need_lm_eval and "lm_eval" not in facts["found"]:
+        found.append("lm_eval is not installed (pip install 'lm_eval[api]' in that install)")
+    return found
+
+
+def _lengths(text: str) -> list[tuple[int, int]]:
+    """'2048/16,8192/16' -> [(2048, 16), (8192, 16)]; argparse reports a ValueError."""
+    pairs = []
+    for item in text.split(","):
+        input_len, output_len = item.split("/")
+        pairs.append((int(input_len), int(output_len)))
+    return pairs
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine_args = []
+    if "--" in argv:
+        argv, engine_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    p = argparse.ArgumentParser(prog="e2e.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipes", nargs="+", choices=(*RECIPES, "all"), metavar="RECIPE")
+    p.add_argument("--model", required=True, help="HF model id or local path")
+    p.add_argument("--upstream", default=os.environ.get("E2E_UPSTREAM"),
+                   help="command running the upstream install's Python, e.g. /opt/up/bin/python "
+                        "or 'docker exec up python3' (default $E2E_UPSTREAM)")
+    p.add_argument("--patched", default=os.environ.get("E2E_PATCHED"),
+                   help="the same for the patched install ($E2E_PATCHED)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set (and record) for every run; VLLM_ROCM_USE_AITER=1 unless set")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e")
+    p.add_argument("--work", type=Path, default=ROOT / "build" / "e2e", help="tool outputs, logs")
+    p.add_argument("--timeout-s", type=float, help="limit per command")
+    p.add_argument("--lengths", type=_lengths, default=[(2048, 16), (8192, 16), (32768, 64)],
+                   help="throughput: INPUT/OUTPUT pairs, comma-separated")
+    p.add_argument("--num-prompts", type=int, help="throughput: default ~1M prompt tokens per case")
+    p.add_argument("--concurrency", type=_ints, default=[4, 8, 16, 32, 64, 128],
+                   help="serve: max concurrencies, comma-separated")
+    p.add_argument("--limit", type=int, help="gsm8k: first N questions (smoke)")
+    args = p.parse_args(argv)
+    args.engine_args = engine_args
+    recipes = list(RECIPES) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
+    env = {"VLLM_ROCM_USE_AITER": "1", **os.environ}
+    for pair in args.env:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.isidentifier():
+            p.error(f"--env expects NAME=VALUE, got {pair!r}")
+        env[name] = value
+    installs = {}
+    for name in ("upstream", "patched"):
+        if not getattr(args, name):
+            p.error(f"no {name} install: pass --{name} PYTHON (a path, or a command such as "
+                    f"'docker exec CONTAINER python3') or set E2E_{name.upper()}")
+        installs[name] = shlex.split(getattr(args, name))
+    found = []
+    probes = {}
+    for name, install in installs.items():
+        probes[name] = probe(command(install, ["-c", PROBE], env), env)
+        for problem in problems(probes[name], args.tp, "gsm8k" in recipes):
+            found.append(f"  - {name} (`{shlex.join(install)}`): {problem}")
+    if found:
+        print("error: e2e preflight failed (a ROCm machine with AITER and both vLLM installs is "
+              "needed); nothing was run.\n" + "\n".join(found), file=sys.stderr)
+        return 2
+    failed = False
+    for recipe in recipes:
+        doc = run_recipe(recipe, installs, args, env, probes)
+        print(f"[e2e] {recipe}: {doc['path']}; gate passed: {(doc['gate'] or {}).get('passed')}")
+        for row in doc["comparison"]:
+            print(f"  {row['case']} {row['metric']}: patched / upstream {row['ratio'] or 0:.3f}")
+        for line in doc["failed"] or []:
+            print(f"  FAILED {line}", file=sys.stderr)
+        failed = failed or bool(doc["failed"])
+    return 1 if failed else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,13 +10,13 @@ from pathlib import Path
 
 FILES = {
     "torch/__init__.py": """
+from types import SimpleNamespace
 __version__ = "2.9.0+rocm7.0"
-class version:
-    hip = "7.0"
-class cuda:
-    device_count = staticmethod(lambda: 1)
-    get_device_name = staticmethod(lambda i: "Stand-in MI300X")
+version = SimpleNamespace(hip="7.0")
+cuda = SimpleNamespace(device_count=lambda: 1, get_device_properties=lambda i: SimpleNamespace(
+    name="Stand-in MI300X", gcnArchName="gfx942:sramecc+:xnack-"))
 """,
+    "triton/__init__.py": "__version__ = '3.8.0'\n",
     "aiter/__init__.py": "__version__ = '0.1.28.post1'\n",
     "vllm/__init__.py": "",
     "vllm/entrypoints/__init__.py": "",

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""The order-contract case (docs/sweeps-and-e2e.md), run by an install's Python with vLLM.
+"""The order-contract case of scripts/e2e.py (docs/sweeps-and-e2e.md), run by an install's Python.
 
 With the engine core in this process, steps hold a decode, an extend (a later chunk of a
 long prompt that starts with a secret number and ends asking for it) and a fresh prefill
 together; ``--mode reference`` runs each prompt alone, unchunked.  Writes ``--out``: each
-request's tokens and text, whether the answer holds the number, each step's kinds.
+request's text, whether the answer holds the number, each step's kinds.  Other arguments are
+vLLM's engine flags (``--attention-backend`` overrides ROCM_AITER_FA).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ SHORT_PROMPTS = ("Count from one to twenty in words: one, two, three,",
                  "The first ten prime numbers: 2, 3, 5,")
 ANSWER_TOKENS = 16
 DECODER_PROMPT = "Write the numbers from 1 to 200 separated by commas: 1, 2, 3, 4,"
+LONG_PROMPT_LEN = 12288
+CHUNK = 2048  # long_prefill_token_threshold: the long prompt's tokens per step
 
 
 def build_long_prompt(encode, length: int, code: str) -> list[int]:
@@ -33,9 +36,6 @@ def build_long_prompt(encode, length: int, code: str) -> list[int]:
     head = list(encode(NEEDLE.format(code=code), True))
     tail = list(encode(QUESTION, False))
     room = length - len(head) - len(tail)
-    if room < 0:
-        raise ValueError(f"--long-prompt-len {length} is shorter than the needle and question "
-                         f"({len(head) + len(tail)} tokens)")
     filler: list[int] = []
     i = 0
     while len(filler) < room:
@@ -89,28 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--mode", choices=("mixed", "reference"), required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--long-prompt-len", type=int, default=12288)
-    parser.add_argument("--chunk", type=int, default=2048,
-                        help="long_prefill_token_threshold: the long prompt's tokens per step")
-    parser.add_argument("--attention-backend", default="ROCM_AITER_FA",
-                        help="the backend whose order contract is tested; auto: vLLM's choice")
     args, engine_tokens = parser.parse_known_args(argv)
     # In-process engine core: a request added between two steps joins the next schedule.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
     from vllm import LLM, SamplingParams
 
-    max_model_len = args.long_prompt_len + 512
+    max_model_len = LONG_PROMPT_LEN + 512
     kwargs = dict(model=args.model, max_model_len=max_model_len, enable_prefix_caching=False,
-                  seed=0, **parse_engine_args(engine_tokens))
-    if args.attention_backend != "auto":
-        kwargs["attention_backend"] = args.attention_backend
+                  seed=0, attention_backend="ROCM_AITER_FA")
     if args.mode == "mixed":
         kwargs.update(enable_chunked_prefill=True,
-                      max_num_batched_tokens=args.chunk + 2048,  # room for the short ones
-                      long_prefill_token_threshold=args.chunk)
+                      max_num_batched_tokens=CHUNK + 2048,  # room for the short ones
+                      long_prefill_token_threshold=CHUNK)
     else:  # every prompt whole in one step: no chunking, no extend
         kwargs.update(max_num_batched_tokens=max_model_len, long_prefill_token_threshold=0)
+    kwargs.update(parse_engine_args(engine_tokens))
     llm = LLM(**kwargs)
     tokenizer = llm.get_tokenizer()
 
@@ -118,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         return tokenizer.encode(text, add_special_tokens=special)
 
     code = str(random.Random(0).randint(100000, 999999))
-    long_steps = -(-args.long_prompt_len // args.chunk)
+    long_steps = -(-LONG_PROMPT_LEN // CHUNK)
     requests = {"decoder": (encode(DECODER_PROMPT, True), long_steps + 16),
-                "long": (build_long_prompt(encode, args.long_prompt_len, code), ANSWER_TOKENS)}
+                "long": (build_long_prompt(encode, LONG_PROMPT_LEN, code), ANSWER_TOKENS)}
     for i, prompt in enumerate(SHORT_PROMPTS):
         requests[f"fresh-{i}"] = (encode(prompt, True), ANSWER_TOKENS)
     prompt_lens = {rid: len(ids) for rid, (ids, _) in requests.items()}
@@ -128,13 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     def params(max_tokens: int):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
-    outputs: dict[str, dict] = {}
-    steps: list[dict] = []
+    outputs: dict[str, str] = {}  # the text of each request
+    steps: list[dict] = []          # each step's kind of each request (the engine's ids)
     if args.mode == "reference":
-        for rid, (ids, max_tokens) in requests.items():
-            out = llm.generate([{"prompt_token_ids": ids}], params(max_tokens), use_tqdm=False)[0]
-            outputs[rid] = {"token_ids": list(out.outputs[0].token_ids),
-                            "text": out.outputs[0].text}
+        for rid, (ids, max_tokens) in requests.items():  # one at a time: whole, unchunked
+            out = llm.generate([{"prompt_token_ids": ids}], params(max_tokens), use_tqdm=False)
+            outputs[rid] = out[0].outputs[0].text
     else:
         engine = llm.llm_engine
         scheduler = engine.engine_core.engine_core.scheduler  # vLLM 0.34.0's in-process layout
@@ -143,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         def schedule(*a, **k):
             result = original(*a, **k)
             if result.total_num_scheduled_tokens:
-                steps.append({"tokens": dict(result.num_scheduled_tokens),
-                              "kinds": step_kinds(result, prompt_lens)})
+                steps.append(step_kinds(result, prompt_lens))
             return result
 
         scheduler.schedule = schedule
@@ -161,30 +153,21 @@ def main(argv: list[str] | None = None) -> int:
         def collect(results) -> None:
             for out in results:
                 if out.finished:
-                    outputs[internal.get(out.request_id, out.request_id)] = {
-                        "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text}
+                    outputs[internal.get(out.request_id, out.request_id)] = out.outputs[0].text
 
         add("decoder")
         collect(engine.step())          # the decoder's prefill: from now on it decodes
         long_id = add("long")
         while engine.has_unfinished_requests():
             collect(engine.step())
-            if fresh and steps and steps[-1]["kinds"].get(long_id) in ("prefill", "extend"):
+            if fresh and steps and steps[-1].get(long_id) in ("prefill", "extend"):
                 add(fresh.pop(0))       # arrives while the long prompt is mid-prefill
         scheduler.schedule = original
-        for step in steps:              # report our names, not the engine's
-            step["tokens"] = {internal.get(k, k): v for k, v in step["tokens"].items()}
-            step["kinds"] = {internal.get(k, k): v for k, v in step["kinds"].items()}
-    mixed = [s for s in steps if {"decode", "extend", "prefill"} <= set(s["kinds"].values())]
-    result = {
-        "mode": args.mode, "model": args.model, "vllm": getattr(vllm, "__version__", None),
-        "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},
-        "needle": code,
-        "needle_found": code in outputs.get("long", {}).get("text", ""),
-        "requests": {rid: {"prompt_len": len(requests[rid][0]), "max_tokens": requests[rid][1],
-                           **outputs.get(rid, {})} for rid in requests},
-        "steps": steps, "mixed_steps": len(mixed),
-    }
+    mixed = [s for s in steps if {"decode", "extend", "prefill"} <= set(s.values())]
+    result = {"mode": args.mode, "model": args.model, "vllm": vllm.__version__,
+              "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},
+              "needle": code, "needle_found": code in outputs.get("long", ""),
+              "outputs": outputs, "steps": steps, "mixed_steps": len(mixed)}
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"[mixed_batch] {args.mode}: needle found: {result['needle_found']}; mixed steps: "

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""python3 scripts/e2e.py RECIPE... --model MODEL [options] [-- VLLM ARGS]
+"""python3 scripts/e2e.py RECIPE... --model MODEL --upstream PY --patched PY [-- VLLM ARGS]
 
 Each recipe (throughput, mixed, serve, gsm8k, or all) runs vLLM's own tools with the upstream,
 then the patched install, after a preflight of both, and writes one JSON (docs/sweeps-and-e2e.md).
 Exit status: 0 all measured and every gate passed, 1 a run or a gate failed, 2 the preflight
-or the arguments failed (nothing ran).  validate_rocm.py uses its probe and run_logged too.
+or the arguments failed (nothing ran).
 """
 
 from __future__ import annotations
@@ -135,17 +135,12 @@ class Run:
         print(f"[e2e] {self.recipe} {case} {install}: {info['command']}", flush=True)
         try:
             for cmd in cmds:
-                rc = run_logged(cmd, self.env, log, self.args.timeout_s)
-                if rc != 0:
+                if rc := run_logged(cmd, self.env, log, self.args.timeout_s):
                     last = log.read_text(errors="replace").strip().splitlines()[-1]
                     raise RuntimeError(f"exit {rc}: {last[:300]}")
             info["results"] = parse()
-        except subprocess.TimeoutExpired:
-            info["error"] = f"timed out after {self.args.timeout_s:g} s"
-        except RuntimeError as exc:
-            info["error"] = str(exc)
-        except (OSError, ValueError, KeyError) as exc:  # cannot run, or no results to read
-            info["error"] = f"{type(exc).__name__}: {exc}"
+        except (subprocess.TimeoutExpired, RuntimeError, OSError, ValueError, KeyError) as exc:
+            info["error"] = f"{type(exc).__name__}: {exc}"  # a failed run, or no results
         if "error" in info:
             self.failed.append(f"{self.recipe} {case} {install}: {info['error']}")
         self.benchmarks.append({"name": f"{self.recipe}[{case}-{install}]",
@@ -199,20 +194,6 @@ def mixed(run: Run, name: str, install: list[str]) -> None:
                                       json.loads(outs["reference"].read_text())))
 
 
-def _wait_ready(server: subprocess.Popen, port: int) -> str | None:
-    """None once the server answers /health; else why not."""
-    deadline = time.monotonic() + SERVER_START_S
-    while server.poll() is None and time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-            return None
-        except OSError:
-            time.sleep(2)
-    if server.poll() is not None:
-        return f"the server exited with {server.returncode} before it was ready"
-    return f"the server was not ready after {SERVER_START_S} s"
-
-
 def serve(run: Run, name: str, install: list[str]) -> None:
     a = run.args
     with socket.socket() as sock:  # a free port: sweep cells may share a node
@@ -226,10 +207,16 @@ def serve(run: Run, name: str, install: list[str]) -> None:
         server = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=run.env,
                                   start_new_session=True)
     try:
-        why = _wait_ready(server, port)
-        if why:
-            run.failed.append(f"serve server {name}: {why} ({log})")
-            return
+        deadline = time.monotonic() + SERVER_START_S
+        while True:  # until the server answers /health
+            if server.poll() is not None or time.monotonic() > deadline:
+                run.failed.append(f"serve {name}: the server was not ready ({log})")
+                return
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                break
+            except OSError:
+                time.sleep(2)
         for conc in a.concurrency:
             out = run.work / f"serve-{name}-c{conc}.json"
             prompts = max(32, 5 * conc)
@@ -263,9 +250,8 @@ def gsm8k(run: Run, name: str, install: list[str]) -> None:
     cmd = command(install, ["-m", "lm_eval", "--model", "vllm", "--model_args",
                             ",".join(f"{k}={v}" for k, v in model_args.items()),
                             "--tasks", "gsm8k", "--num_fewshot", "5", "--batch_size", "auto",
-                            "--seed", "0", "--output_path", out,
-                            *(["--limit", a.limit] if a.limit else [])], run.env)
-    run.measure(name, "gsm8k-5shot", {"limit": a.limit}, [cmd], out.with_suffix(".log"),
+                            "--seed", "0", "--output_path", out], run.env)
+    run.measure(name, "gsm8k-5shot", {}, [cmd], out.with_suffix(".log"),
                 lambda: parse_lm_eval(out))
 
 
@@ -334,8 +320,8 @@ def run_recipe(recipe: str, installs: dict, args, env: dict, probes: dict) -> di
     return doc
 
 
-def problems(facts: dict, tp: int, need_lm_eval: bool) -> list[str]:
-    """What an install's probe lacks for the recipes."""
+def problems(facts: dict, tp: int, modules: tuple[str, ...]) -> list[str]:
+    """What a Python's probe lacks: a ROCm torch that sees ``tp`` GPUs, AITER, ``modules``."""
     if "error" in facts:
         return [facts["error"]]
     found = []
@@ -344,14 +330,12 @@ def problems(facts: dict, tp: int, need_lm_eval: bool) -> list[str]:
     elif not facts["hip"]:
         found.append(f"torch {facts['torch']} is not a ROCm build (no torch.version.hip)")
     elif facts["gpus"] < tp:
-        found.append(f"sees {facts['gpus']} GPU(s), the run needs {tp} (HIP_VISIBLE_DEVICES?)")
+        found.append(f"sees {facts['gpus']} GPU(s), needs {tp} (HIP_VISIBLE_DEVICES? a container "
+                     "needs --device /dev/kfd --device /dev/dri --group-add video)")
     if not facts["aiter"]:
         found.append(f"import aiter failed ({facts['aiter_error']})")
-    if "vllm" not in facts["found"]:
-        found.append("vllm is not installed in this Python")
-    if need_lm_eval and "lm_eval" not in facts["found"]:
-        found.append("lm_eval is not installed (pip install 'lm_eval[api]' in that install)")
-    return found
+    return found + [f"{m} is not installed in this Python" for m in modules
+                    if m not in facts["found"]]
 
 
 def _lengths(text: str) -> list[tuple[int, int]]:
@@ -367,6 +351,12 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def _argv(text: str) -> list[str]:
+    if not shlex.split(text):
+        raise ValueError("an empty command")
+    return shlex.split(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     engine_args = []
@@ -376,11 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipes", nargs="+", choices=(*RECIPES, "all"), metavar="RECIPE")
     p.add_argument("--model", required=True, help="HF model id or local path")
-    p.add_argument("--upstream", default=os.environ.get("E2E_UPSTREAM"),
-                   help="command running the upstream install's Python, e.g. /opt/up/bin/python "
-                        "or 'docker exec up python3' (default $E2E_UPSTREAM)")
-    p.add_argument("--patched", default=os.environ.get("E2E_PATCHED"),
-                   help="the same for the patched install ($E2E_PATCHED)")
+    p.add_argument("--upstream", type=_argv, required=True,
+                   help="the upstream install's Python: /opt/up/bin/python, 'docker exec C python3'")
+    p.add_argument("--patched", type=_argv, required=True, help="the same for the patched install")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set (and record) for every run; VLLM_ROCM_USE_AITER=1 unless set")
@@ -392,7 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, help="throughput: default ~1M prompt tokens per case")
     p.add_argument("--concurrency", type=_ints, default=[4, 8, 16, 32, 64, 128],
                    help="serve: max concurrencies, comma-separated")
-    p.add_argument("--limit", type=int, help="gsm8k: first N questions (smoke)")
     args = p.parse_args(argv)
     args.engine_args = engine_args
     recipes = list(RECIPES) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
@@ -402,17 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not name.isidentifier():
             p.error(f"--env expects NAME=VALUE, got {pair!r}")
         env[name] = value
-    installs = {}
-    for name in ("upstream", "patched"):
-        if not getattr(args, name):
-            p.error(f"no {name} install: pass --{name} PYTHON (a path, or a command such as "
-                    f"'docker exec CONTAINER python3') or set E2E_{name.upper()}")
-        installs[name] = shlex.split(getattr(args, name))
+    installs = {"upstream": args.upstream, "patched": args.patched}
     found = []
     probes = {}
     for name, install in installs.items():
         probes[name] = probe(command(install, ["-c", PROBE], env), env)
-        for problem in problems(probes[name], args.tp, "gsm8k" in recipes):
+        modules = ("vllm", "lm_eval") if "gsm8k" in recipes else ("vllm",)
+        for problem in problems(probes[name], args.tp, modules):
             found.append(f"  - {name} (`{shlex.join(install)}`): {problem}")
     if found:
         print("error: e2e preflight failed (a ROCm machine with AITER and both vLLM installs is "

@@ -1,20 +1,12 @@
 #!/usr/bin/env python3
 """make validate-rocm: every ROCm claim of README.md and docs/, judged on this machine.
 
-scripts/validate_rocm/claims.toml lists the claims (the words of the doc that makes each) and
-the checks behind them.  The checks need these parts, each one command run here with its
-output in <out>/<part>.log (docs/rocm.md):
-
-  rocm-tests  pytest -m rocm over the test files with a rocm mark, on the patched tree
-  kernels     pytest tests/kernels, compiled for this GPU (make test-gpu)
-  compile     pytest -m compile tests/compile/test_compile_tier.py with this machine's Triton
-  bench       scripts/run_bench.py (make bench); each case against docs/roofline-amd.md's bound
-  e2e         scripts/e2e.py all, pristine vs patched on a local MODEL, offline
-
-Each claim is held (every check passed), failed (one failed) or not run (one could not run
-here, with the reason); printed, and written to <out>/REPORT.md and <out>/results.json.
-Exit status: 0 nothing failed, 1 a check or part failed, 2 a part asked for cannot run here
-(one line per missing thing; nothing was run).
+scripts/validate_rocm/claims.toml lists the claims and the checks behind each; the checks read
+what the parts (PARTS) write, each one command run from the checkout with its output in
+<out>/<part>.log; e2e runs only when --model is given.  Each claim is held (every check passed),
+failed (one failed) or not run (one could not run, with the reason): printed, and written to
+<out>/REPORT.md and <out>/results.json (docs/rocm.md).  Exit status: 0 nothing failed, 1 a check
+or part failed, 2 this machine lacks a prerequisite (one line each; nothing was run).
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import tomllib
 import xml.etree.ElementTree as ET
@@ -31,52 +24,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from e2e import PROBE, commit, probe, run_logged  # noqa: E402
+from e2e import PROBE, commit, probe, problems, run_logged  # noqa: E402
 from seriestool.pins import load_pins  # noqa: E402
 
 CLAIMS = ROOT / "scripts" / "validate_rocm" / "claims.toml"
 TREE = ROOT / "build" / "vllm"  # the patched tree (make apply)
+# rocm-tests: pytest -m rocm over the files with a rocm mark, on the patched tree; kernels:
+# tests/kernels compiled here (make test-gpu); compile: the compile tier's budgets with this
+# Triton; bench: make bench; e2e: scripts/e2e.py all, offline, on a local --model.
 PARTS = ("rocm-tests", "kernels", "compile", "bench", "e2e")
-ROCM_ONLY = ("rocm-tests", "e2e")
-HOST_TIMED = ("host_cost", "eager_step")  # bench suites timed on the host: no roofline
-IMAGE = "the ROCm image has it (`make image`, ci/Dockerfile.rocm)"
+# A row of docs/roofline-amd.md: case, bytes, FLOPs, FLOP/B, MI300X and MI355X bound in µs.
+ROOFLINE_ROW = re.compile(
+    r"^\| (\w+) \|[^|]*\|[^|]*\|[^|]*\| ([\d.e+-]+) \w+ \| ([\d.e+-]+) \w+ \|$", re.MULTILINE)
+ROOFLINE_ARCHS = ("gfx942", "gfx950")  # MI300X, MI355X: the table's columns
 
 
-def cannot_run(part: str, facts: dict, args) -> str | None:
-    """Why ``part`` cannot run on this machine (how to get what is missing), or None."""
+def missing(facts: dict, args) -> list[str]:
+    """What this machine lacks for the parts; empty when nothing."""
     pins = load_pins(ROOT)
-    if not facts["torch"]:
-        return f"torch does not import ({facts['torch_error']}): {IMAGE}"
-    if not facts["device"]:
-        return (f"no GPU visible to torch {facts['torch']}: run on an MI300X / MI355X (a "
-                "container needs --device /dev/kfd --device /dev/dri --group-add video)")
-    needs = {"e2e": [], "bench": ["pytest", "pytest_benchmark"]}.get(part, ["pytest"])
-    for module in needs:
-        if module not in facts["found"]:
-            return f"{module} is not installed: pip install {module.replace('_', '-')}"
-    if part in ROCM_ONLY or not args.allow_cuda:
-        if not facts["hip"]:
-            return (f"torch {facts['torch']} is not a ROCm build: {IMAGE} (on a CUDA GPU, "
-                    "ALLOW_CUDA=1 runs kernels, compile and bench)")
-        triton = ".".join(pins["TRITON_VERSION"].split(".")[:2])
-        if not (facts["triton"] or "").startswith(triton + "."):
-            return f"Triton {facts['triton']} is not the pinned {triton}.x: {IMAGE}"
-    if part in ROCM_ONLY:
-        aiter = facts["aiter"]
-        if not aiter:
-            return f"AITER does not import ({facts['aiter_error']}): {pins['AITER_REF']}; {IMAGE}"
-        if aiter != "unknown" and not aiter.startswith(pins["AITER_REF"].removeprefix("v")):
-            return f"AITER {aiter} is not the pinned {pins['AITER_REF']}: {IMAGE}"
-    if part == "rocm-tests" and not (TREE / "vllm").is_dir():
-        return "build/vllm (the patched tree) is missing: run `make apply` here"
-    if part == "e2e":
-        if not args.model or not (Path(args.model) / "config.json").is_file():
-            return (f"MODEL={args.model or ''} is not a local model directory (no config.json): "
-                    "the e2e part never downloads")
-        if not (args.upstream and args.patched):
-            return ("UPSTREAM= and PATCHED= (the commands running each install's Python, "
-                    "docs/sweeps-and-e2e.md) are needed")
-    return None
+    found = problems(facts, 1, ("pytest", "pytest_benchmark"))
+    triton = ".".join(pins["TRITON_VERSION"].split(".")[:2])
+    if not (facts["triton"] or "").startswith(triton + "."):
+        found.append(f"Triton {facts['triton']} is not the pinned {triton}.x")
+    aiter = pins["AITER_REF"].removeprefix("v")
+    if facts["aiter"] and facts["aiter"] != "unknown" and not facts["aiter"].startswith(aiter):
+        found.append(f"AITER {facts['aiter']} is not the pinned {pins['AITER_REF']}")
+    if not (TREE / "vllm").is_dir():
+        found.append("build/vllm (the patched tree) is missing: run `make apply` here")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        found.append(f"MODEL={args.model} is not a local model directory (no config.json): "
+                     "the e2e part never downloads")
+    if args.model and not (args.upstream and args.patched):
+        found.append("MODEL= needs UPSTREAM= and PATCHED= (the commands running each "
+                     "install's Python, docs/sweeps-and-e2e.md)")
+    return found
 
 
 def command(part: str, out: Path, args) -> tuple[list, dict]:
@@ -116,21 +97,6 @@ def junit_tests(xml: Path) -> dict[str, tuple[str, str]]:
                 break
         tests["::".join([file, *classes, case.get("name")])] = (outcome, message)
     return tests
-
-
-def fraction_of_bound(case: dict, arch: str | None) -> float | None:
-    """docs/roofline-amd.md's bound on this AMD GPU / the measured time (None: no bound)."""
-    from compile_tier.roofline import AMD, case_flops
-    from compile_tier.targets import DEVICES
-
-    device = next((name for name in AMD if DEVICES[name]["arch"] == arch), None)
-    ours = ((case.get("results") or {}).get("ours") or {}).get("us")
-    if device is None or not ours or not case.get("nbytes") or case["kernel"].startswith(HOST_TIMED):
-        return None
-    flops, _ = case_flops(case["kernel"], case.get("shapes", {}))
-    bound = max(case["nbytes"] / DEVICES[device]["hbm_bytes_per_s"],
-                flops / DEVICES[device]["bf16_dense_flops"])
-    return bound * 1e6 / ours
 
 
 def judge(check: str, ran: dict, out: Path, arch: str | None) -> tuple[str, str]:
@@ -175,14 +141,18 @@ def judge(check: str, ran: dict, out: Path, arch: str | None) -> tuple[str, str]
         if low:
             return "failed", f"under {floor}x upstream: {', '.join(low)}"
         return "passed", f"every {kernel} case >= {floor}x upstream"
-    fractions = {f"{c['kernel']}/{c['case']}": fraction_of_bound(c, arch) for c in cases}
-    fractions = {k: v for k, v in fractions.items() if v is not None}
-    if not fractions:
-        return "not run", f"no case has an AMD bound on this GPU ({arch})"
-    over = [f"{k} {v:.2f}" for k, v in fractions.items() if v > 1.0]
-    if over:
-        return "failed", f"faster than the bound: {', '.join(over)}"
-    return "passed", f"{len(fractions)} cases within the bound (best {max(fractions.values()):.0%})"
+    if arch not in ROOFLINE_ARCHS:
+        return "not run", f"docs/roofline-amd.md has no bound for {arch}"
+    column = 2 + ROOFLINE_ARCHS.index(arch)
+    rows = ROOFLINE_ROW.finditer((ROOT / "docs" / "roofline-amd.md").read_text())
+    bounds = {row[1]: float(row[column]) for row in rows}
+    timed = {c["case"]: ((c.get("results") or {}).get("ours") or {}).get("us") for c in cases}
+    timed = {case: us for case, us in timed.items() if us and case in bounds}
+    under = [f"{case} {us} µs < {bounds[case]} µs" for case, us in timed.items()
+             if us < bounds[case]]
+    if under:
+        return "failed", f"faster than the bound: {', '.join(under)}"
+    return "passed", f"{len(timed)} cases no faster than their bound"
 
 
 def verdicts(ran: dict, out: Path, arch: str | None) -> list[dict]:
@@ -219,39 +189,27 @@ def report(claims: list[dict], facts: dict, ran: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="validate_rocm.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
-    p.add_argument("--allow-cuda", action="store_true",
-                   help="on a CUDA GPU: the ROCm-only parts are not run (with the reason)")
     p.add_argument("--model", help="local model directory for e2e (never downloaded)")
-    p.add_argument("--upstream", default=os.environ.get("E2E_UPSTREAM"))
-    p.add_argument("--patched", default=os.environ.get("E2E_PATCHED"))
+    p.add_argument("--upstream", help="the upstream install's Python, for e2e")
+    p.add_argument("--patched", help="the patched install's Python, for e2e")
     p.add_argument("--out", type=Path, help="default build/validate-rocm/<date>-<device>-<commit>")
     args = p.parse_args(argv)
-    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    if unknown := [x for x in parts if x not in PARTS]:
-        p.error(f"unknown part(s) {', '.join(unknown)}; parts: {', '.join(PARTS)}")
     os.chdir(ROOT)  # the parts' paths are the checkout's
     facts = {**probe([sys.executable, "-c", PROBE], dict(os.environ)), "commit": commit()}
-    ran, missing = {}, []
-    for part in PARTS:
-        why = part in parts and cannot_run(part, facts, args)
-        if part not in parts:
-            ran[part] = "not asked for (PARTS=)"
-        elif not why:
-            ran[part] = None
-        elif args.allow_cuda and part in ROCM_ONLY and facts["device"] and not facts["hip"]:
-            ran[part] = f"needs ROCm and AITER; not run under ALLOW_CUDA on {facts['device']}"
-        else:
-            missing.append(f"{part}: {why}")
-    if missing:
-        print("validate-rocm: cannot run here:\n" + "\n".join(f"  - {m}" for m in missing) +
-              "\nNothing was run. docs/rocm.md says what each part needs.", file=sys.stderr)
+    if found := missing(facts, args):
+        print("validate-rocm: cannot run here:\n" + "\n".join(f"  - {m}" for m in found) +
+              "\nNothing was run. The ROCm image has all of it (`make image`, ci/Dockerfile.rocm).",
+              file=sys.stderr)
         return 2
     device = "-".join(str(facts["device"]).lower().replace("/", " ").split())
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M}-{device}-{facts['commit'][:10]}"
     out = (args.out or ROOT / "build" / "validate-rocm" / stamp).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for part in [x for x in PARTS if ran[x] is None]:
+    ran = {}
+    for part in PARTS:
+        if part == "e2e" and not args.model:
+            ran[part] = "no MODEL= (with UPSTREAM= and PATCHED=) given"
+            continue
         argv_, extra = command(part, out, args)
         print(f"[validate-rocm] {part}: {' '.join(map(str, argv_))}", flush=True)
         ran[part] = run_logged(argv_, {**os.environ, **extra}, out / f"{part}.log")

@@ -126,18 +126,16 @@ class Run:
     benchmarks: list = field(default_factory=list)
     failed: list = field(default_factory=list)
 
-    def measure(self, install: str, case: str, params: dict, cmds: list, log: Path, parse):
-        """Run ``cmds`` in order (each must exit 0), then record ``parse()`` or the failure."""
+    def measure(self, install: str, case: str, params: dict, cmd: list, log: Path, parse):
+        """Run ``cmd`` (it must exit 0), then record ``parse()`` or the failure."""
         info = {"recipe": self.recipe, "case": case, "install": install,
-                "model": self.args.model, "params": params,
-                "command": " && ".join(shlex.join(c) for c in cmds), "log": str(log),
-                "results": {}}
+                "model": self.args.model, "params": params, "command": shlex.join(cmd),
+                "log": str(log), "results": {}}
         print(f"[e2e] {self.recipe} {case} {install}: {info['command']}", flush=True)
         try:
-            for cmd in cmds:
-                if rc := run_logged(cmd, self.env, log, self.args.timeout_s):
-                    last = log.read_text(errors="replace").strip().splitlines()[-1]
-                    raise RuntimeError(f"exit {rc}: {last[:300]}")
+            if rc := run_logged(cmd, self.env, log, self.args.timeout_s):
+                last = log.read_text(errors="replace").strip().splitlines()[-1]
+                raise RuntimeError(f"exit {rc}: {last[:300]}")
             info["results"] = parse()
         except (subprocess.TimeoutExpired, RuntimeError, OSError, ValueError, KeyError) as exc:
             info["error"] = f"{type(exc).__name__}: {exc}"  # a failed run, or no results
@@ -167,31 +165,17 @@ def throughput(run: Run, name: str, install: list[str]) -> None:
             *a.engine_args], run.env)
         run.measure(name, f"{input_len}/{output_len}",
                     {"input_len": input_len, "output_len": output_len, "num_prompts": prompts},
-                    [cmd], out.with_suffix(".log"), lambda out=out: _numbers(out))
-
-
-def compare_mixed(mixed: dict, reference: dict) -> dict:
-    """The order-contract verdict of a mixed run and its unchunked reference run."""
-    if not mixed.get("mixed_steps"):
-        verdict = "not-triggered"   # no step held decode + extend + prefill
-    elif not reference.get("needle_found"):
-        verdict = "inconclusive"    # the model cannot do the task even unchunked
-    else:
-        verdict = "pass" if mixed.get("needle_found") else "fail"
-    return {"verdict": verdict, "mixed_steps": mixed.get("mixed_steps", 0),
-            "steps": len(mixed.get("steps", []))}
+                    cmd, out.with_suffix(".log"), lambda out=out: _numbers(out))
 
 
 def mixed(run: Run, name: str, install: list[str]) -> None:
-    a = run.args
-    outs = {m: run.work / f"mixed-{name}-{m}.json" for m in ("reference", "mixed")}
-    cmds = [command(install, [ROOT / "scripts" / "mixed_batch.py", "--model", a.model,
-                              "--mode", mode, "--out", out, "--tensor-parallel-size", a.tp,
-                              *a.engine_args], run.env)
-            for mode, out in outs.items()]
-    run.measure(name, "order-contract", {}, cmds, run.work / f"mixed-{name}.log",
-                lambda: compare_mixed(json.loads(outs["mixed"].read_text()),
-                                      json.loads(outs["reference"].read_text())))
+    out = run.work / f"mixed-{name}.json"
+    cmd = command(install, [ROOT / "scripts" / "mixed_batch.py", "--model", run.args.model,
+                            "--out", out, "--tensor-parallel-size", run.args.tp,
+                            *run.args.engine_args], run.env)
+    run.measure(name, "order-contract", {}, cmd, out.with_suffix(".log"),
+                lambda: {k: v for k, v in json.loads(out.read_text()).items()
+                         if k in ("verdict", "mixed_steps", "steps")})
 
 
 def serve(run: Run, name: str, install: list[str]) -> None:
@@ -229,7 +213,7 @@ def serve(run: Run, name: str, install: list[str]) -> None:
                 "--seed", "0", "--save-result", "--result-dir", run.work,
                 "--result-filename", out.name], run.env)
             run.measure(name, f"c{conc}", {"concurrency": conc, "num_prompts": prompts},
-                        [bench], out.with_suffix(".log"), lambda out=out: _numbers(out))
+                        bench, out.with_suffix(".log"), lambda out=out: _numbers(out))
     finally:
         stop(server)
 
@@ -251,7 +235,7 @@ def gsm8k(run: Run, name: str, install: list[str]) -> None:
                             ",".join(f"{k}={v}" for k, v in model_args.items()),
                             "--tasks", "gsm8k", "--num_fewshot", "5", "--batch_size", "auto",
                             "--seed", "0", "--output_path", out], run.env)
-    run.measure(name, "gsm8k-5shot", {}, [cmd], out.with_suffix(".log"),
+    run.measure(name, "gsm8k-5shot", {}, cmd, out.with_suffix(".log"),
                 lambda: parse_lm_eval(out))
 
 

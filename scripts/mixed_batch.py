@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The order-contract case of scripts/e2e.py (docs/sweeps-and-e2e.md), run by an install's Python.
 
-With the engine core in this process, steps hold a decode, an extend (a later chunk of a
-long prompt that starts with a secret number and ends asking for it) and a fresh prefill
-together; ``--mode reference`` runs each prompt alone, unchunked.  Writes ``--out``: each
-request's text, whether the answer holds the number, each step's kinds.  Other arguments are
-vLLM's engine flags (``--attention-backend`` overrides ROCM_AITER_FA).
+A long prompt starts with a secret number and ends asking for it; it is prefilled in chunks
+(every chunk after the first an extend).  Alone first (the reference), then with a decoding
+request and a fresh prompt arriving at each of its steps, so that steps hold a decode, an extend
+and a prefill together; the engine core runs in this process to see each step.  Writes --out:
+the verdict, both answers and each step's kinds.  Other arguments are vLLM engine flags.
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ FILLER = ("Note {i}: the river passes the old mill, turns east near the orchard 
           "house {j}, and reaches the harbour before dusk.\n")
 QUESTION = ("\nQuestion: what is the secret code given at the very beginning of this text? "
             "Answer with the number only.\nAnswer: The secret code is")
-SHORT_PROMPTS = ("Count from one to twenty in words: one, two, three,",
-                 "The days of the week, starting on Monday: Monday, Tuesday,",
-                 "The months of the year: January, February, March,",
-                 "The first ten prime numbers: 2, 3, 5,")
-ANSWER_TOKENS = 16
 DECODER_PROMPT = "Write the numbers from 1 to 200 separated by commas: 1, 2, 3, 4,"
+FRESH_PROMPT = "The months of the year: January, February, March,"
+FRESH = 4  # fresh prompts, one per step while the long prompt is prefilled
 LONG_PROMPT_LEN = 12288
 CHUNK = 2048  # long_prefill_token_threshold: the long prompt's tokens per step
 
@@ -52,13 +49,19 @@ def step_kinds(out, prompt_lens: dict[str, int]) -> dict[str, str]:
     kinds = {}
     for rid in out.num_scheduled_tokens:
         done = computed.get(rid, 0)
-        if rid not in prompt_lens:
-            kinds[rid] = "other"
-        elif done >= prompt_lens[rid]:
+        if done >= prompt_lens[rid]:
             kinds[rid] = "decode"
         else:
             kinds[rid] = "extend" if done > 0 else "prefill"
     return kinds
+
+
+def verdict(mixed_steps: int, reference_found: bool, found: bool) -> str:
+    if not mixed_steps:
+        return "not-triggered"  # no step held decode + extend + prefill
+    if not reference_found:
+        return "inconclusive"   # the model cannot answer even without mixed steps
+    return "pass" if found else "fail"
 
 
 def parse_engine_args(tokens: list[str]) -> dict:
@@ -87,7 +90,6 @@ def parse_engine_args(tokens: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--mode", choices=("mixed", "reference"), required=True)
     parser.add_argument("--out", required=True)
     args, engine_tokens = parser.parse_known_args(argv)
     # In-process engine core: a request added between two steps joins the next schedule.
@@ -95,15 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    max_model_len = LONG_PROMPT_LEN + 512
-    kwargs = dict(model=args.model, max_model_len=max_model_len, enable_prefix_caching=False,
-                  seed=0, attention_backend="ROCM_AITER_FA")
-    if args.mode == "mixed":
-        kwargs.update(enable_chunked_prefill=True,
-                      max_num_batched_tokens=CHUNK + 2048,  # room for the short ones
-                      long_prefill_token_threshold=CHUNK)
-    else:  # every prompt whole in one step: no chunking, no extend
-        kwargs.update(max_num_batched_tokens=max_model_len, long_prefill_token_threshold=0)
+    kwargs = dict(model=args.model, max_model_len=LONG_PROMPT_LEN + 512, seed=0,
+                  enable_prefix_caching=False, attention_backend="ROCM_AITER_FA",
+                  enable_chunked_prefill=True, long_prefill_token_threshold=CHUNK,
+                  max_num_batched_tokens=CHUNK + 2048)  # room for the short prompts
     kwargs.update(parse_engine_args(engine_tokens))
     llm = LLM(**kwargs)
     tokenizer = llm.get_tokenizer()
@@ -111,67 +108,53 @@ def main(argv: list[str] | None = None) -> int:
     def encode(text: str, special: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=special)
 
-    code = str(random.Random(0).randint(100000, 999999))
-    long_steps = -(-LONG_PROMPT_LEN // CHUNK)
-    requests = {"decoder": (encode(DECODER_PROMPT, True), long_steps + 16),
-                "long": (build_long_prompt(encode, LONG_PROMPT_LEN, code), ANSWER_TOKENS)}
-    for i, prompt in enumerate(SHORT_PROMPTS):
-        requests[f"fresh-{i}"] = (encode(prompt, True), ANSWER_TOKENS)
-    prompt_lens = {rid: len(ids) for rid, (ids, _) in requests.items()}
-
     def params(max_tokens: int):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
-    outputs: dict[str, str] = {}  # the text of each request
-    steps: list[dict] = []          # each step's kind of each request (the engine's ids)
-    if args.mode == "reference":
-        for rid, (ids, max_tokens) in requests.items():  # one at a time: whole, unchunked
-            out = llm.generate([{"prompt_token_ids": ids}], params(max_tokens), use_tqdm=False)
-            outputs[rid] = out[0].outputs[0].text
-    else:
-        engine = llm.llm_engine
-        scheduler = engine.engine_core.engine_core.scheduler  # vLLM 0.34.0's in-process layout
-        original = scheduler.schedule
+    code = str(random.Random(0).randint(100000, 999999))
+    long_prompt = {"prompt_token_ids": build_long_prompt(encode, LONG_PROMPT_LEN, code)}
+    reference = llm.generate([long_prompt], params(16), use_tqdm=False)[0].outputs[0].text
 
-        def schedule(*a, **k):
-            result = original(*a, **k)
-            if result.total_num_scheduled_tokens:
-                steps.append(step_kinds(result, prompt_lens))
-            return result
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # vLLM 0.34.0's in-process layout
+    original = scheduler.schedule
+    prompt_lens: dict[str, int] = {}  # by the engine's request id
+    steps: list[dict] = []
 
-        scheduler.schedule = schedule
-        fresh = [rid for rid in requests if rid.startswith("fresh-")]
-        internal: dict[str, str] = {}   # vLLM appends a random suffix to request ids
+    def schedule(*a, **k):
+        result = original(*a, **k)
+        if result.total_num_scheduled_tokens:
+            steps.append(step_kinds(result, prompt_lens))
+        return result
 
-        def add(rid: str) -> str:
-            ids, max_tokens = requests[rid]
-            engine_id = engine.add_request(rid, {"prompt_token_ids": ids}, params(max_tokens))
-            internal[engine_id] = rid
-            prompt_lens[engine_id] = prompt_lens[rid]
-            return engine_id
+    def add(rid: str, prompt: dict, max_tokens: int) -> str:
+        engine_id = engine.add_request(rid, prompt, params(max_tokens))
+        prompt_lens[engine_id] = len(prompt["prompt_token_ids"])
+        return engine_id
 
-        def collect(results) -> None:
-            for out in results:
-                if out.finished:
-                    outputs[internal.get(out.request_id, out.request_id)] = out.outputs[0].text
-
-        add("decoder")
-        collect(engine.step())          # the decoder's prefill: from now on it decodes
-        long_id = add("long")
-        while engine.has_unfinished_requests():
-            collect(engine.step())
-            if fresh and steps and steps[-1].get(long_id) in ("prefill", "extend"):
-                add(fresh.pop(0))       # arrives while the long prompt is mid-prefill
-        scheduler.schedule = original
-    mixed = [s for s in steps if {"decode", "extend", "prefill"} <= set(s.values())]
-    result = {"mode": args.mode, "model": args.model, "vllm": vllm.__version__,
-              "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},
-              "needle": code, "needle_found": code in outputs.get("long", ""),
-              "outputs": outputs, "steps": steps, "mixed_steps": len(mixed)}
+    scheduler.schedule = schedule
+    answers: dict[str, str] = {}
+    decoder = {"prompt_token_ids": encode(DECODER_PROMPT, True)}
+    add("decoder", decoder, LONG_PROMPT_LEN // CHUNK + 16)  # decodes while "long" is prefilled
+    engine.step()                       # the decoder's prefill: from now on it decodes
+    long_id = add("long", long_prompt, 16)
+    fresh = FRESH
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                answers[out.request_id] = out.outputs[0].text
+        if fresh and steps and steps[-1].get(long_id) in ("prefill", "extend"):
+            add(f"fresh-{fresh}", {"prompt_token_ids": encode(FRESH_PROMPT, True)}, 16)
+            fresh -= 1                  # it arrives while the long prompt is mid-prefill
+    scheduler.schedule = original
+    mixed = sum({"decode", "extend", "prefill"} <= set(step.values()) for step in steps)
+    result = {"verdict": verdict(mixed, code in reference, code in answers.get(long_id, "")),
+              "mixed_steps": mixed, "steps": len(steps), "needle": code,
+              "reference_answer": reference, "answer": answers.get(long_id),
+              "vllm": vllm.__version__, "engine_kwargs": kwargs, "step_kinds": steps}
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
-    print(f"[mixed_batch] {args.mode}: needle found: {result['needle_found']}; mixed steps: "
-          f"{len(mixed)}; {args.out}", flush=True)
+    print(f"[mixed_batch] {result['verdict']}: {mixed} mixed steps; {args.out}", flush=True)
     return 0
 
 

@@ -116,12 +116,10 @@ def test_gsm8k_gate_allows_three_combined_standard_errors(upstream, patched, pas
 
 
 def test_mixed_verdict_and_gate():
-    ref = {"needle_found": True}
-    good = {"needle_found": True, "mixed_steps": 3, "steps": [{}] * 8}
-    assert e2e.compare_mixed(good, ref)["verdict"] == "pass"
-    assert e2e.compare_mixed({**good, "needle_found": False}, ref)["verdict"] == "fail"
-    assert e2e.compare_mixed({**good, "mixed_steps": 0}, ref)["verdict"] == "not-triggered"
-    assert e2e.compare_mixed(good, {"needle_found": False})["verdict"] == "inconclusive"
+    assert mixed_batch.verdict(3, reference_found=True, found=True) == "pass"
+    assert mixed_batch.verdict(3, reference_found=True, found=False) == "fail"
+    assert mixed_batch.verdict(0, reference_found=True, found=True) == "not-triggered"
+    assert mixed_batch.verdict(3, reference_found=False, found=False) == "inconclusive"
     gate = e2e.gate("mixed", _sides({"verdict": "fail"}, {"verdict": "pass"}))
     assert gate["passed"] is True and gate["upstream"] == "fail"  # upstream's is not gated
     assert e2e.gate("mixed", _sides({"verdict": "pass"}, {}))["passed"] is False

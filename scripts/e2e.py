@@ -20,8 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +51,7 @@ print("PROBE " + json.dumps(facts))
 VLLM = ("-m", "vllm.entrypoints.cli.main")
 MODEL_LEN_MARGIN = 64
 SERVE_LEN = 1024          # serve: random input and output length
-SERVER_START_S = 1800
+SERVER_START_S = 1800     # serve: bench serve waits this long for the server to answer
 GSM8K = "exact_match,strict-match"
 GSM8K_STDERR = "exact_match_stderr,strict-match"
 GATE_SIGMAS = 3  # gsm8k: patched >= upstream - 3 combined standard errors
@@ -191,17 +189,11 @@ def serve(run: Run, name: str, install: list[str]) -> None:
         server = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=run.env,
                                   start_new_session=True)
     try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:  # until the server answers /health
-            if server.poll() is not None or time.monotonic() > deadline:
-                run.failed.append(f"serve {name}: the server was not ready ({log})")
-                return
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                break
-            except OSError:
-                time.sleep(2)
         for conc in a.concurrency:
+            if server.poll() is not None:
+                run.failed.append(f"serve {name}: the server exited with {server.returncode} "
+                                  f"({log})")
+                return
             out = run.work / f"serve-{name}-c{conc}.json"
             prompts = max(32, 5 * conc)
             bench = command(install, [
@@ -211,7 +203,8 @@ def serve(run: Run, name: str, install: list[str]) -> None:
                 "--max-concurrency", conc, "--num-prompts", prompts,
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                 "--seed", "0", "--save-result", "--result-dir", run.work,
-                "--result-filename", out.name], run.env)
+                "--result-filename", out.name, "--ready-check-timeout-sec", SERVER_START_S],
+                run.env)
             run.measure(name, f"c{conc}", {"concurrency": conc, "num_prompts": prompts},
                         bench, out.with_suffix(".log"), lambda out=out: _numbers(out))
     finally:
@@ -324,11 +317,7 @@ def problems(facts: dict, tp: int, modules: tuple[str, ...]) -> list[str]:
 
 def _lengths(text: str) -> list[tuple[int, int]]:
     """'2048/16,8192/16' -> [(2048, 16), (8192, 16)]; argparse reports a ValueError."""
-    pairs = []
-    for item in text.split(","):
-        input_len, output_len = item.split("/")
-        pairs.append((int(input_len), int(output_len)))
-    return pairs
+    return [(int(i), int(o)) for i, o in (item.split("/") for item in text.split(","))]
 
 
 def _ints(text: str) -> list[int]:
@@ -374,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--env expects NAME=VALUE, got {pair!r}")
         env[name] = value
     installs = {"upstream": args.upstream, "patched": args.patched}
-    found = []
     probes = {}
+    found = []
     for name, install in installs.items():
         probes[name] = probe(command(install, ["-c", PROBE], env), env)
         modules = ("vllm", "lm_eval") if "gsm8k" in recipes else ("vllm",)
@@ -389,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in recipes:
         doc = run_recipe(recipe, installs, args, env, probes)
         print(f"[e2e] {recipe}: {doc['path']}; gate passed: {(doc['gate'] or {}).get('passed')}")
-        for row in doc["comparison"]:
-            print(f"  {row['case']} {row['metric']}: patched / upstream {row['ratio'] or 0:.3f}")
         for line in doc["failed"] or []:
             print(f"  FAILED {line}", file=sys.stderr)
         failed = failed or bool(doc["failed"])

@@ -52,11 +52,9 @@ def missing(facts: dict, args) -> list[str]:
     if not (TREE / "vllm").is_dir():
         found.append("build/vllm (the patched tree) is missing: run `make apply` here")
     if args.model and not (Path(args.model) / "config.json").is_file():
-        found.append(f"MODEL={args.model} is not a local model directory (no config.json): "
-                     "the e2e part never downloads")
+        found.append(f"MODEL={args.model} is not a local model directory (e2e never downloads)")
     if args.model and not (args.upstream and args.patched):
-        found.append("MODEL= needs UPSTREAM= and PATCHED= (the commands running each "
-                     "install's Python, docs/sweeps-and-e2e.md)")
+        found.append("MODEL= needs UPSTREAM= and PATCHED= (docs/sweeps-and-e2e.md)")
     return found
 
 
@@ -104,8 +102,7 @@ def judge(check: str, ran: dict, out: Path, arch: str | None) -> tuple[str, str]
     kind, _, arg = check.partition(":")
     part = {"part": arg, "e2e": "e2e", "bench": "bench", "roofline": "bench"}.get(kind)
     if check.startswith("tests/"):  # tests/kernels and tests/compile have parts of their own
-        part = next((p for p in ("kernels", "compile") if check.startswith(f"tests/{p}/")),
-                    "rocm-tests")
+        part = check.split("/")[1] if check.split("/")[1] in ("kernels", "compile") else "rocm-tests"
     if not isinstance(ran.get(part), int):
         return "not run", f"{part}: {ran.get(part)}"
     if check.startswith("tests/"):
@@ -213,7 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         argv_, extra = command(part, out, args)
         print(f"[validate-rocm] {part}: {' '.join(map(str, argv_))}", flush=True)
         ran[part] = run_logged(argv_, {**os.environ, **extra}, out / f"{part}.log")
-        print(f"[validate-rocm] {part}: exit {ran[part]} ({out / part}.log)", flush=True)
     claims = verdicts(ran, out, facts["arch"])
     report(claims, facts, ran, out)
     counts = {v: sum(c["verdict"] == v for c in claims) for v in ("held", "failed", "not run")}

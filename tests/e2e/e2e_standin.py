@@ -22,8 +22,7 @@ cuda = SimpleNamespace(device_count=lambda: 1, get_device_properties=lambda i: S
     "vllm/entrypoints/__init__.py": "",
     "vllm/entrypoints/cli/__init__.py": "",
     "vllm/entrypoints/cli/main.py": """
-import json, os, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import json, os, sys, time
 args = sys.argv[1:]
 arg = lambda flag: args[args.index(flag) + 1]
 if os.environ.get("STANDIN_FAIL"):
@@ -39,11 +38,7 @@ elif args[:2] == ["bench", "serve"]:
     json.dump({"completed": int(arg("--num-prompts")), "request_throughput": rate,
                "median_ttft_ms": 10 / rate, "ttfts": [0.1]}, open(path, "w"))
 elif args[0] == "serve":
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-    HTTPServer(("127.0.0.1", int(arg("--port"))), Health).serve_forever()
+    time.sleep(600)  # the server, until stopped
 """,
     "lm_eval/__init__.py": "",
     "lm_eval/__main__.py": """

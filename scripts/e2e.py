@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = r'''
 import importlib, json
 from importlib.util import find_spec
-facts = {"found": [m for m in ("vllm", "lm_eval", "pytest", "pytest_benchmark") if find_spec(m)],
-         "hip": None, "gpus": 0, "device": None, "arch": None}
+facts = {"found": [m for m in ("vllm", "lm_eval", "pytest") if find_spec(m)], "hip": None,
+         "gpus": 0, "device": None}
 for name in ("torch", "triton", "aiter"):
     try:
         facts[name] = str(getattr(importlib.import_module(name), "__version__", "unknown"))
@@ -43,9 +43,7 @@ if facts["torch"]:
     import torch
     facts.update(hip=torch.version.hip, gpus=torch.cuda.device_count())
     if facts["gpus"]:
-        props = torch.cuda.get_device_properties(0)
-        arch = props.gcnArchName.split(":")[0] if facts["hip"] else f"sm_{props.major}{props.minor}"
-        facts.update(device=props.name, arch=arch)
+        facts["device"] = torch.cuda.get_device_name(0)
 print("PROBE " + json.dumps(facts))
 '''
 VLLM = ("-m", "vllm.entrypoints.cli.main")
@@ -101,17 +99,12 @@ def run_logged(cmd: list, env: dict, log: Path, timeout_s: float | None = None) 
             stop(proc)
 
 
-def recorded_env(env: dict) -> dict:
-    """The variables a result records: VLLM_*, AITER_*, device visibility; secrets redacted."""
-    return {k: "<redacted>" if SECRET.search(k) else env[k] for k in sorted(env)
-            if RECORDED.match(k)}
-
-
 def command(install: list[str], args: list, env: dict) -> list[str]:
-    """``args`` run by an install: a Python, or a prefix ending in one (`docker exec C python3`,
-    which passes no environment), with the recorded variables but no secrets set by `env`."""
-    inner = [f"{k}={v}" for k, v in recorded_env(env).items() if v != "<redacted>"]
-    return [*install[:-1], "env", *inner, install[-1], *map(str, args)]
+    """``args`` run by an install: a Python, or a prefix ending in one (`docker exec C python3`
+    passes no environment), with the VLLM_*, AITER_* and device visibility variables of ``env``
+    but no secret set by `env`; so each result's command records them."""
+    recorded = [f"{k}={env[k]}" for k in sorted(env) if RECORDED.match(k) and not SECRET.search(k)]
+    return [*install[:-1], "env", *recorded, install[-1], *map(str, args)]
 
 
 @dataclass
@@ -283,11 +276,8 @@ def run_recipe(recipe: str, installs: dict, args, env: dict, probes: dict) -> di
     result = gate(recipe, run.benchmarks)
     if result and result["passed"] is False:
         run.failed.append(f"gate failed: {result['rule']}")
-    doc = {"format": "e2e/1", "recipe": recipe, "datetime": stamp.isoformat(timespec="seconds"),
-           "machine_info": {"node": socket.gethostname(), "series": series},
-           "installs": {name: {"command": shlex.join(install), "probe": probes[name]}
-                        for name, install in installs.items()},
-           "env": recorded_env(env), "engine_args": args.engine_args,
+    doc = {"recipe": recipe, "datetime": stamp.isoformat(timespec="seconds"),
+           "machine_info": {"node": socket.gethostname(), "series": series}, "probes": probes,
            "benchmarks": run.benchmarks, "comparison": comparison(run.benchmarks),
            "gate": result, "failed": run.failed or None}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,7 @@ FILES = {
 from types import SimpleNamespace
 __version__ = "2.9.0+rocm7.0"
 version = SimpleNamespace(hip="7.0")
-cuda = SimpleNamespace(device_count=lambda: 1, get_device_properties=lambda i: SimpleNamespace(
-    name="Stand-in MI300X", gcnArchName="gfx942:sramecc+:xnack-"))
+cuda = SimpleNamespace(device_count=lambda: 1, get_device_name=lambda i: "Stand-in MI300X")
 """,
     "triton/__init__.py": "__version__ = '3.8.0'\n",
     "aiter/__init__.py": "__version__ = '0.1.28.post1'\n",

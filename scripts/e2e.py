@@ -33,7 +33,7 @@ import importlib, json
 from importlib.util import find_spec
 facts = {"found": [m for m in ("vllm", "lm_eval", "pytest") if find_spec(m)], "hip": None,
          "gpus": 0, "device": None}
-for name in ("torch", "triton", "aiter"):
+for name in ("torch", "aiter"):
     try:
         facts[name] = str(getattr(importlib.import_module(name), "__version__", "unknown"))
     except BaseException as exc:
@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=_ints, default=[4, 8, 16, 32, 64, 128],
                    help="serve: max concurrencies, comma-separated")
     args = p.parse_args(argv)
+    if engine_args and not engine_args[0].startswith("--"):
+        p.error(f"the arguments after -- are vLLM flags, not {engine_args[0]!r}")
     args.engine_args = engine_args
     recipes = list(RECIPES) if "all" in args.recipes else list(dict.fromkeys(args.recipes))
     env = {"VLLM_ROCM_USE_AITER": "1", **os.environ}

@@ -1,12 +1,8 @@
 #!/usr/bin/env python3
-"""The order-contract case of scripts/e2e.py (docs/sweeps-and-e2e.md), run by an install's Python.
-
-A long prompt starts with a secret number and ends asking for it; it is prefilled in chunks
-(every chunk after the first an extend).  Alone first (the reference), then with a decoding
-request and a fresh prompt arriving at each of its steps, so that steps hold a decode, an extend
-and a prefill together; the engine core runs in this process to see each step.  Writes --out:
-the verdict, both answers and each step's kinds.  Other arguments are vLLM engine flags.
-"""
+"""The order-contract case of scripts/e2e.py, run by an install's Python: a long prompt asking
+for the secret number it starts with, prefilled in chunks alone (the reference), then in steps
+that also hold a decode and a fresh prefill (docs/sweeps-and-e2e.md).  Writes --out: the verdict,
+both answers, each step's kinds.  Other arguments are vLLM engine flags."""
 
 from __future__ import annotations
 
@@ -68,16 +64,13 @@ def parse_engine_args(tokens: list[str]) -> dict:
     """['--max-num-seqs', '64', '--enforce-eager', '--dtype=half'] -> {'max_num_seqs': 64,
     'enforce_eager': True, 'dtype': 'half'}: the LLM(...) keywords of vLLM's flags."""
     out: dict = {}
-    name = None
     for tok in tokens:
         if tok.startswith("--"):
             flag, sep, value = tok[2:].partition("=")
             name = flag.replace("-", "_")
-            out[name] = True  # a flag without a value
+            out[name] = True  # a flag without a value, unless one follows
             if not sep:
                 continue
-        elif name is None:
-            raise ValueError(f"engine argument {tok!r} does not follow a --flag")
         else:
             value = tok
         try:

@@ -5,7 +5,7 @@ scripts/validate_rocm/claims.toml lists the claims and the checks behind each; t
 what the parts (PARTS) write, each one command run from the checkout with its output in
 <out>/<part>.log; e2e runs only when --model is given.  Each claim is held (every check passed),
 failed (one failed) or not run (one could not run, with the reason): printed, and written to
-<out>/REPORT.md and <out>/results.json (docs/rocm.md).  Exit status: 0 nothing failed, 1 a check
+<out>/REPORT.md (docs/rocm.md).  Exit status: 0 nothing failed, 1 a check
 or part failed, 2 this machine lacks a prerequisite (one line each; nothing was run).
 """
 
@@ -36,14 +36,10 @@ PARTS = ("rocm-tests", "kernels", "compile", "e2e")
 
 def missing(facts: dict, args) -> list[str]:
     """What this machine lacks for the parts; empty when nothing."""
-    pins = load_pins(ROOT)
+    pin = load_pins(ROOT)["AITER_REF"]
     found = problems(facts, 1, ("pytest",))
-    triton = ".".join(pins["TRITON_VERSION"].split(".")[:2])
-    if not (facts["triton"] or "").startswith(triton + "."):
-        found.append(f"Triton {facts['triton']} is not the pinned {triton}.x")
-    aiter = pins["AITER_REF"].removeprefix("v")
-    if facts["aiter"] and facts["aiter"] != "unknown" and not facts["aiter"].startswith(aiter):
-        found.append(f"AITER {facts['aiter']} is not the pinned {pins['AITER_REF']}")
+    if facts["aiter"] not in (None, "unknown") and not facts["aiter"].startswith(pin[1:]):
+        found.append(f"AITER {facts['aiter']} is not the pinned {pin}")
     if not (TREE / "vllm").is_dir():
         found.append("build/vllm (the patched tree) is missing: run `make apply` here")
     if args.model and not (Path(args.model) / "config.json").is_file():
@@ -57,14 +53,13 @@ def command(part: str, out: Path, args) -> tuple[list, dict]:
     """(argv, environment added) of one part."""
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
               "-o", "junit_family=xunit1", f"--junitxml={out / (part + '.xml')}"]
-    gpu = {"PYTHONPATH": os.pathsep.join(["vllm_overlay", "tests/without_vllm", "."])}
     if part == "rocm-tests":
         files = [p.relative_to(ROOT) for p in sorted((ROOT / "tests").rglob("test_*.py"))
                  if "mark.rocm" in p.read_text(encoding="utf-8")]
         return [*pytest, "-m", "rocm", *files], {"PYTHONPATH": str(TREE),
                                                  "VLLM_BUILD_TREE": str(TREE)}
     if part == "kernels":
-        return [*pytest, "tests/kernels"], gpu
+        return [*pytest, "tests/kernels"], {"PYTHONPATH": "vllm_overlay:tests/without_vllm:."}
     if part == "compile":
         return [*pytest, "-m", "compile", "tests/compile/test_compile_tier.py"], {}
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -121,35 +116,31 @@ def judge(check: str, ran: dict, out: Path) -> tuple[str, str]:
     return ("failed", failed[0]) if failed else ("passed", f"{docs[-1].name}: nothing failed")
 
 
-def verdicts(ran: dict, out: Path) -> list[dict]:
-    """One verdict per claim of claims.toml: held, failed or not run."""
-    claims = []
-    for doc, quotes in tomllib.loads(CLAIMS.read_text(encoding="utf-8")).items():
-        for quote, checks in quotes.items():
-            results = [(check, *judge(check, ran, out)) for check in checks]
-            seen = {verdict for _, verdict, _ in results}
-            verdict = "failed" if "failed" in seen else "not run" if "not run" in seen else "held"
-            claims.append({"doc": doc, "quote": quote, "verdict": verdict, "checks": results})
-    return claims
-
-
-def report(claims: list[dict], facts: dict, ran: dict, out: Path) -> None:
-    """Write REPORT.md and results.json; print one line per claim."""
+def report(ran: dict, facts: dict, out: Path) -> int:
+    """Judge each claim of claims.toml: held, failed or not run; write REPORT.md, print one
+    line per claim; return how many failed."""
     lines = ["# make validate-rocm", "",
              f"{facts['device']}; HIP {facts['hip']}; torch {facts['torch']}; "
-             f"Triton {facts['triton']}; AITER {facts['aiter']}; commit {facts['commit']}; "
+             f"AITER {facts['aiter']}; commit {facts['commit']}; "
              f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
              "Parts: " + "; ".join(f"{k} " + (f"exit {v} ({k}.log)" if isinstance(v, int)
                                               else f"not run: {v}") for k, v in ran.items()), "",
              "| verdict | where | claim | checks |", "|---|---|---|---|"]
-    for c in claims:
-        checks = "; ".join(f"`{check}`: {v} ({why})" for check, v, why in c["checks"])
-        lines.append(f"| {c['verdict']} | {c['doc']} | “{c['quote']}” | {checks} |")
-        print(f"{c['verdict']:>8}  {c['doc']}: “{c['quote'][:60]}”" + "".join(
-            f"; {check}: {why}" for check, v, why in c["checks"] if v != "passed"))
+    counts = {"held": 0, "failed": 0, "not run": 0}
+    for doc, quotes in tomllib.loads(CLAIMS.read_text(encoding="utf-8")).items():
+        for quote, checks in quotes.items():
+            results = [(check, *judge(check, ran, out)) for check in checks]
+            seen = {v for _, v, _ in results}
+            verdict = "failed" if "failed" in seen else "not run" if "not run" in seen else "held"
+            counts[verdict] += 1
+            why = "; ".join(f"`{check}`: {v} ({reason})" for check, v, reason in results)
+            lines.append(f"| {verdict} | {doc} | “{quote}” | {why} |")
+            print(f"{verdict:>8}  {doc}: “{quote[:60]}”" + "".join(
+                f"; {check}: {reason}" for check, v, reason in results if v != "passed"))
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"environment": facts, "parts": ran,
-                                                  "claims": claims}, indent=1) + "\n")
+    print(f"[validate-rocm] {counts['held']} held, {counts['failed']} failed, "
+          f"{counts['not run']} not run; {out / 'REPORT.md'}")
+    return counts["failed"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,13 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         argv_, extra = command(part, out, args)
         print(f"[validate-rocm] {part}: {' '.join(map(str, argv_))}", flush=True)
         ran[part] = run_logged(argv_, {**os.environ, **extra}, out / f"{part}.log")
-    claims = verdicts(ran, out)
-    report(claims, facts, ran, out)
-    counts = {v: sum(c["verdict"] == v for c in claims) for v in ("held", "failed", "not run")}
-    print(f"[validate-rocm] {counts['held']} held, {counts['failed']} failed, "
-          f"{counts['not run']} not run; {out / 'REPORT.md'}")
-    failed = counts["failed"] or any(isinstance(rc, int) and rc not in (0, 5) for rc in ran.values())
-    return 1 if failed else 0
+    failed = report(ran, facts, out)
+    return 1 if failed or any(isinstance(rc, int) and rc not in (0, 5) for rc in ran.values()) else 0
 
 
 if __name__ == "__main__":

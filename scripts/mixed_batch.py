@@ -139,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         if fresh and steps and steps[-1].get(long_id) in ("prefill", "extend"):
             add(f"fresh-{fresh}", {"prompt_token_ids": encode(FRESH_PROMPT, True)}, 16)
             fresh -= 1                  # it arrives while the long prompt is mid-prefill
-    scheduler.schedule = original
     mixed = sum({"decode", "extend", "prefill"} <= set(step.values()) for step in steps)
     result = {"verdict": verdict(mixed, code in reference, code in answers.get(long_id, "")),
               "mixed_steps": mixed, "steps": len(steps), "needle": code,

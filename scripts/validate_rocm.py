@@ -28,9 +28,6 @@ from seriestool.pins import load_pins  # noqa: E402
 
 CLAIMS = ROOT / "scripts" / "validate_rocm" / "claims.toml"
 TREE = ROOT / "build" / "vllm"  # the patched tree (make apply)
-# rocm-tests: pytest -m rocm over the files with a rocm mark, on the patched tree; kernels:
-# tests/kernels compiled here (make test-gpu); compile: the compile tier's budgets with this
-# Triton; e2e: scripts/e2e.py all, offline, on a local --model.
 PARTS = ("rocm-tests", "kernels", "compile", "e2e")
 
 
@@ -74,13 +71,9 @@ def junit_tests(xml: Path) -> dict[str, tuple[str, str]]:
     for case in ET.parse(xml).getroot().iter("testcase") if xml.is_file() else ():
         file = case.get("file")
         classes = case.get("classname").split(".")[file.count("/") + 1:]
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            found = case.find(tag)
-            if found is not None:
-                outcome = "skipped" if tag == "skipped" else "failed"
-                message = (found.get("message") or "").splitlines()[0][:200]
-                break
+        found = [e for e in case if e.tag in ("failure", "error", "skipped")]
+        outcome = "passed" if not found else "skipped" if found[0].tag == "skipped" else "failed"
+        message = (found[0].get("message") or "").partition("\n")[0][:200] if found else ""
         tests["::".join([file, *classes, case.get("name")])] = (outcome, message)
     return tests
 
@@ -171,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[validate-rocm] {part}: {' '.join(map(str, argv_))}", flush=True)
         ran[part] = run_logged(argv_, {**os.environ, **extra}, out / f"{part}.log")
     failed = report(ran, facts, out)
-    return 1 if failed or any(isinstance(rc, int) and rc not in (0, 5) for rc in ran.values()) else 0
+    parts_failed = any(isinstance(rc, int) and rc not in (0, 5) for rc in ran.values())
+    return 1 if failed or parts_failed else 0
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ def test_a_failed_run_and_a_failed_gate_are_recorded(tmp_path):
     assert proc.returncode == 1
     docs = _docs(out)
     up, pa = (b["extra_info"] for b in docs["throughput"]["benchmarks"])
-    assert up["error"] == "RuntimeError: exit 1: RuntimeError: stand-in failure" and up["results"] == {}
+    assert up["error"] == "RuntimeError: exit 1: RuntimeError: stand-in failure"
+    assert up["results"] == {}
     assert pa["results"]["requests_per_second"] == 2.5
     assert docs["throughput"]["failed"] == [f"throughput 64/4 upstream: {up['error']}"]
     assert docs["gsm8k"]["gate"]["passed"] is False

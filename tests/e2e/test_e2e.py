@@ -53,7 +53,7 @@ def test_preflight_fails_fast_off_rocm_and_names_every_problem(tmp_path):
 def test_recipes_measure_both_installs_compare_and_gate(tmp_path):
     proc, docs = _e2e(tmp_path, "throughput", "serve", "gsm8k", "--model", "org/model",
                       "--upstream", e2e_standin.install(tmp_path, rate=2.0, acc=0.80),
-                      "--patched", e2e_standin.install(tmp_path, rate=2.5, acc=0.79),
+                      "--patched", e2e_standin.install(tmp_path, rate=2.5, acc=0.76),
                       "--lengths", "128/4", "--num-prompts", "10", "--concurrency", "4",
                       "--env", "VLLM_API_KEY=s3cret", "--", "--max-num-seqs", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -68,32 +68,20 @@ def test_recipes_measure_both_installs_compare_and_gate(tmp_path):
     assert ratios[("c4", "median_ttft_ms")] == pytest.approx(0.8)
     serve = docs["serve"]["benchmarks"][0]["extra_info"]["results"]
     assert serve["completed"] == 32 and "ttfts" not in serve  # max(32, 5 x 4) prompts
-    assert docs["gsm8k"]["gate"]["passed"] is True  # 0.79 >= 0.80 - 3 x sqrt(2 x 0.01^2)
+    assert docs["gsm8k"]["gate"]["passed"] is True  # 0.76 >= 0.80 - 3 x sqrt(2) x 0.01
 
 
 def test_a_failed_run_and_a_failed_gate_are_recorded(tmp_path):
     proc, docs = _e2e(tmp_path, "throughput", "gsm8k", "--model", "m", "--lengths", "64/4",
                       "--upstream", e2e_standin.install(tmp_path, rate=2, acc=0.8, fail=True),
-                      "--patched", e2e_standin.install(tmp_path, rate=2.5, acc=0.7))
+                      "--patched", e2e_standin.install(tmp_path, rate=2.5, acc=0.75))
     assert proc.returncode == 1
     up, pa = (b["extra_info"] for b in docs["throughput"]["benchmarks"])
     assert up["error"] == "RuntimeError: exit 1: RuntimeError: stand-in failure"
     assert up["results"] == {} and pa["results"]["requests_per_second"] == 2.5
     assert docs["throughput"]["failed"] == [f"throughput 64/4 upstream: {up['error']}"]
-    assert docs["gsm8k"]["failed"] == [f"gate failed: {docs['gsm8k']['gate']['rule']}"]
-
-
-def _sides(upstream: dict, patched: dict) -> list[dict]:
-    return [{"extra_info": {"install": "upstream", "results": upstream}},
-            {"extra_info": {"install": "patched", "results": patched}}]
-
-
-@pytest.mark.parametrize("upstream, patched, passed", [
-    (0.80, 0.80, True), (0.80, 0.76, True), (0.80, 0.75, False), (None, 0.80, False)])
-def test_gsm8k_gate_allows_three_combined_standard_errors(upstream, patched, passed):
-    up = {} if upstream is None else {e2e.GSM8K: upstream, e2e.GSM8K_STDERR: 0.01}
-    pa = {e2e.GSM8K: patched, e2e.GSM8K_STDERR: 0.01}
-    assert e2e.gate("gsm8k", _sides(up, pa))["passed"] is passed  # 3 x sqrt(2) x 0.01 = 0.0424
+    assert docs["gsm8k"]["failed"] == [  # 0.75 < 0.80 - 0.0424
+        "gate failed: patched >= upstream - 3 x combined stderr (0.0424)"]
 
 
 def test_mixed_verdict_and_gate():
@@ -101,9 +89,11 @@ def test_mixed_verdict_and_gate():
     assert mixed_batch.verdict(3, reference_found=True, found=False) == "fail"
     assert mixed_batch.verdict(0, reference_found=True, found=True) == "not-triggered"
     assert mixed_batch.verdict(3, reference_found=False, found=False) == "inconclusive"
-    gate = e2e.gate("mixed", _sides({"verdict": "fail"}, {"verdict": "pass"}))
-    assert gate["passed"] is True and gate["upstream"] == "fail"  # upstream's is not gated
-    assert e2e.gate("mixed", _sides({"verdict": "pass"}, {}))["passed"] is False
+    runs = [{"extra_info": {"install": "upstream", "results": {"verdict": "fail"}}},
+            {"extra_info": {"install": "patched", "results": {"verdict": "pass"}}}]
+    assert e2e.gate("mixed", runs)["passed"] is True  # upstream's verdict is not gated
+    runs[1]["extra_info"]["results"] = {}  # the patched run failed
+    assert e2e.gate("mixed", runs)["passed"] is False
 
 
 def test_mixed_batch_classifies_steps_and_builds_the_needle_prompt():
@@ -123,11 +113,3 @@ def test_mixed_batch_classifies_steps_and_builds_the_needle_prompt():
     assert mixed_batch.parse_engine_args(["--max-num-seqs", "64", "--enforce-eager",
                                           "--kv-cache-dtype=fp8"]) == {
         "max_num_seqs": 64, "enforce_eager": True, "kv_cache_dtype": "fp8"}
-
-
-def test_a_container_install_gets_the_recorded_env_but_no_secret_inside():
-    env = {"VLLM_ROCM_USE_AITER": "1", "VLLM_API_KEY": "s3cret", "PATH": "/bin",
-           "HIP_VISIBLE_DEVICES": "2"}
-    assert e2e.command(["docker", "exec", "vllm-patched", "python3"], ["-c", "pass"], env) == [
-        "docker", "exec", "vllm-patched", "env", "HIP_VISIBLE_DEVICES=2",
-        "VLLM_ROCM_USE_AITER=1", "python3", "-c", "pass"]

@@ -3,7 +3,6 @@ verdicts read from pytest's own JUnit XML and from e2e's results, and the verb h
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -18,8 +17,8 @@ import validate_rocm as vr  # noqa: E402
 
 CLAIMS = [(doc, quote, checks) for doc, quotes in tomllib.loads(vr.CLAIMS.read_text()).items()
           for quote, checks in quotes.items()]
-# Docs that name ROCm hardware or the ROCm tier but make no claim a ROCm run can check.
-# The AMD roofline and the benchmark figures are make bench's (make report), not validate-rocm's.
+# Docs that name ROCm hardware or the ROCm tier but make no claim a ROCm run can check (the
+# AMD roofline and the benchmark figures are make bench's).
 UNCLAIMED = {"docs/rebase-0.32.0.md", "docs/rebase-0.34.0.md", "docs/prs-wheels-image.md",
              "docs/benchmarks.md", "docs/e2e-cpu.md", "docs/roofline-amd.md"}
 ROCM_WORDS = re.compile(r"on ROCm|MI300|MI355|gfx942|gfx950|ROCm tier|`rocm`")

@@ -1,9 +1,6 @@
-"""A stand-in ROCm install for the e2e tests: torch (a HIP build seeing one GPU), aiter, vllm's
-CLI (bench throughput, serve, bench serve) and lm_eval, writing vLLM 0.34.0's / lm_eval's output
-files with fixture numbers: STANDIN_RATE (requests/s), STANDIN_ACC (gsm8k accuracy);
-STANDIN_FAIL=1: the vllm tools fail."""
-
-from __future__ import annotations
+"""A stand-in ROCm install: torch (HIP, one GPU), aiter, vllm's CLI and lm_eval writing vLLM
+0.34.0's / lm_eval's files with STANDIN_RATE (requests/s), STANDIN_ACC (gsm8k); STANDIN_FAIL=1:
+the vllm tools fail."""
 
 import sys
 from pathlib import Path
@@ -16,9 +13,7 @@ version = SimpleNamespace(hip="7.0")
 cuda = SimpleNamespace(device_count=lambda: 1, get_device_name=lambda i: "Stand-in MI300X")
 """,
     "aiter/__init__.py": "__version__ = '0.1.28.post1'\n",
-    "vllm/__init__.py": "",
-    "vllm/entrypoints/__init__.py": "",
-    "vllm/entrypoints/cli/__init__.py": "",
+    **{f"{pkg}/__init__.py": "" for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli")},
     "vllm/entrypoints/cli/main.py": """
 import json, os, sys, time
 args = sys.argv[1:]

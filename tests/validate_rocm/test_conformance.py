@@ -1,9 +1,6 @@
-"""The AITER fakes (tests/fakes/) against what can be observed of AITER itself: each row of ROWS
-is a constraint of AITER at the ref the fakes were read at (AITER_COMMIT), the file and line
-stating it, a call breaking it, and what AITER does: raises (its class, its source's words) or,
-unchecked, misreads (the fake: KernelMisread).  The fake refuses as the line says, within what
-it cites; with AITER_SRC=<ROCm/aiter at AITER_COMMIT> the line says those words; on ROCm (rocm
-mark) real AITER refuses the same calls and computes what the fake computes on accepted ones."""
+"""The AITER fakes (tests/fakes/) against what can be observed of AITER itself: each of ROWS is
+a constraint of AITER at AITER_COMMIT, which the fake must refuse as the cited line says; with
+AITER_SRC= the line is read; on ROCm real AITER must refuse and compute as the fake does."""
 
 from __future__ import annotations
 

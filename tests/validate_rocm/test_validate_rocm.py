@@ -1,8 +1,6 @@
 """make validate-rocm (scripts/validate_rocm.py): the claims registry against the docs, the
 verdicts read from pytest's own JUnit XML and from e2e's results, and the verb here."""
 
-from __future__ import annotations
-
 import re
 import subprocess
 import sys
@@ -17,8 +15,7 @@ import validate_rocm as vr  # noqa: E402
 
 CLAIMS = [(doc, quote, checks) for doc, quotes in tomllib.loads(vr.CLAIMS.read_text()).items()
           for quote, checks in quotes.items()]
-# Docs that name ROCm hardware or the ROCm tier but make no claim a ROCm run can check (the
-# AMD roofline and the benchmark figures are make bench's).
+# Docs naming ROCm that make no claim a ROCm run checks (roofline, benchmarks: make bench's).
 UNCLAIMED = {"docs/rebase-0.32.0.md", "docs/rebase-0.34.0.md", "docs/prs-wheels-image.md",
              "docs/benchmarks.md", "docs/e2e-cpu.md", "docs/roofline-amd.md"}
 ROCM_WORDS = re.compile(r"on ROCm|MI300|MI355|gfx942|gfx950|ROCm tier|`rocm`")
@@ -31,12 +28,9 @@ def test_each_claim_quotes_its_doc_and_names_checks_that_exist(doc, quote, check
         kind, _, arg = check.partition(":")
         if check.startswith("tests/"):
             path, _, name = check.partition("::")
-            assert (ROOT / path).is_file(), check
             assert f"def {name.split('[')[0]}" in (ROOT / path).read_text(), check
         else:
-            assert kind in ("part", "e2e"), check
-        assert kind != "part" or arg in vr.PARTS, check
-        assert kind != "e2e" or arg in ("throughput", "mixed", "serve", "gsm8k"), check
+            assert arg in {"part": vr.PARTS, "e2e": ("throughput", "mixed", "serve", "gsm8k")}[kind]
 
 
 def test_every_doc_that_speaks_of_rocm_has_a_claim():
@@ -76,29 +70,25 @@ def test_checks_are_judged_from_pytests_own_junit_xml(tmp_path):
 
 def test_a_rocm_run_judges_every_claim(tmp_path, monkeypatch):
     """A stand-in MI300X whose parts write nothing, kernels exits 1; no MODEL: no e2e."""
-    pins = vr.load_pins(ROOT)
     monkeypatch.setattr(vr, "probe", lambda cmd, env: {
         "device": "AMD Instinct MI300X", "hip": "7.0", "torch": "2.9", "gpus": 1,
-        "aiter": pins["AITER_REF"][1:], "found": ["pytest"]})
+        "aiter": vr.load_pins(ROOT)["AITER_REF"][1:], "found": ["pytest"]})
     monkeypatch.setattr(vr, "TREE", ROOT / "vllm_overlay")  # a tree with vllm/
     monkeypatch.setattr(vr, "run_logged", lambda argv, env, log: int("tests/kernels" in argv))
     monkeypatch.chdir(ROOT)  # main() moves there; restored after the test
     assert vr.main(["--out", str(tmp_path)]) == 1  # a part failed
-    rows = [line.split(" | ") for line in (tmp_path / "REPORT.md").read_text().splitlines()
-            if line.startswith(("| held", "| failed", "| not run"))]
-    verdict = {quote.strip("“”"): v.strip("| ") for v, doc, quote, checks in rows}
-    assert len(verdict) == len(CLAIMS)
-    assert verdict["the real AITER op vs the Triton kernel"] == "held"  # part:rocm-tests
-    assert verdict["tests marked `rocm` (AITER paths); skipped with a reason elsewhere"] == "held"
-    assert verdict["the Triton kernels are compiled for gfx942/gfx950 on the CPU"] == "failed"
-    assert verdict["AITER's op on ROCm, a Triton kernel elsewhere"] == "not run"  # no JUnit XML
-    assert verdict["engine end to end on ROCm"] == "not run"
+    report = (tmp_path / "REPORT.md").read_text()
+    assert report.count("\n| ") == len(CLAIMS) + 1  # and the head row
+    assert "\n| held | docs/rocm.md | “the real AITER op vs the Triton kernel” |" in report
+    assert "\n| failed | README.md | “the Triton kernels are compiled for gfx942" in report
+    assert "\n| not run | README.md | “AITER's op on ROCm" in report  # no JUnit XML written
+    assert "\n| not run | docs/rocm.md | “engine end to end on ROCm” |" in report
 
 
 def test_the_verb_on_this_machine_says_what_is_missing_and_runs_nothing(tmp_path):
     proc = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "validate-rocm",
                            f"VALIDATE_OUT={tmp_path / 'out'}", f"GPU_PYTHON={sys.executable}"],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "is not a ROCm build" in proc.stderr and "Nothing was run" in proc.stderr
+    assert proc.returncode == 2 and "is not a ROCm build" in proc.stderr, proc.stderr
+    assert "Nothing was run" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

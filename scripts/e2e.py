@@ -181,8 +181,7 @@ def serve(run: Run, name: str, install: list[str]) -> None:
     try:
         for conc in a.concurrency:
             if server.poll() is not None:
-                run.failed.append(f"serve {name}: the server exited with {server.returncode} "
-                                  f"({log})")
+                run.failed.append(f"serve {name}: the server exited ({log})")
                 return
             out = run.work / f"serve-{name}-c{conc}.json"
             prompts = max(32, 5 * conc)

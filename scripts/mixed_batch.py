@@ -45,10 +45,7 @@ def step_kinds(out, prompt_lens: dict[str, int]) -> dict[str, str]:
     kinds = {}
     for rid in out.num_scheduled_tokens:
         done = computed.get(rid, 0)
-        if done >= prompt_lens[rid]:
-            kinds[rid] = "decode"
-        else:
-            kinds[rid] = "extend" if done > 0 else "prefill"
+        kinds[rid] = "decode" if done >= prompt_lens[rid] else "extend" if done else "prefill"
     return kinds
 
 
@@ -87,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args, engine_tokens = parser.parse_known_args(argv)
     # In-process engine core: a request added between two steps joins the next schedule.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, __version__
 
     kwargs = dict(model=args.model, max_model_len=LONG_PROMPT_LEN + 512, seed=0,
                   enable_prefix_caching=False, attention_backend="ROCM_AITER_FA",
@@ -96,10 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=CHUNK + 2048)  # room for the short prompts
     kwargs.update(parse_engine_args(engine_tokens))
     llm = LLM(**kwargs)
-    tokenizer = llm.get_tokenizer()
 
     def encode(text: str, special: bool) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=special)
+        return llm.get_tokenizer().encode(text, add_special_tokens=special)
 
     def params(max_tokens: int):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -143,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"verdict": verdict(mixed, code in reference, code in answers.get(long_id, "")),
               "mixed_steps": mixed, "steps": len(steps), "needle": code,
               "reference_answer": reference, "answer": answers.get(long_id),
-              "vllm": vllm.__version__, "engine_kwargs": kwargs, "step_kinds": steps}
+              "vllm": __version__, "engine_kwargs": kwargs, "step_kinds": steps}
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"[mixed_batch] {result['verdict']}: {mixed} mixed steps; {args.out}", flush=True)

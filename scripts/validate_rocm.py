@@ -1,12 +1,10 @@
 #!/usr/bin/env python3
 """make validate-rocm: every ROCm claim of README.md and docs/, judged on this machine.
 
-scripts/validate_rocm/claims.toml lists the claims and the checks behind each; the checks read
-what the parts (PARTS) write, each one command run from the checkout with its output in
-<out>/<part>.log; e2e runs only when --model is given.  Each claim is held (every check passed),
-failed (one failed) or not run (one could not run, with the reason): printed, and written to
-<out>/REPORT.md (docs/rocm.md).  Exit status: 0 nothing failed, 1 a check
-or part failed, 2 this machine lacks a prerequisite (one line each; nothing was run).
+The checks of scripts/validate_rocm/claims.toml read what the PARTS write, each one command run
+from the checkout, its output in <out>/<part>.log (e2e only with --model).  Each claim is held,
+failed or not run (with the reason), printed and written to <out>/REPORT.md (docs/rocm.md).
+Exit status: 0 nothing failed, 1 a check or part failed, 2 a prerequisite is missing (nothing ran).
 """
 
 from __future__ import annotations
@@ -110,8 +108,7 @@ def judge(check: str, ran: dict, out: Path) -> tuple[str, str]:
 
 
 def report(ran: dict, facts: dict, out: Path) -> int:
-    """Judge each claim of claims.toml: held, failed or not run; write REPORT.md, print one
-    line per claim; return how many failed."""
+    """Judge each claim of claims.toml, write REPORT.md, print each; return how many failed."""
     lines = ["# make validate-rocm", "",
              f"{facts['device']}; HIP {facts['hip']}; torch {facts['torch']}; "
              f"AITER {facts['aiter']}; commit {facts['commit']}; "

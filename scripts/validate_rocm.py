@@ -2,8 +2,8 @@
 """make validate-rocm: every ROCm claim of README.md and docs/, judged on this machine.
 
 The checks of scripts/validate_rocm/claims.toml read what the PARTS write, each one command run
-from the checkout, its output in <out>/<part>.log (e2e only with --model).  Each claim is held,
-failed or not run (with the reason), printed and written to <out>/REPORT.md (docs/rocm.md).
+from the checkout (relative paths are its), output in <out>/<part>.log (e2e only with --model).
+Each claim is held, failed or not run (with the reason), printed and written to <out>/REPORT.md.
 Exit status: 0 nothing failed, 1 a check or part failed, 2 a prerequisite is missing (nothing ran).
 """
 

@@ -25,10 +25,8 @@ FORCE      ?=
 # make bench writes here (default benchmarks/results/); make bench-host defaults to an ignored folder.
 BENCH_OUT  ?=
 HOST_BENCH_OUT ?= $(BUILD)/results
-# make validate-rocm PARTS=kernels,compile,bench ALLOW_CUDA=1 (docs/rocm.md); writes
-# build/validate-rocm/<date>-<device>-<commit>/ unless VALIDATE_OUT= is given.
-PARTS      ?=
-ALLOW_CUDA ?=
+# make validate-rocm (docs/rocm.md) writes build/validate-rocm/<date>-<device>-<commit>/
+# unless VALIDATE_OUT= is given.
 VALIDATE_OUT ?=
 # make sweep writes here (default an ignored folder named after the config file).
 SWEEP_OUT  ?=
@@ -127,8 +125,8 @@ sweep-report: ## Rewrite and print a sweep's REPORT.md: make sweep-report DIR=bu
 e2e: ## ROCm end-to-end recipes: make e2e RECIPES=all MODEL=... UPSTREAM=/path/python PATCHED=/path/python
 	$(PYTHON) scripts/e2e.py $(or $(RECIPES),all) --model $(MODEL) $(if $(UPSTREAM),--upstream '$(UPSTREAM)') $(if $(PATCHED),--patched '$(PATCHED)')
 
-validate-rocm: ## ROCm day one: check prerequisites, run every ROCm check, report each claim (PARTS= MODEL= ALLOW_CUDA=1)
-	$(GPU_PYTHON) scripts/validate_rocm.py $(if $(PARTS),--parts $(PARTS)) $(if $(ALLOW_CUDA),--allow-cuda) $(if $(MODEL),--model '$(MODEL)') $(if $(UPSTREAM),--upstream '$(UPSTREAM)') $(if $(PATCHED),--patched '$(PATCHED)') $(if $(VALIDATE_OUT),--out $(VALIDATE_OUT))
+validate-rocm: ## ROCm day one: check prerequisites, run every ROCm check, report each claim (MODEL= UPSTREAM= PATCHED= for e2e)
+	$(GPU_PYTHON) scripts/validate_rocm.py $(if $(MODEL),--model '$(MODEL)') $(if $(UPSTREAM),--upstream '$(UPSTREAM)') $(if $(PATCHED),--patched '$(PATCHED)') $(if $(VALIDATE_OUT),--out $(VALIDATE_OUT))
 
 clean: ## Remove build outputs (build/, dist/); never the sdist cache or the venv
 	rm -rf $(BUILD) dist

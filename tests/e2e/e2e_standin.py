@@ -1,49 +1,35 @@
-"""A stand-in ROCm install for the e2e tests: ``torch`` (a HIP build, one GPU), ``aiter``,
-``vllm`` (``bench throughput``, ``serve``, ``bench serve``) and ``lm_eval``, each writing its
-output file in vLLM 0.34.0's / lm_eval's format.  The numbers are fixtures: STANDIN_RATE
-(requests/s), STANDIN_ACC (gsm8k accuracy); with STANDIN_FAIL=1 the vllm tools fail."""
-
-from __future__ import annotations
+"""A stand-in ROCm install: torch (HIP, one GPU), aiter, vllm's CLI and lm_eval writing vLLM
+0.34.0's / lm_eval's files with STANDIN_RATE (requests/s), STANDIN_ACC (gsm8k); STANDIN_FAIL=1:
+the vllm tools fail."""
 
 import sys
 from pathlib import Path
 
 FILES = {
     "torch/__init__.py": """
+from types import SimpleNamespace
 __version__ = "2.9.0+rocm7.0"
-class version:
-    hip = "7.0"
-class cuda:
-    device_count = staticmethod(lambda: 1)
-    get_device_name = staticmethod(lambda i: "Stand-in MI300X")
+version = SimpleNamespace(hip="7.0")
+cuda = SimpleNamespace(device_count=lambda: 1, get_device_name=lambda i: "Stand-in MI300X")
 """,
     "aiter/__init__.py": "__version__ = '0.1.28.post1'\n",
-    "vllm/__init__.py": "",
-    "vllm/entrypoints/__init__.py": "",
-    "vllm/entrypoints/cli/__init__.py": "",
+    **{f"{pkg}/__init__.py": "" for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli")},
     "vllm/entrypoints/cli/main.py": """
-import json, os, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import json, os, sys, time
 args = sys.argv[1:]
 arg = lambda flag: args[args.index(flag) + 1]
 if os.environ.get("STANDIN_FAIL"):
     sys.exit("RuntimeError: stand-in failure")
 rate = float(os.environ["STANDIN_RATE"])
 if args[:2] == ["bench", "throughput"]:
-    n = int(arg("--num-prompts"))
-    json.dump({"elapsed_time": n / rate, "num_requests": n, "requests_per_second": rate,
-               "tokens_per_second": rate * 100, "total_num_tokens": n * 100},
+    json.dump({"requests_per_second": rate, "num_requests": int(arg("--num-prompts"))},
               open(arg("--output-json"), "w"))
 elif args[:2] == ["bench", "serve"]:
-    path = os.path.join(arg("--result-dir"), arg("--result-filename"))
     json.dump({"completed": int(arg("--num-prompts")), "request_throughput": rate,
-               "median_ttft_ms": 10 / rate, "ttfts": [0.1]}, open(path, "w"))
+               "median_ttft_ms": 10 / rate, "ttfts": [0.1]},
+              open(os.path.join(arg("--result-dir"), arg("--result-filename")), "w"))
 elif args[0] == "serve":
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-    HTTPServer(("127.0.0.1", int(arg("--port"))), Health).serve_forever()
+    time.sleep(600)  # the server, until stopped
 """,
     "lm_eval/__init__.py": "",
     "lm_eval/__main__.py": """
@@ -51,8 +37,7 @@ import json, os, sys
 out = os.path.join(sys.argv[sys.argv.index("--output_path") + 1], "org__model")
 os.makedirs(out)
 json.dump({"results": {"gsm8k": {"exact_match,strict-match": float(os.environ["STANDIN_ACC"]),
-                                 "exact_match_stderr,strict-match": 0.01}},
-           "n-samples": {"gsm8k": {"original": 1319, "effective": 1319}}},
+                                 "exact_match_stderr,strict-match": 0.01}}},
           open(os.path.join(out, "results_2026-12-01T00-00-00.json"), "w"))
 """,
 }

@@ -1,20 +1,14 @@
-"""The AITER fakes (tests/fakes/) against what can be observed of AITER itself.
-
-Each row of ROWS is a constraint of AITER at the ref the fakes were read at (AITER_COMMIT):
-the file and line that state it, a call that breaks it, and what AITER does -- raises (its
-class, the words of its source) or, where nothing checks, misreads (the fake: KernelMisread).
-Here: the fake refuses as the line says, and the line is within what the fake cites; with
-AITER_SRC=<ROCm/aiter at AITER_COMMIT> the line says those words; on ROCm (``rocm`` mark)
-real AITER refuses the same calls so, and computes what the fake computes on accepted ones.
-"""
+"""The AITER fakes (tests/fakes/) against what can be observed of AITER itself: each of ROWS is
+a constraint of AITER at AITER_COMMIT, which the fake must refuse as the cited line says; with
+AITER_SRC= the line is read; on ROCm real AITER must refuse and compute as the fake does."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import re
+from collections import namedtuple
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -106,14 +100,10 @@ def paged_v1(device, arch, breaks=None):
     return (a["out"],)
 
 
-class Row(NamedTuple):
-    id: str
-    call: object  # mla / varlen / unified / paged_v1
-    breaks: object  # (args, arch) -> None: the call then breaks the constraint
-    raises: type | None  # AITER's exception class; None: AITER misreads (fake: KernelMisread)
-    words: str  # in AITER's message and at the cited line
-    file: str
-    line: int
+# call: mla / varlen / unified / paged_v1; breaks(args, arch): the call then breaks the
+# constraint; raises: AITER's exception class, None where AITER misreads (fake: KernelMisread);
+# words: in AITER's message and at line ``line`` of ``file``.
+Row = namedtuple("Row", "id call breaks raises words file line")
 
 
 MLA_CU, DTYPES = "csrc/kernels/cache_kernels.cu", "aiter/utility/dtypes.py"
@@ -186,17 +176,6 @@ def test_each_constraint_is_within_what_its_fake_cites(row):
     ranges = _cited_ranges((ROOT / "tests/fakes" / fake).read_text(), row.file)
     assert ranges, f"{fake} cites no line of {row.file}"
     assert any(a <= row.line <= b for a, b in ranges), (row.line, ranges)
-
-
-@pytest.mark.parametrize("path", ["tests/fakes/aiter_fa.py", "tests/fakes/aiter_mla.py",
-                                  "tests/fakes/aiter_export.py", "docs/aiter-calls.md",
-                                  "docs/aiter-calls-fa.md", "docs/rocm.md",
-                                  "benchmarks/notes/paged_context.md"])
-def test_citations_name_the_ref_read_and_the_pinned_ref(path):
-    text = (ROOT / path).read_text()
-    pin = re.search(r"^AITER_REF=(\S+)", (ROOT / "pins.env").read_text(), re.M).group(1)
-    assert aiter_fa.AITER_COMMIT in text, f"{path} does not say which AITER ref it was read at"
-    assert pin in text, f"{path} does not name the pinned AITER {pin} (re-check its citations)"
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)

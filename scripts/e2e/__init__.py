@@ -1,1 +1,0 @@
-"""End-to-end ROCm recipes: ``cli`` (scripts/e2e.py), ``mixed_batch`` (the order-contract case)."""

@@ -1,20 +1,14 @@
 #!/usr/bin/env python3
-"""make gpu-payload: what the GPU machine needs to import the patched vLLM from source.
+"""make gpu-payload: what the GPU machine (python3 3.12 with torch, triton, numpy and pytest;
+no vLLM, no package index, at most 64 MiB of working tree) needs to import the patched vLLM.
 
-The GPU machine has python3 3.12 with torch, triton, numpy and pytest, no vLLM, no
-package index, and takes at most 64 MiB of working tree, carried paths included;
-build/vllm is 200 MB.  Into ``.gpu_payload/`` (in .gitignore) this writes:
-
-  vllm-src.zip   the build tree's ``vllm/*.py`` files that importing ROOTS, RUNTIME_ROOTS
-                 and what TESTS import needs: the closure of module-level imports
-                 (function bodies and ``if TYPE_CHECKING:`` blocks skipped).  Extracted
-                 on the device (``python3 -m zipfile -e``).
-  whl/           cp312 manylinux wheels of WHEELS at the versions ``.venv`` has
-                 (``pip download --no-deps``, cached), members recompressed with LZMA
-                 (same files, so RECORD holds): 52 MiB of wheels become 43.
+Writes into ``.gpu_payload/`` (git-ignored):
+  vllm-src.zip   build/vllm's ``vllm/*.py`` files that importing ROOTS, RUNTIME_ROOTS and what
+                 TESTS import executes (module-level imports; function bodies and ``if
+                 TYPE_CHECKING:`` blocks skipped); extracted with ``python3 -m zipfile -e``.
+  whl/           cp312 manylinux wheels of WHEELS at .venv's versions (cached), members
+                 recompressed with LZMA (same files, so RECORD holds): 52 MiB become 43.
   MANIFEST.json  the build tree's commit, the modules, each wheel with PyPI's sha256.
-
-A module the closure misses shows as an ImportError in the GPU verbs' first test run.
 """
 
 from __future__ import annotations
@@ -54,9 +48,8 @@ ROOTS = (
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.registry",
 )
-# Imported inside functions on the tests' path (found by a traced CPU-tier run
-# of TESTS): VllmConfig's post-init and the model registry subprocess.  tests/mla adds none: what its harness builds inside
-# functions (MLAAttention, the rotary embeddings) the tests import too.
+# Imported inside functions on the tests' path (found by a traced CPU-tier run of TESTS):
+# VllmConfig's post-init and the model registry subprocess.
 RUNTIME_ROOTS = (
     "vllm.distributed.ec_transfer",
     "vllm.lora.resolver",
@@ -69,12 +62,9 @@ RUNTIME_ROOTS = (
     "vllm.v1.pool.metadata",
     "vllm.v1.worker.worker_base",
 )
-# Distributions (as `pip freeze` names them), each a hard import of the modules
-# above or a requirement transformers checks by metadata (charset-normalizer
-# only silences requests' warning).  torch, triton, numpy, pytest and torch's
-# requirements (setuptools, sympy, jinja2, ...) are there; of the latter,
-# typing-extensions, filelock and fsspec travel anyway, at .venv's versions,
-# since pydantic and huggingface-hub need recent ones.
+# Distributions, each a hard import of the modules above or a requirement transformers checks
+# by metadata.  The device has torch's requirements; typing-extensions, filelock and fsspec
+# travel anyway, since pydantic and huggingface-hub need recent ones.
 WHEELS = (
     "aiohappyeyeballs", "aiohttp", "aiosignal", "annotated-doc", "annotated-types", "anyio",
     "apache-tvm-ffi", "attrs", "cachetools", "cbor2", "certifi", "charset-normalizer",
@@ -86,13 +76,10 @@ WHEELS = (
     "truststore", "typing-extensions", "typing-inspection", "urllib3", "uvloop", "xgrammar",
     "yarl",
 )
-# The device: CPython 3.12, x86-64, glibc >= 2.31 (llguidance 1.7 is built
-# for manylinux_2_31; pip matches each listed tag exactly).
+# The device: CPython 3.12, x86-64, glibc >= 2.31 (pip matches each listed tag exactly).
 PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 CARRY_LIMIT_MIB = 64  # the device tool's working tree, carried paths included
-
-
 MIB = 1 << 20
 
 
@@ -161,19 +148,17 @@ def module_closure(pkg_root: Path, roots: list[str]) -> set[str]:
 
 
 def test_imports(pkg_root: Path, paths: list[Path]) -> list[str]:
-    """The vllm modules the test files import anywhere in them: ``import vllm.x`` and
-    ``from vllm.x import y`` need vllm.x (kept even when the tree lacks it); vllm.x.y
-    counts where it is a module of the tree."""
+    """The vllm modules the test files import anywhere in them (``from vllm.x import y``:
+    vllm.x, and vllm.x.y where the tree has that module)."""
     names: set[str] = set()
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 names.update(a.name for a in node.names if a.name.startswith("vllm."))
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                if node.module.startswith("vllm."):
-                    names.add(node.module)
-                    names.update(f"{node.module}.{a.name}" for a in node.names
-                                 if module_file(pkg_root, f"{node.module}.{a.name}"))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm."):
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names
+                             if module_file(pkg_root, f"{node.module}.{a.name}"))
     return sorted(names)
 
 
@@ -189,15 +174,14 @@ def write_source_zip(pkg_root: Path, modules: set[str], dest: Path) -> int:
     return len(files)
 
 
-def recompress(src: Path, dest: Path, method: int) -> None:
-    """The same wheel, every member recompressed with ``method`` (names, order, dates kept)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def recompress(src: Path, dest: Path) -> None:
+    """The same wheel, every member recompressed with LZMA (names, order, dates kept)."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w") as zout:
         for info in zin.infolist():
             data = zin.read(info)
             out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
             out.external_attr = info.external_attr
-            out.compress_type = method if data else zipfile.ZIP_STORED
+            out.compress_type = zipfile.ZIP_LZMA if data else zipfile.ZIP_STORED
             zout.writestr(out, data)
 
 
@@ -245,15 +229,15 @@ def build(tree: Path, venv: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     count = write_source_zip(tree, modules, out / "vllm-src.zip")
     shutil.rmtree(out / "whl", ignore_errors=True)
+    (out / "whl").mkdir()
     cache = sdist.cache_dir() / "gpu-wheels" / "cp312"
-    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "lzma").mkdir(parents=True, exist_ok=True)
     listed = []
     for requirement, wheel in wheels(venv, cache):
         packed = cache / "lzma" / wheel.name  # recompressing takes a minute: kept in the cache
-        if not packed.exists() or packed.stat().st_mtime < wheel.stat().st_mtime:
-            recompress(wheel, packed.with_suffix(".tmp"), zipfile.ZIP_LZMA)
+        if not packed.exists():
+            recompress(wheel, packed.with_suffix(".tmp"))
             packed.with_suffix(".tmp").replace(packed)
-        (out / "whl").mkdir(exist_ok=True)
         shutil.copyfile(packed, out / "whl" / wheel.name)
         listed.append({"requirement": requirement, "file": wheel.name,
                        "pypi_sha256": sdist.sha256_of(wheel)})

@@ -1,12 +1,10 @@
 #!/usr/bin/env python3
 """make venv: one virtual environment for the CPU test tier, reused when up to date.
 
-Installs, in one pip resolution (so nothing can pull a CUDA torch):
-  * torch==TORCH_CPU_VERSION, triton==TRITON_VERSION, numba==NUMBA_VERSION (pins.env),
-  * ci/requirements-test.txt,
-  * the pinned tree's requirements/common.txt, so the patched vLLM imports from
-    PYTHONPATH (BRIEF §2).
-A stamp file holds the digest of those inputs; when it matches, nothing runs.
+One pip resolution (so nothing can pull a CUDA torch) of torch, triton and numba at their
+pins.env versions, ci/requirements-test.txt and the pinned tree's requirements/common.txt
+(so the patched vLLM imports from PYTHONPATH).  A stamp file in the venv holds the digest
+of those inputs; when it matches, nothing runs.
 """
 
 from __future__ import annotations
@@ -21,10 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from seriestool import progress  # noqa: E402
 from seriestool.pins import load_pins  # noqa: E402
-
-STAMP = ".series-venv-stamp"
 
 
 def main() -> int:
@@ -42,21 +37,19 @@ def main() -> int:
     digest = hashlib.sha256("\n".join(pinned).encode() + sys.version.encode())
     for path in files:
         digest.update(path.read_bytes())
-    stamp = args.venv / STAMP
+    stamp = args.venv / ".series-venv-stamp"
     if stamp.exists() and stamp.read_text().strip() == digest.hexdigest():
         print(f"{args.venv} is up to date")
         return 0
     python = args.venv / "bin" / "python"
     if not python.exists():
-        with progress.stage("venv", f"creating {args.venv}"):
-            venv.create(args.venv, with_pip=True)
+        venv.create(args.venv, with_pip=True)
     cmd = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pinned]
     for path in files:
         cmd += ["-r", str(path)]
-    with progress.stage("venv", f"pip install of CPU torch, triton and vLLM's requirements into {args.venv} "
-                                f"(first time: about 2.8 GB, a few minutes)"):
-        status = subprocess.run(cmd).returncode
-    if status != 0:
+    print(f"venv: pip install of CPU torch, triton and vLLM's requirements into {args.venv} "
+          "(first time: about 2.8 GB, a few minutes) ...", file=sys.stderr, flush=True)
+    if subprocess.run(cmd).returncode != 0:
         print(f"error: pip install failed (see above); {args.venv} left as it is", file=sys.stderr)
         return 2
     stamp.write_text(digest.hexdigest() + "\n")

@@ -97,7 +97,7 @@ def test_recompressed_wheel_keeps_every_member_byte_for_byte(tmp_path):
         zf.writestr("pkg/empty.py", b"")
         zf.writestr("pkg-1.0.dist-info/RECORD", b"pkg/__init__.py,sha256=...,1200\n")
     dest = tmp_path / "out.whl"
-    gpu_payload.recompress(src, dest, zipfile.ZIP_LZMA)
+    gpu_payload.recompress(src, dest)
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(dest) as b:
         assert a.namelist() == b.namelist()
         assert all(a.read(n) == b.read(n) for n in a.namelist())

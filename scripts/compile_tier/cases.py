@@ -53,17 +53,13 @@ class Ptr:
 @dataclass
 class Spec:
     kernel: str  # the public entry point, for reports
-    fn_name: str  # module:function of the @triton.jit kernel
+    fn: object  # the @triton.jit kernel
     case: str  # shape key
     config: dict  # what the wrapper chose (tiles, warps, ...), for reports
     args: dict  # runtime argument -> Ptr | int | float
     constexprs: dict
     options: dict
     expect: dict = field(default_factory=dict)  # extra checks (vector widths)
-
-
-def _module(name: str):
-    return importlib.import_module(f"{OPS}.{name}")
 
 
 def _fp8(target) -> torch.dtype:
@@ -147,12 +143,11 @@ def _paged_spec(target, mod, p, tile) -> Spec:
     config = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps,
                   num_stages=tile.num_stages)
     options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return Spec("paged_context_attention", "_paged_context_attention_kernel", case, config,
+    return Spec("paged_context_attention", mod._paged_context_attention_kernel, case, config,
                 args, constexprs, options)
 
 
-def paged_context_specs(target) -> list[Spec]:
-    mod = _module("triton_paged_context_attention")
+def paged_context_specs(target, mod) -> list[Spec]:
     gpu = target.gpu_target()
     specs, combines = [], {}
     for p in _paged_points():
@@ -174,7 +169,7 @@ def paged_context_specs(target) -> list[Spec]:
             stride_otok=hq * d, stride_oh=d, stride_lh=t, stride_lt=1,
         )
         constexprs = dict(HEAD_DIM=d, HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_H=block_h)
-        specs.append(Spec("paged_context_attention (combine)", "_combine_splits_kernel",
+        specs.append(Spec("paged_context_attention (combine)", mod._combine_splits_kernel,
                           f"d{d}_h{hq}_{model_name}", dict(block_h=block_h, num_warps=warps),
                           args, constexprs, dict(num_warps=warps)))
     return specs
@@ -206,13 +201,12 @@ def _plan_spec(mod, bs: int, ppp: int, num_reqs: int) -> Spec:
     constexprs = dict(PAGE=bs, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=mod._plan_width(ppp),
                       PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=step)
     warps = mod._PLAN_NUM_WARPS
-    return Spec("fetch_kv_plan", "_fetch_kv_plan_kernel", f"b{bs}_pages{ppp}_reqstep{step}",
+    return Spec("fetch_kv_plan", mod._fetch_kv_plan_kernel, f"b{bs}_pages{ppp}_reqstep{step}",
                 dict(pages_per_program=ppp, num_warps=warps), args, constexprs,
                 dict(num_warps=warps))
 
 
-def fetch_kv_specs(target) -> list[Spec]:
-    mod = _module("triton_fetch_kv")
+def fetch_kv_specs(target, mod) -> list[Spec]:
     specs = []
     hkv = NUM_KV_HEADS
     req_step = mod._req_step(NUM_REQS)
@@ -257,7 +251,7 @@ def fetch_kv_specs(target) -> list[Spec]:
                       store_bytes_per_thread=2 * rows * d * oes // threads)
         case = (f"{layout.lower()}_d{d}_b{bs}_{_dname(cache)}_to_{_dname(out)}"
                 f"{'_plan' if plan else '_lookup'}")
-        specs.append(Spec("fetch_kv", "_fetch_kv_kernel", case,
+        specs.append(Spec("fetch_kv", mod._fetch_kv_kernel, case,
                           dict(pages_per_program=ppp, num_warps=warps), args,
                           constexprs, dict(num_warps=warps), expect))
         if plan:
@@ -295,8 +289,7 @@ def _mla_points():
     return points
 
 
-def mla_specs(target) -> list[Spec]:
-    mod = _module("triton_mla_rope_cache")
+def mla_specs(target, mod) -> list[Spec]:
     specs = []
     fp8 = _fp8(target)
     fp8_max = float(torch.finfo(fp8).max)
@@ -336,36 +329,33 @@ def mla_specs(target) -> list[Spec]:
         case = (f"{'decode' if decode else 'prefill'}_T{t}_h{h}_{p['model']}_kv"
                 f"{_dname(cache) if cache == fp8 else '=model'}"
                 f"{'_qfp8' if p['q_fp8'] else ''}{'_neox' if p['neox'] else '_gptj'}")
-        specs.append(Spec(kernel, "_mla_rope_cache_kernel", case,
+        specs.append(Spec(kernel, mod._mla_rope_cache_kernel, case,
                           dict(block_t=block_t, block_h=block_h, num_warps=warps), args,
                           constexprs, dict(num_warps=warps, enable_fp_fusion=False)))
     return specs
 
 
 BUILDERS = {
-    "paged_context_attention": ("triton_paged_context_attention", paged_context_specs),
-    "fetch_kv": ("triton_fetch_kv", fetch_kv_specs),
-    "mla_rope_cache": ("triton_mla_rope_cache", mla_specs),
+    "triton_paged_context_attention": paged_context_specs,
+    "triton_fetch_kv": fetch_kv_specs,
+    "triton_mla_rope_cache": mla_specs,
 }
 
 
 def build_specs(target) -> list[Spec]:
     """Every spec of every kernel for ``target``, argument names checked."""
     specs, seen = [], set()
-    for module, builder in BUILDERS.values():
-        mod = _module(module)
-        for spec in builder(target):
-            if (spec.fn_name, spec.case) in seen:  # a base point met twice
+    for module, builder in BUILDERS.items():
+        for spec in builder(target, importlib.import_module(f"{OPS}.{module}")):
+            if (spec.fn.__name__, spec.case) in seen:  # a base point met twice
                 continue
-            seen.add((spec.fn_name, spec.case))
-            fn = getattr(mod, spec.fn_name)
-            spec.fn_name = f"{module}:{spec.fn_name}"
-            runtime = [n for n in fn.arg_names if n not in spec.constexprs]
-            if sorted(runtime) != sorted(spec.args) or any(
-                    n not in fn.arg_names for n in spec.constexprs):
+            seen.add((spec.fn.__name__, spec.case))
+            names = spec.fn.arg_names
+            runtime = [n for n in names if n not in spec.constexprs]
+            if sorted(runtime) != sorted(spec.args) or any(n not in names for n in spec.constexprs):
                 raise RuntimeError(
-                    f"compile tier: {spec.fn_name}'s arguments changed; update "
-                    f"scripts/compile_tier/cases.py (kernel: {fn.arg_names}, spec: "
+                    f"compile tier: {module}.{spec.fn.__name__}'s arguments changed; update "
+                    f"scripts/compile_tier/cases.py (kernel: {names}, spec: "
                     f"{sorted(spec.args) + sorted(spec.constexprs)})")
             specs.append(spec)
     return specs

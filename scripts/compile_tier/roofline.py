@@ -108,7 +108,7 @@ def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
 
 def render(root: Path) -> dict[Path, str]:
     """docs/roofline-amd.md with its generated region, path -> text (nothing written)."""
-    from .report import replace_region
+    from .run import replace_region
 
     path = root / "docs" / "roofline-amd.md"
-    return {path: replace_region(path.read_text(), path, BEGIN, END, page(latest_cases(root)))}
+    return {path: replace_region(path, BEGIN, END, page(latest_cases(root)))}

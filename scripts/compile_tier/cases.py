@@ -1,14 +1,9 @@
-"""The shape matrix, and one compile spec per (kernel, shape) the wrappers can meet.
-
-A spec is what one launch compiles: runtime arguments (representative values, specialised
-by Triton's own ``native_specialize_impl`` in the worker), constexprs and options.  Every
-tunable comes from the wrapper module's own config selection (``_tile_config``,
-``_pages_per_program``, ...) called with the target; only the mapping of shapes to
-arguments is written here, and ``build_specs`` refuses a spec whose argument names differ
-from the kernel's.  Each config a wrapper chooses is compiled at a base shape, with every
-value of every other axis once (one axis varied at a time) and at its heaviest combination
-(docs/compile-tier.md).
-"""
+"""The shape matrix, and one compile spec per (kernel, shape) the wrappers can meet: runtime
+arguments (representative values, specialised by the worker as Triton's JIT would),
+constexprs and options.  Every tunable comes from the wrapper module's own config selection
+called with the target; only the mapping of shapes to arguments is written here.  Each config
+is compiled at a base shape, with every value of every other axis once and at its heaviest
+combination (docs/compile-tier.md)."""
 
 from __future__ import annotations
 
@@ -31,8 +26,7 @@ MAX_TOKENS = 8192  # token bound of the step buffers
 WINDOW = 4096
 SPLITS = 4
 
-_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "i32": torch.int32, "i64": torch.int64}
+_MODEL = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -60,10 +54,6 @@ class Spec:
     constexprs: dict
     options: dict
     expect: dict = field(default_factory=dict)  # extra checks (vector widths)
-
-
-def _fp8(target) -> torch.dtype:
-    return getattr(torch, target.fp8_e4m3)
 
 
 def _dname(dtype: torch.dtype) -> str:
@@ -95,20 +85,16 @@ def _paged_points():
 def _paged_spec(target, mod, p, tile) -> Spec:
     """The main kernel's spec at point ``p`` with ``tile`` (a ``_Tile``)."""
     d, bs, g = p["head"], p["block"], p["group"]
-    model = _TORCH[p["model"]]
-    cache = _fp8(target) if p["fp8"] else model
+    model = _MODEL[p["model"]]
+    cache = getattr(torch, target.fp8_e4m3) if p["fp8"] else model
     hq, hkv = g * NUM_KV_HEADS, NUM_KV_HEADS
     split = p["splits"] > 1
     out_dtype = torch.float32 if split else model
     t = MAX_TOKENS
     qkv_row = (hq + 2 * hkv) * d  # q / k / v are views of the fused qkv output
     cache_strides = (hkv * bs * 2 * d, 2 * d, bs * 2 * d)  # packed (blocks, H, bs, 2D)
-    if split:
-        o_strides = (t * hq * d, hq * d, d)
-        l_strides = (hq * t, t, 1)
-    else:
-        o_strides = (0, hq * d, d)
-        l_strides = (0, t, 1)
+    o_strides = (t * hq * d if split else 0, hq * d, d)  # a split's partials: [splits, T, H, D]
+    l_strides = (hq * t if split else 0, t, 1)
     new = p["with_new"]
     args = dict(
         q_ptr=Ptr(model), k_cache_ptr=Ptr(cache, True), v_cache_ptr=Ptr(cache, True),
@@ -135,7 +121,7 @@ def _paged_spec(target, mod, p, tile) -> Spec:
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), PAGE_SIZE=bs,
         USE_WINDOW=p["window"], FP8=p["fp8"], WITH_NEW=new,
-        DOT_IEEE=model == torch.float32, RESCALE_SLACK=mod._RESCALE_SLACK,
+        DOT_IEEE=False, RESCALE_SLACK=mod._RESCALE_SLACK,
     )
     case = (f"d{d}_b{bs}_g{g}_{p['model']}_{_dname(cache) if p['fp8'] else 'kv=q'}"
             f"{'_new' if new else ''}{'_win' if p['window'] else ''}"
@@ -151,7 +137,7 @@ def paged_context_specs(target, mod) -> list[Spec]:
     gpu = target.gpu_target()
     specs, combines = [], {}
     for p in _paged_points():
-        d, hq, model = p["head"], p["group"] * NUM_KV_HEADS, _TORCH[p["model"]]
+        d, hq, model = p["head"], p["group"] * NUM_KV_HEADS, _MODEL[p["model"]]
         tile = mod._tile_config(gpu, d, p["group"], model)
         specs.append(_paged_spec(target, mod, p, tile))
         if p["splits"] > 1:
@@ -177,7 +163,7 @@ def paged_context_specs(target, mod) -> list[Spec]:
 
 def _fetch_points(target):
     """(layout, head, block, cache dtype, out dtype, plan) points."""
-    fp8 = _fp8(target)
+    fp8 = getattr(torch, target.fp8_e4m3)
     points = []
     for layout in ("NHD", "SHUFFLE"):
         for head in HEAD_SIZES:
@@ -243,8 +229,7 @@ def fetch_kv_specs(target, mod) -> list[Spec]:
         )
         rows = ppp * bs
         warps = mod._num_warps(target.warp_size, rows, d, es, oes)
-        # Bytes of K and V each thread loads and stores: what 16-byte vectors
-        # must carry (the module docstring's claim).
+        # Bytes of K and V each thread loads and stores: what 16-byte vectors must carry.
         threads = warps * target.warp_size
         expect = dict(vector_bytes=mod._VECTOR_BYTES,
                       load_bytes_per_thread=2 * rows * d * es // threads,
@@ -291,10 +276,10 @@ def _mla_points():
 
 def mla_specs(target, mod) -> list[Spec]:
     specs = []
-    fp8 = _fp8(target)
+    fp8 = getattr(torch, target.fp8_e4m3)
     fp8_max = float(torch.finfo(fp8).max)
     for p in _mla_points():
-        model = _TORCH[p["model"]]
+        model = _MODEL[p["model"]]
         cache = fp8 if p["cache"] == "fp8" else model
         q_out = fp8 if p["q_fp8"] else model
         t, h, decode = p["tokens"], p["heads"], p["decode"]

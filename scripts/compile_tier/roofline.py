@@ -1,14 +1,9 @@
-"""docs/roofline-amd.md: the bound each benchmark case implies on MI300X and MI355X.
-
-For every case of the newest usable results file of each suite (as `make report` picks
-it): ``max(bytes / HBM bandwidth, FLOPs / dense bf16 peak)`` with the bytes the suite
-counts (``nbytes``), attention's matrix FLOPs and ``targets.DEVICES``.  A paper bound, not
-a prediction: an AMD run of ``make bench`` can be read against it.
-"""
+"""docs/roofline-amd.md: for every case of the newest usable results file of each suite (as
+`make report` picks it), ``max(bytes / HBM bandwidth, FLOPs / dense bf16 peak)`` on MI300X
+and MI355X, from the suite's ``nbytes``, attention's matrix FLOPs and ``targets.DEVICES``."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from .targets import DEVICES
@@ -65,12 +60,8 @@ def page(latest: dict) -> str:
                    f"{entry['file']}) ({device}); bound = max(bytes / HBM, FLOPs / peak), "
                    "µs; `mem` / `mma` says which term binds.")
         out.append("")
-        head = "| case | bytes | FLOPs | FLOP/B |"
-        rule = "|---|---:|---:|---:|"
-        for name in AMD:
-            head += f" {name} bound µs |"
-            rule += "---:|"
-        out += [head, rule]
+        out.append("| case | bytes | FLOPs | FLOP/B |" + "".join(f" {n} bound µs |" for n in AMD))
+        out.append("|---|---:|---:|---:|" + "---:|" * len(AMD))
         for c in cases:
             flops, _ = case_flops(kernel, c.get("shapes", {}))
             row = f"| {c['case']} | {_fmt_bytes(c['nbytes'])} | "
@@ -91,7 +82,6 @@ def page(latest: dict) -> str:
 def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
     """(kernel, device) -> {"file", "cases"} of the newest committed, clean results file with
     the kernel's timed cases (the files `make report` uses); host-timed suites have no bound."""
-    sys.path.insert(0, str(root / "scripts"))
     from seriestool import benchmeta, results
 
     selection = results.select(root)

@@ -52,18 +52,16 @@ def run(targets=None, cache: Path | None = None) -> dict:
                                              str(ROOT / "tests" / "without_vllm"),
                                              str(ROOT / "scripts")])
         env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")  # a cold run compiles everything
-        running = []
+        procs = {t: subprocess.Popen([sys.executable, "-m", "compile_tier.worker", t, str(cache),
+                                      str(Path(tmp) / f"{t}.json")], env=env, cwd=ROOT)
+                 for t in targets}
         try:
-            for target in targets:
-                out = Path(tmp) / f"{target}.json"
-                cmd = [sys.executable, "-m", "compile_tier.worker", target, str(cache), str(out)]
-                running.append((subprocess.Popen(cmd, env=env, cwd=ROOT), target, out))
-            for proc, target, out in running:
+            for target, proc in procs.items():
                 if proc.wait():
                     raise RuntimeError(f"compile worker {target} exited {proc.returncode}")
-                records += json.loads(out.read_text())
+                records += json.loads((Path(tmp) / f"{target}.json").read_text())
         finally:
-            for proc, _, _ in running:
+            for proc in procs.values():
                 proc.kill()
                 proc.wait()
     records.sort(key=lambda r: (r["target"], r["kernel"], r["case"]))
@@ -159,13 +157,10 @@ def replace_region(path: Path, begin: str, end: str, body: str) -> str:
 def main(argv=None) -> int:
     from . import roofline
 
-    p = argparse.ArgumentParser(prog="compile_tier")
-    p.add_argument("cmd", choices=["report"], help="compile (or read cached facts), then write "
-                   "benchmarks/results/compile/*.json, docs/compile-tier.md's table and "
-                   "docs/roofline-amd.md")
-    p.add_argument("--cache", type=Path)
-    args = p.parse_args(argv)
-    result = run(cache=args.cache)
+    p = argparse.ArgumentParser(prog="compile_tier", description=__doc__)
+    p.add_argument("cmd", choices=["report"])
+    p.parse_args(argv)
+    result = run()
     # Everything is rendered before anything is written: a failure leaves the checkout as it was.
     docs = result_files(result, ROOT)
     files = {ROOT / "benchmarks/results/compile" / f"{name}.json": dumps(doc)

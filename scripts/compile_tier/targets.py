@@ -53,10 +53,6 @@ class Target:
 
         return GPUTarget("hip", self.name, self.warp_size)
 
-    @property
-    def spec(self) -> dict:
-        return DEVICES[self.device]
-
 
 TARGETS = {
     "gfx942": Target("gfx942", "MI300X", "float8_e4m3fnuz"),

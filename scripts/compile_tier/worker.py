@@ -1,13 +1,7 @@
-"""One compile worker: ``python -m compile_tier.worker TARGET CACHE OUT``.
-
-One target per process: Triton 3.6 compiling gfx942 and then gfx950 in one process breaks
-e4m3fnuz conversions on gfx950.  Each spec is specialised as Triton's JIT specialises a
-launch, keyed (kernel source hash, target, specialisation, options, Triton version,
-``FACTS_VERSION``), and its facts read from the cache or compiled and parsed from the amdgcn
-text: the kernel descriptor's register, spill and scratch counts, the ``; NumVgprs`` /
-``; Occupancy`` comments, the LDS Triton allocates at launch (``metadata.shared``), and the
-global / buffer loads and stores counted by access width in bytes.
-"""
+"""One compile worker: ``python -m compile_tier.worker TARGET CACHE OUT`` (one target per
+process: Triton 3.6 compiling gfx942 and then gfx950 in one process breaks e4m3fnuz on
+gfx950).  Each spec is specialised as Triton's JIT would, keyed, and its facts read from the
+cache or compiled and parsed from the amdgcn text (docs/compile-tier.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from .cases import build_specs
-from .targets import TARGETS, Target
+from .targets import DEVICES, TARGETS, Target
 
 # Version of the facts' format: part of every cache key, so a change invalidates the cache.
 FACTS_VERSION = 1
@@ -58,8 +52,9 @@ def amd_waves_per_simd(target: Target, llvm_occupancy: int, lds_bytes: int,
     the CU's SIMDs fits ``LDS per CU // lds_bytes`` times."""
     if lds_bytes == 0:
         return llvm_occupancy
-    groups = target.spec["lds_bytes_per_cu"] // lds_bytes
-    return min(llvm_occupancy, groups * num_warps // target.spec["simds_per_cu"])
+    device = DEVICES[target.device]
+    groups = device["lds_bytes_per_cu"] // lds_bytes
+    return min(llvm_occupancy, groups * num_warps // device["simds_per_cu"])
 
 
 def amd_facts(target: Target, asm: str, lds_bytes: int, num_warps: int) -> dict:

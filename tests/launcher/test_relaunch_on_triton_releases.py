@@ -1,21 +1,17 @@
 """KernelCall's relaunch on every Triton release triton_launch.TESTED_TRITON claims
-(pins.env TRITON_RELAUNCH_RELEASES).
+(pins.env TRITON_RELAUNCH_RELEASES), each a real wheel in ``<series cache>/triton/<version>``.
 
-Each case runs ``first_launch.py`` in a fresh process on a real Triton wheel
-(scripts/triton_releases.py) with a stand-in driver for an NVIDIA (sm_90) or AMD
-(gfx942) target: ``kernel[grid]`` really specialises and compiles, and
-``relaunch_supported()`` is not stubbed.  The first call of each variant goes
-through ``kernel[grid]``, later ones through ``CompiledKernel[grid]``; for
-every call, the compiled kernel whose launcher the call reached must be the one
-``JITFunction.run`` itself selects for the same arguments (``warmup=True``), and
-a relaunch must hand that launcher exactly what Triton's own launch handed it
-(every parameter in order, the ``None`` pointer and the constexpr included).
+Each case runs ``first_launch.py`` in a fresh process with a stand-in driver for an NVIDIA
+(sm_90) or AMD (gfx942) target: every call must reach the launcher of the compiled kernel
+``JITFunction.run`` itself selects, and a relaunch must hand it exactly what Triton's own
+launch handed it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from seriestool.pins import load_pins  # noqa: E402
-from triton_releases import install  # noqa: E402
+from seriestool.sdist import cache_dir  # noqa: E402
 
 RELEASES = load_pins(ROOT)["TRITON_RELAUNCH_RELEASES"].split(",")
 TARGETS = ["cuda:90", "hip:gfx942"]
@@ -34,25 +30,36 @@ pytestmark = pytest.mark.skipif(not os.environ.get("VLLM_BUILD_TREE"),
                                 reason="needs the patched tree (make test)")
 
 
+def _release(version: str) -> Path:
+    """The folder holding ``triton==version`` (no dependencies), installed on first use
+    through a ``.partial`` folder, so an interrupted install is redone."""
+    folder = cache_dir() / "triton" / version
+    if not (folder / "triton" / "__init__.py").is_file():
+        partial = folder.with_name(f"{version}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                        "--target", str(partial), f"triton=={version}"], check=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+    return folder
+
+
 def _first_launch(release: str, target: str, tmp: Path) -> dict:
-    folder = install(release)
+    if target.startswith("hip") and release.startswith("3.4."):
+        pytest.skip("Triton 3.4 links AMD code with ROCm's ld.lld (/opt/rocm), which a CPU "
+                    "machine has no copy of; later releases link in-process")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(
-        PYTHONPATH=os.pathsep.join([str(folder), os.environ["VLLM_BUILD_TREE"]]),
+        PYTHONPATH=os.pathsep.join([str(_release(release)), os.environ["VLLM_BUILD_TREE"]]),
         TRITON_CACHE_DIR=str(tmp / "triton-cache"),
         # vLLM enables Triton only with one active GPU driver; an empty device
         # list is its "driver not up yet" case (the stand-in becomes active later).
         CUDA_VISIBLE_DEVICES="",
     )
-    if target.startswith("hip") and release.startswith("3.4."):
-        pytest.skip("Triton 3.4 links AMD code with ROCm's ld.lld (/opt/rocm), which a CPU "
-                    "machine has no copy of; later releases link in-process")
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("first_launch.py")), target],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["log"] = proc.stderr
-    return result
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_release_is_within_tested_triton():

@@ -1,15 +1,10 @@
 #!/usr/bin/env python3
 """make gpu-payload: what the GPU machine (python3 3.12 with torch, triton, numpy and pytest;
-no vLLM, no package index, at most 64 MiB of working tree) needs to import the patched vLLM.
-
-Writes into ``.gpu_payload/`` (git-ignored):
-  vllm-src.zip   build/vllm's ``vllm/*.py`` files that importing ROOTS, RUNTIME_ROOTS and what
-                 TESTS import executes (module-level imports; function bodies and ``if
-                 TYPE_CHECKING:`` blocks skipped); extracted with ``python3 -m zipfile -e``.
-  whl/           cp312 manylinux wheels of WHEELS at .venv's versions (cached), members
-                 recompressed with LZMA (same files, so RECORD holds): 52 MiB become 43.
-  MANIFEST.json  the build tree's commit, the modules, each wheel with PyPI's sha256.
-"""
+no vLLM, no package index, at most 64 MiB of working tree) needs to import the patched vLLM,
+in ``.gpu_payload/``: ``vllm-src.zip``, the build tree's ``vllm/*.py`` files that importing
+ROOTS, RUNTIME_ROOTS and what TESTS import executes (module-level imports only); ``whl/``,
+cp312 wheels of WHEELS at .venv's versions, recompressed with LZMA (52 MiB become 43); and
+``MANIFEST.json`` (the tree's commit, the modules, each wheel with PyPI's sha256)."""
 
 from __future__ import annotations
 
@@ -36,9 +31,8 @@ ROOTS = (
     "vllm.config",
     # The GPU tier's merge (the test compiles it with the real Triton).
     "vllm.v1.attention.ops.triton_merge_attn_states",
-    # The MLA RoPE + KV-cache fusion (overlay + 0301-0304): its layer glue,
-    # decision, Triton kernel (tests/mla's CUDA-graph replay test compiles it),
-    # AITER cos/sin cache and the workspace manager holding its q_out buffer.
+    # The MLA RoPE + KV-cache fusion (overlay + 0301-0304): its layer glue, decision, Triton
+    # kernel, AITER cos/sin cache and the workspace manager holding its q_out buffer.
     "vllm._aiter_ops",
     "vllm.model_executor.layers.attention.mla_rope_fusion",
     "vllm.model_executor.layers.attention.mla_rope_kv_cache",
@@ -165,12 +159,11 @@ def test_imports(pkg_root: Path, paths: list[Path]) -> list[str]:
 def write_source_zip(pkg_root: Path, modules: set[str], dest: Path) -> int:
     """Zip the modules' files (sorted, fixed dates: the same tree gives the same bytes)."""
     files = sorted(str(module_file(pkg_root, m).relative_to(pkg_root)) for m in modules)
-    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zf:
+    with zipfile.ZipFile(dest, "w") as zf:
         for rel in files:
             info = zipfile.ZipInfo(rel, date_time=(2026, 11, 2, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
-            zf.writestr(info, (pkg_root / rel).read_bytes())
+            zf.writestr(info, (pkg_root / rel).read_bytes(), zipfile.ZIP_DEFLATED)
     return len(files)
 
 

@@ -1,13 +1,10 @@
 #!/usr/bin/env python3
-"""A Triton release for the GPU machine, in parts that each fit one device command.
-
-The GPU machine has no package index and takes at most 64 MiB of files per command; the
-target's Triton (pins.env TRITON_VERSION) is a 250 MB wheel.  ``build`` (``make
-gpu-triton-payload``) drops what compiling and launching for sm_90 does not need (DROP),
-packs the rest as one tar.xz split into ``.gpu_payload/triton/triton-<v>.tar.xz.<n>`` parts
-of at most 48 MiB, and writes ``MANIFEST.json`` (sha256 of the whole and of each part).
-On the GPU machine (stdlib only), one command per part, each carrying MANIFEST.json and
-its part::
+"""A Triton release (a 250 MB wheel) for the GPU machine, which has no package index and
+takes at most 64 MiB per command.  ``build`` (``make gpu-triton-payload``) drops what
+compiling and launching for sm_90 does not need (DROP) and writes the rest as one tar.xz in
+``.gpu_payload/triton/triton-<v>.tar.xz.<n>`` parts of at most 48 MiB, with ``MANIFEST.json``
+(sha256 of the whole and of each part).  On the GPU machine (stdlib only), one command per
+part, each carrying MANIFEST.json and its part::
 
     python3 scripts/gpu_triton_payload.py stash      # keeps the verified parts in /tmp
     python3 scripts/gpu_triton_payload.py assemble   # once all are there: verify, extract

@@ -45,9 +45,6 @@ FAKE = {
     "vllm/in_class.py": "",
     "vllm/unrelated.py": "import vllm.b\n",
     "vllm/_C.abi3.so": "not python",
-    "vllm/data.json": "{}",
-    "csrc/kernel.cu": "",
-    "tests/test_x.py": "import vllm.unrelated\n",
 }
 
 
@@ -107,8 +104,6 @@ def test_recompressed_wheel_keeps_every_member_byte_for_byte(tmp_path):
 @pytest.mark.skipif(not (TREE / "vllm" / "__init__.py").is_file(),
                     reason="needs the patched tree (make apply)")
 def test_real_tree_payload_holds_the_backend_and_no_csrc(tmp_path):
-    # Both GPU test folders: AITER FA's backend and the MLA fusion.
-    assert set(gpu_payload.TESTS) == {"tests/aiter_fa", "tests/mla"}
     tests = sorted(p for t in gpu_payload.TESTS for p in (REPO / t).rglob("*.py"))
     roots = sorted(set(gpu_payload.ROOTS) | set(gpu_payload.RUNTIME_ROOTS)
                    | set(gpu_payload.test_imports(TREE, tests)))

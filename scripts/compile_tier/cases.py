@@ -82,10 +82,11 @@ def _paged_points():
     return points
 
 
-def _paged_spec(target, mod, p, tile) -> Spec:
-    """The main kernel's spec at point ``p`` with ``tile`` (a ``_Tile``)."""
+def _paged_spec(target, mod, p) -> Spec:
+    """The main kernel's spec at point ``p``, with the tile the wrapper picks."""
     d, bs, g = p["head"], p["block"], p["group"]
     model = _MODEL[p["model"]]
+    tile = mod._tile_config(target.gpu_target(), d, g, model)
     cache = getattr(torch, target.fp8_e4m3) if p["fp8"] else model
     hq, hkv = g * NUM_KV_HEADS, NUM_KV_HEADS
     split = p["splits"] > 1
@@ -134,17 +135,14 @@ def _paged_spec(target, mod, p, tile) -> Spec:
 
 
 def paged_context_specs(target, mod) -> list[Spec]:
-    gpu = target.gpu_target()
     specs, combines = [], {}
     for p in _paged_points():
-        d, hq, model = p["head"], p["group"] * NUM_KV_HEADS, _MODEL[p["model"]]
-        tile = mod._tile_config(gpu, d, p["group"], model)
-        specs.append(_paged_spec(target, mod, p, tile))
+        specs.append(_paged_spec(target, mod, p))
         if p["splits"] > 1:
-            block_h, warps = mod._combine_config(hq)
-            combines[(d, p["model"], hq)] = (block_h, warps, model)
-
-    for (d, model_name, hq), (block_h, warps, model) in sorted(combines.items()):
+            hq = p["group"] * NUM_KV_HEADS
+            combines[(p["head"], p["model"], hq)] = mod._combine_config(hq)
+    for (d, model_name, hq), (block_h, warps) in sorted(combines.items()):
+        model = _MODEL[model_name]
         t = MAX_TOKENS
         args = dict(
             part_out_ptr=Ptr(torch.float32), part_lse_ptr=Ptr(torch.float32),

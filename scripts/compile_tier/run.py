@@ -85,9 +85,7 @@ def result_files(result: dict, root: Path) -> dict[str, dict]:
     docs = {}
     for name in sorted({r["target"] for r in result["records"]}):
         rows = []
-        for r in result["records"]:
-            if r["target"] != name:
-                continue
+        for r in [r for r in result["records"] if r["target"] == name]:
             facts = r["facts"]
             row = dict(kernel=r["kernel"], case=r["case"], config=r["config"], key=r["key"][:16])
             if "error" in facts:

@@ -1,16 +1,8 @@
-"""A KernelCall's launches (triton_launch.py), under whatever Triton is on the path.
-
-Run as ``python first_launch.py <target>`` (``cuda:90`` or ``hip:gfx942``) with a
-Triton release and the patched tree on PYTHONPATH; prints one JSON line.  No GPU:
-a stand-in driver for ``target`` is made active, so ``kernel[grid]`` really
-specialises, compiles (Triton's own compiler for that target) and builds its
-``CompiledKernel``; only the driver's load and launch are recorded instead of
-run.  ``relaunch_supported()`` (the version and capability check) runs for real.
-
-Reported: whether this release is relaunched, and per call whether it went
-through ``JITFunction.run`` and which compiled kernel's launcher got which
-arguments, so the test can compare the relaunch (``CompiledKernel[grid]``)
-with Triton's own launch.
+"""``python first_launch.py <cuda:90 | hip:gfx942>``, with a Triton release and the patched
+tree on PYTHONPATH: a KernelCall's launches (triton_launch.py) through a stand-in driver for
+that target, so ``kernel[grid]`` really specialises and compiles and only the driver's load
+and launch are recorded.  Prints one JSON line: whether this release is relaunched and, per
+call, whether it went through ``JITFunction.run`` and which launcher got which arguments.
 """
 
 from __future__ import annotations
@@ -44,9 +36,6 @@ class _Utils:
         return {"max_shared_mem": 228 * 1024, "multiprocessor_count": 132,
                 "max_num_regs": 65536, "warpSize": 32, "sm_clock_rate": 1,
                 "mem_clock_rate": 1, "mem_bus_width": 1}
-
-    def unload_module(self, module):
-        pass
 
 
 def _driver(target):
@@ -82,20 +71,11 @@ def _driver(target):
         def get_active_torch_device(self):
             return torch.device("cpu")
 
-        def get_device_interface(self):
-            return torch.cuda
-
         def map_python_to_cpp_type(self, ty):
             return ty
 
         def get_benchmarker(self):
             raise NotImplementedError
-
-        def get_empty_cache_for_benchmark(self):
-            raise NotImplementedError
-
-        def clear_cache(self, cache):
-            pass
 
     return Driver()
 

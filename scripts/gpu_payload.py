@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import re
 import shutil
@@ -106,10 +107,7 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
-                name = node.module or ""
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    name = f"{base}.{node.module}" if node.module else base
+                name = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
                 found.add(name)
                 found.update(f"{name}.{alias.name}" for alias in node.names)
             visit(ast.iter_child_nodes(node))
@@ -178,8 +176,8 @@ def recompress(src: Path, dest: Path) -> None:
             zout.writestr(out, data)
 
 
-def wheels(venv: Path, cache: Path) -> list[tuple[str, Path]]:
-    """(requirement, cached wheel) of WHEELS at .venv's versions, downloading what is missing."""
+def venv_requirements(venv: Path) -> list[str]:
+    """``name==version`` of WHEELS as .venv has them."""
     freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze", "--all"],
                             capture_output=True, text=True)
     if freeze.returncode:
@@ -188,8 +186,12 @@ def wheels(venv: Path, cache: Path) -> list[tuple[str, Path]]:
     missing = [n for n in WHEELS if not versions.get(canonical(n))]
     if missing:
         raise SeriesError(f".venv has no {', '.join(missing)}: run `make venv`")
-    requirements = [f"{n}=={versions[canonical(n)]}" for n in WHEELS]
+    return [f"{n}=={versions[canonical(n)]}" for n in WHEELS]
 
+
+def cp312_wheels(requirements: list[str], cache: Path) -> list[Path]:
+    """The cp312 manylinux wheel of each ``name==version`` in ``cache``, downloading what is
+    missing (also gpu_triton_payload's)."""
     def cached(requirement: str) -> Path | None:
         name, _, version = requirement.partition("==")
         return next((p for p in cache.glob("*.whl") if p.name.split("-")[1] == version
@@ -205,8 +207,8 @@ def wheels(venv: Path, cache: Path) -> list[tuple[str, Path]]:
         proc = subprocess.run(cmd + todo, capture_output=True, text=True)
         if proc.returncode:
             raise SeriesError("pip download failed:\n" + (proc.stderr or proc.stdout).strip())
-    found = [(r, cached(r)) for r in requirements]
-    lost = [r for r, wheel in found if wheel is None]
+    found = [cached(r) for r in requirements]
+    lost = [r for r, wheel in zip(requirements, found) if wheel is None]
     if lost:
         raise SeriesError(f"no cp312 manylinux wheel for {', '.join(lost)} in {cache}")
     return found
@@ -226,7 +228,8 @@ def build(tree: Path, venv: Path, out: Path) -> None:
     cache = sdist.cache_dir() / "gpu-wheels" / "cp312"
     (cache / "lzma").mkdir(parents=True, exist_ok=True)
     listed = []
-    for requirement, wheel in wheels(venv, cache):
+    requirements = venv_requirements(venv)
+    for requirement, wheel in zip(requirements, cp312_wheels(requirements, cache)):
         packed = cache / "lzma" / wheel.name  # recompressing takes a minute: kept in the cache
         if not packed.exists():
             recompress(wheel, packed.with_suffix(".tmp"))

@@ -43,19 +43,6 @@ DROP = (
 )
 
 
-def download(version: str) -> Path:
-    """The cp312 wheel of ``triton==version`` from the series cache (downloaded once)."""
-    folder = cache_dir() / "gpu-wheels" / "cp312"
-    pattern = f"triton-{version}-cp312-*.whl"
-    if not list(folder.glob(pattern)):
-        print(f"gpu-triton-payload: downloading triton=={version} (cp312) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                        "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
-                        "-d", str(folder), f"triton=={version}"], check=True)
-    return sorted(folder.glob(pattern))[-1]
-
-
 def build(version: str, wheel: Path, out: Path, part_bytes: int) -> dict:
     """Trim ``wheel``, pack and split it into ``out``; returns the manifest."""
     shutil.rmtree(out, ignore_errors=True)
@@ -142,10 +129,13 @@ def main() -> int:
     a.add_argument("--dest", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     if args.verb == "build":
+        from gpu_payload import cp312_wheels
         from seriestool.pins import load_pins
 
         version = args.version or load_pins(REPO)["TRITON_VERSION"]
-        manifest = build(version, args.wheel or download(version), args.out, args.part_mib << 20)
+        cache = cache_dir() / "gpu-wheels" / "cp312"
+        wheel = args.wheel or cp312_wheels([f"triton=={version}"], cache)[0]
+        manifest = build(version, wheel, args.out, args.part_mib << 20)
         print(f"gpu-triton-payload: {args.out}: {manifest['bytes'] >> 20} MiB in "
               f"{len(manifest['parts'])} parts; carry MANIFEST.json and one part per command")
     elif args.verb == "stash":

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from seriestool.sdist import cache_dir
@@ -44,7 +45,6 @@ def run(targets=None, cache: Path | None = None) -> dict:
     start = time.perf_counter()
     print(f"[compile-tier] kernels for {', '.join(targets)}: facts cached in {cache} (a cold "
           "cache compiles every spec: minutes)", file=sys.stderr, flush=True)
-    records = []
     with tempfile.TemporaryDirectory(prefix="compile-tier-") as tmp:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         # The kernels from vllm_overlay and the vLLM names they import from tests/without_vllm.
@@ -52,18 +52,15 @@ def run(targets=None, cache: Path | None = None) -> dict:
                                              str(ROOT / "tests" / "without_vllm"),
                                              str(ROOT / "scripts")])
         env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")  # a cold run compiles everything
-        procs = {t: subprocess.Popen([sys.executable, "-m", "compile_tier.worker", t, str(cache),
-                                      str(Path(tmp) / f"{t}.json")], env=env, cwd=ROOT)
-                 for t in targets}
-        try:
-            for target, proc in procs.items():
-                if proc.wait():
-                    raise RuntimeError(f"compile worker {target} exited {proc.returncode}")
-                records += json.loads((Path(tmp) / f"{target}.json").read_text())
-        finally:
-            for proc in procs.values():
-                proc.kill()
-                proc.wait()
+
+        def work(target: str) -> list[dict]:
+            out = Path(tmp) / f"{target}.json"
+            subprocess.run([sys.executable, "-m", "compile_tier.worker", target, str(cache),
+                            str(out)], env=env, cwd=ROOT, check=True)
+            return json.loads(out.read_text())
+
+        with ThreadPoolExecutor(len(targets)) as pool:
+            records = [r for found in pool.map(work, targets) for r in found]
     records.sort(key=lambda r: (r["target"], r["kernel"], r["case"]))
     unique = {t: len({r["key"] for r in records if r["target"] == t}) for t in targets}
     compiled = {t: len({r["key"] for r in records if r["target"] == t and not r["cached"]})

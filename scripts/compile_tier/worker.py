@@ -9,7 +9,6 @@ import hashlib
 import json
 import re
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -94,24 +93,21 @@ def specialize(fn, spec, backend):
 
 
 def compile_facts(fn, target, signature, constexprs, attrs, options) -> dict:
-    """The facts of one compile (and its time), or its error: a failed compile is a result."""
+    """The facts of one compile, or its error: a failed compile is a result."""
     import triton
     from triton.compiler import ASTSource
 
-    start = time.perf_counter()
     try:
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                 target=target.gpu_target(), options=options)
-        facts = amd_facts(target, kernel.asm["amdgcn"], kernel.metadata.shared,
-                          options["num_warps"])
+        return amd_facts(target, kernel.asm["amdgcn"], kernel.metadata.shared,
+                         options["num_warps"])
     except Exception as exc:  # noqa: BLE001
         return dict(error=f"{type(exc).__name__}: {exc}"[:2000])
-    facts["compile_s"] = round(time.perf_counter() - start, 2)
-    return facts
 
 
 def run_target(target_name: str, cache: Path) -> list[dict]:
-    """One record (kernel, case, config, options, expect, key, cached, facts) per spec."""
+    """One record (kernel, case, config, expect, key, cached, facts) per spec."""
     import triton
     from triton.compiler import make_backend
 
@@ -140,7 +136,7 @@ def run_target(target_name: str, cache: Path) -> list[dict]:
             print(f"{target_name}: compiled {spec.kernel} {spec.case}", file=sys.stderr, flush=True)
         records.append(dict(
             target=target.name, kernel=spec.kernel, case=spec.case, config=spec.config,
-            options=spec.options, expect=spec.expect, key=key, cached=cached, facts=facts,
+            expect=spec.expect, key=key, cached=cached, facts=facts,
         ))
     return records
 

@@ -226,15 +226,12 @@ def build(tree: Path, venv: Path, out: Path) -> None:
     shutil.rmtree(out / "whl", ignore_errors=True)
     (out / "whl").mkdir()
     cache = sdist.cache_dir() / "gpu-wheels" / "cp312"
-    (cache / "lzma").mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     listed = []
     requirements = venv_requirements(venv)
+    print(f"packing {len(requirements)} wheels with LZMA (a minute) ...", flush=True)
     for requirement, wheel in zip(requirements, cp312_wheels(requirements, cache)):
-        packed = cache / "lzma" / wheel.name  # recompressing takes a minute: kept in the cache
-        if not packed.exists():
-            recompress(wheel, packed.with_suffix(".tmp"))
-            packed.with_suffix(".tmp").replace(packed)
-        shutil.copyfile(packed, out / "whl" / wheel.name)
+        recompress(wheel, out / "whl" / wheel.name)
         listed.append({"requirement": requirement, "file": wheel.name,
                        "pypi_sha256": sdist.sha256_of(wheel)})
     manifest = {"tree_commit": gitrepo.head(tree), "roots": roots, "modules": sorted(modules),

@@ -18,7 +18,6 @@ OPS = "vllm.v1.attention.ops"
 HEAD_SIZES = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64)
 GROUPS = (1, 2, 4, 8, 16)
-MODEL_DTYPES = ("bf16", "fp16")
 NUM_KV_HEADS = 8
 MAX_BLOCKS_PER_REQ = 2048  # block-table row stride
 NUM_REQS = 3  # not 1 (a constexpr at launch) and not a multiple of 16
@@ -62,23 +61,19 @@ def _dname(dtype: torch.dtype) -> str:
 
 
 def _paged_points():
-    """(head, block, group, model, fp8, with_new, window, splits) points."""
-    base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
-                splits=1)
+    """(head, block, group, model, fp8, with_new, window, splits) points: at each head size the
+    base, every other axis varied once and the heaviest combination; block and group sizes at
+    head size 128."""
+    base = dict(head=128, block=16, group=8, model="bf16", fp8=False, with_new=True,
+                window=False, splits=1)
     points = []
     for head in HEAD_SIZES:
-        points.append(dict(base, head=head))
-        for model in MODEL_DTYPES:
-            points.append(dict(base, head=head, model=model, fp8=True))
-        points.append(dict(base, head=head, model="fp16"))
-        points.append(dict(base, head=head, with_new=False))
-        points.append(dict(base, head=head, window=True))
-        points.append(dict(base, head=head, splits=SPLITS))
-        points.append(dict(base, head=head, fp8=True, window=True, splits=SPLITS))
-    for block in BLOCK_SIZES:
-        points.append(dict(base, head=128, block=block))
-    for group in GROUPS:
-        points.append(dict(base, head=128, group=group))
+        at = dict(base, head=head)
+        points += [at, dict(at, fp8=True), dict(at, model="fp16", fp8=True), dict(at, model="fp16"),
+                   dict(at, with_new=False), dict(at, window=True), dict(at, splits=SPLITS),
+                   dict(at, fp8=True, window=True, splits=SPLITS)]
+    points += [dict(base, block=block) for block in BLOCK_SIZES]
+    points += [dict(base, group=group) for group in GROUPS]
     return points
 
 
@@ -249,27 +244,24 @@ MLA_BLOCK = 64
 
 
 def _mla_points():
-    """(decode, tokens, heads, model, cache, q_fp8, neox) points."""
-    base = dict(model="bf16", cache="model", q_fp8=False, neox=False)
-    points = []
-    for heads in (8, 16, 128):  # heads per GPU: TP 16 / 8 / 1 of DeepSeek-V3
-        points.append(dict(base, decode=True, tokens=64, heads=heads))
-    points += [
-        dict(base, decode=True, tokens=64, heads=16, cache="fp8"),
-        dict(base, decode=True, tokens=64, heads=16, cache="fp8", q_fp8=True),
-        dict(base, decode=True, tokens=64, heads=16, neox=True),
-        dict(base, decode=True, tokens=64, heads=16, model="fp16"),
-        dict(base, decode=True, tokens=64, heads=16, model="fp16", cache="fp8", q_fp8=True),
+    """(decode, tokens, heads, model, cache, q_fp8, neox) points: each axis varied from a
+    decode base (64 tokens) and a prefill base (8192 tokens), 16 heads."""
+    decode = dict(decode=True, tokens=64, heads=16, model="bf16", cache="model", q_fp8=False,
+                  neox=False)
+    prefill = dict(decode, decode=False, tokens=8192)
+    return [
+        *(dict(decode, heads=heads) for heads in (8, 16, 128)),  # TP 16 / 8 / 1 of DeepSeek-V3
+        dict(decode, cache="fp8"),
+        dict(decode, cache="fp8", q_fp8=True),
+        dict(decode, neox=True),
+        dict(decode, model="fp16"),
+        dict(decode, model="fp16", cache="fp8", q_fp8=True),
+        *(dict(prefill, tokens=tokens) for tokens in (128, 256, 512, 8192)),  # BLOCK_T 1 to 8
+        dict(prefill, cache="fp8"),
+        dict(prefill, heads=128),
+        dict(prefill, neox=True),
+        dict(prefill, model="fp16", cache="fp8"),
     ]
-    for tokens in (128, 256, 512, 8192):  # BLOCK_T 1 / 2 / 4 / 8
-        points.append(dict(base, decode=False, tokens=tokens, heads=16))
-    points += [
-        dict(base, decode=False, tokens=8192, heads=16, cache="fp8"),
-        dict(base, decode=False, tokens=8192, heads=128),
-        dict(base, decode=False, tokens=8192, heads=16, neox=True),
-        dict(base, decode=False, tokens=8192, heads=16, model="fp16", cache="fp8"),
-    ]
-    return points
 
 
 def mla_specs(target, mod) -> list[Spec]:

@@ -16,6 +16,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from seriestool import gitrepo
 from seriestool.sdist import cache_dir
 
 from .targets import TARGETS
@@ -74,11 +75,8 @@ def result_files(result: dict, root: Path) -> dict[str, dict]:
     newest commit that changed INPUTS and whether they have local edits."""
     import triton
 
-    git = ["git", "-C", str(root)]
-    commit = subprocess.run([*git, "log", "-1", "--format=%H", "--", *INPUTS], check=True,
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", *INPUTS], check=True,
-                           capture_output=True, text=True).stdout.strip()
+    commit = gitrepo.out(root, "log", "-1", "--format=%H", "--", *INPUTS)
+    dirty = gitrepo.out(root, "status", "--porcelain", "--", *INPUTS)
     docs = {}
     for name in sorted({r["target"] for r in result["records"]}):
         rows = []

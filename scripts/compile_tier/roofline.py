@@ -95,10 +95,3 @@ def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
                 latest[(kernel, device)] = {"file": found.name, "cases": found.cases(kernel)}
     return latest
 
-
-def render(root: Path) -> dict[Path, str]:
-    """docs/roofline-amd.md with its generated region, path -> text (nothing written)."""
-    from .run import replace_region
-
-    path = root / "docs" / "roofline-amd.md"
-    return {path: replace_region(path, BEGIN, END, page(latest_cases(root)))}

@@ -1,7 +1,6 @@
 """``python3 scripts/compile_tier.py report`` (``make compile-report``): compile (or read from
-the cache) every spec, one worker process per target, then write
-benchmarks/results/compile/<target>.json, the generated table of docs/compile-tier.md and
-docs/roofline-amd.md (roofline.py)."""
+the cache) every spec, then write benchmarks/results/compile/<target>.json, the generated
+table of docs/compile-tier.md and docs/roofline-amd.md (roofline.py)."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ INPUTS = ("vllm_overlay", "scripts/compile_tier")
 
 def run(targets=None, cache: Path | None = None) -> dict:
     """Compile (or read from the cache) every spec of ``targets``, one worker process per
-    target, all at once.  Returns ``{"records": [...] sorted by target, kernel, case,
-    "seconds", "unique": {target: n}, "compiled": {target: n}}``.  Triton's own cache and the
-    workers' files go to a scratch folder, removed however the run ends."""
+    target, all at once; Triton's own cache goes to a scratch folder.  Returns the records
+    sorted by target, kernel and case, "seconds", and "unique" / "compiled" counts per target."""
     targets = list(targets or TARGETS)
     cache = cache or cache_dir() / "compile"
     start = time.perf_counter()
@@ -160,7 +158,9 @@ def main(argv=None) -> int:
              for name, doc in docs.items()}
     page = ROOT / "docs" / "compile-tier.md"
     files[page] = replace_region(page, BEGIN, END, table(docs))
-    files.update(roofline.render(ROOT))
+    roof = ROOT / "docs" / "roofline-amd.md"
+    files[roof] = replace_region(roof, roofline.BEGIN, roofline.END,
+                                 roofline.page(roofline.latest_cases(ROOT)))
     for path, text in files.items():
         state = "unchanged"
         if not path.is_file() or path.read_text() != text:

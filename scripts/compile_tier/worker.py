@@ -92,24 +92,11 @@ def specialize(fn, spec, backend):
     return signature, constexprs, attrs
 
 
-def compile_facts(fn, target, signature, constexprs, attrs, options) -> dict:
-    """The facts of one compile, or its error: a failed compile is a result."""
-    import triton
-    from triton.compiler import ASTSource
-
-    try:
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                target=target.gpu_target(), options=options)
-        return amd_facts(target, kernel.asm["amdgcn"], kernel.metadata.shared,
-                         options["num_warps"])
-    except Exception as exc:  # noqa: BLE001
-        return dict(error=f"{type(exc).__name__}: {exc}"[:2000])
-
-
 def run_target(target_name: str, cache: Path) -> list[dict]:
-    """One record (kernel, case, config, expect, key, cached, facts) per spec."""
+    """One record (kernel, case, config, expect, key, cached, facts) per spec; a failed
+    compile is a result (its error), not cached."""
     import triton
-    from triton.compiler import make_backend
+    from triton.compiler import ASTSource, make_backend
 
     target = TARGETS[target_name]
     backend = type(make_backend(target.gpu_target()))
@@ -128,8 +115,14 @@ def run_target(target_name: str, cache: Path) -> list[dict]:
         if cached:
             facts = json.loads(path.read_text())
         else:
-            facts = compile_facts(spec.fn, target, signature, constexprs, attrs, spec.options)
-            if "error" not in facts:
+            try:
+                kernel = triton.compile(ASTSource(spec.fn, signature, constexprs, attrs),
+                                        target=target.gpu_target(), options=spec.options)
+                facts = amd_facts(target, kernel.asm["amdgcn"], kernel.metadata.shared,
+                                  spec.options["num_warps"])
+            except Exception as exc:  # noqa: BLE001
+                facts = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
+            else:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.with_suffix(".tmp").write_text(json.dumps(facts, sort_keys=True))
                 path.with_suffix(".tmp").replace(path)  # a killed worker leaves no half file

@@ -1,13 +1,11 @@
 #!/usr/bin/env python3
-"""make build: a wheel of the patched tree (build/vllm) into dist/.
+"""make build: a wheel of build/vllm's HEAD (from a ``git archive`` copy) into dist/.
 
-``--device rocm`` (auto: /opt/rocm exists or the python's torch has torch.version.hip):
-vLLM's setup.py compiles its HIP/C++ extensions with that python.  ``empty``: a
-Python-only wheel, built with the sdist's tools venv and a stand-in torch, without the
-optional Rust frontend.  Built from a ``git archive`` of build/vllm's HEAD in a scratch
-folder.  Version: ``<VLLM_VERSION>+aiter.series.g<series commit>[.dirty]``
-(``t<build-tree commit>`` where the series has no git history, e.g. a Docker context).
-"""
+``--device rocm`` (auto: /opt/rocm exists or this python's torch has torch.version.hip):
+vLLM's setup.py compiles its HIP/C++ extensions.  ``empty``: a Python-only wheel, built with
+the sdist's tools venv and a stand-in torch, without the optional Rust frontend.  Version:
+``<VLLM_VERSION>+aiter.series.g<series commit>[.dirty]`` (``t<build-tree commit>`` where the
+series has no git history, e.g. a Docker context)."""
 
 from __future__ import annotations
 
@@ -20,11 +18,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from seriestool import SeriesError, gitrepo, sdist
+from seriestool.pins import load_pins
 
-from seriestool import SeriesError, gitrepo, sdist  # noqa: E402
-from seriestool.pins import load_pins  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def torch_hip(python: str) -> str:

@@ -19,11 +19,9 @@ import sys
 import zipfile
 from pathlib import Path
 
+from seriestool import SeriesError, gitrepo, sdist
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-from seriestool import SeriesError, gitrepo, sdist  # noqa: E402
-
 OUT = REPO / ".gpu_payload"
 # What the GPU verbs run (tests/aiter_fa whole, tests/mla's `gpu` tests).
 TESTS = ("tests/aiter_fa", "tests/mla")

@@ -26,9 +26,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from seriestool.sdist import cache_dir, sha256_of  # stdlib only, as on the GPU machine
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-from seriestool.sdist import cache_dir, sha256_of  # noqa: E402  (stdlib only)
 
 OUT = REPO / ".gpu_payload" / "triton"
 STASH = Path("/tmp/triton-parts")

@@ -30,8 +30,7 @@ _MODEL = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class Ptr:
-    """A pointer argument: its dtype, and whether its allocation passes 2 GiB
-    (a KV cache: the AMD backend then uses no 32-bit buffer offsets)."""
+    """A pointer argument: its dtype, and whether its allocation passes 2 GiB (a KV cache)."""
 
     dtype: torch.dtype
     big: bool = False

@@ -17,8 +17,7 @@ def case_flops(kernel: str, shapes: dict) -> tuple[int, str]:
     """Matrix FLOPs of one case and how they were counted ('' for data movement)."""
     if kernel != "paged_context":
         return 0, ""
-    # The suite records the context part (QK^T and PV over every cached
-    # token); the fused call also attends causally to the new tokens.
+    # Recorded: QK^T and PV over every cached token; the call also attends causally to new tokens.
     reqs, new = shapes["requests"], shapes["new_tokens"]
     causal = 4 * reqs * shapes["num_heads"] * shapes["head_size"] * new * (new + 1) // 2
     return shapes["context_flops"] + causal, "context + causal new tokens"

@@ -65,17 +65,12 @@ def test_closure_follows_module_level_imports_and_zips_their_files(tree):
     assert dest.read_bytes() == again.read_bytes()
 
 
-def test_refuses_a_tree_missing_a_module(tree):
-    (tree / "vllm" / "b.py").unlink()
-    assert gpu_payload.module_closure(tree, ["vllm.a"])  # b is only imported: not a root
-    with pytest.raises(SeriesError, match="no module vllm.b"):
-        gpu_payload.module_closure(tree, ["vllm.a", "vllm.b"])
-    # A test importing a module the tree lacks is refused too.
+def test_a_module_the_tests_import_and_the_tree_lacks_is_refused(tree):
     test = tree / "test_y.py"
     test.write_text("from vllm.missing import thing\nfrom vllm.pkg import sub, CONSTANT\n")
     roots = gpu_payload.test_imports(tree, [test])
     assert roots == ["vllm.missing", "vllm.pkg", "vllm.pkg.sub"]  # CONSTANT: an attribute
-    with pytest.raises(SeriesError, match="vllm.missing"):
+    with pytest.raises(SeriesError, match="no module vllm.missing"):
         gpu_payload.module_closure(tree, roots)
 
 
@@ -101,11 +96,9 @@ def test_real_tree_payload_holds_the_backend_and_no_csrc(tmp_path):
     roots = sorted(set(gpu_payload.ROOTS) | set(gpu_payload.RUNTIME_ROOTS)
                    | set(gpu_payload.test_imports(TREE, tests)))
     modules = gpu_payload.module_closure(TREE, roots)
-    for name in ("vllm.v1.attention.backends.rocm_aiter_fa", "vllm.config",
-                 "vllm.v1.attention.ops.triton_fetch_kv", "vllm.v1.attention.ops.triton_mla_rope_cache",
-                 "vllm.model_executor.layers.attention.mla_rope_kv_cache",
-                 "vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope"):
-        assert name in modules
+    assert {"vllm.v1.attention.backends.rocm_aiter_fa", "vllm.v1.attention.ops.triton_fetch_kv",
+            "vllm.model_executor.layers.attention.mla_rope_kv_cache",
+            "vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope"} <= modules
     dest = tmp_path / "vllm-src.zip"
     gpu_payload.write_source_zip(TREE, modules, dest)
     names = zipfile.ZipFile(dest).namelist()

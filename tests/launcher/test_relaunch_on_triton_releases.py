@@ -1,19 +1,14 @@
-"""KernelCall's relaunch on every Triton release triton_launch.TESTED_TRITON claims
-(pins.env TRITON_RELAUNCH_RELEASES), each a real wheel in ``<series cache>/triton/<version>``.
-
-Each case runs this file (``main``) in a fresh process, on that release, with a stand-in
-driver for an NVIDIA (sm_90) or AMD (gfx942) target: ``kernel[grid]`` really specialises and
-compiles, only the driver's load and launch are recorded.  Every call must reach the launcher
-of the compiled kernel ``JITFunction.run`` itself selects, and a relaunch must hand it exactly
-what Triton's own launch handed it.
-"""
+"""KernelCall's relaunch on every Triton release triton_launch.TESTED_TRITON claims (pins.env
+TRITON_RELAUNCH_RELEASES): this file's ``main`` in a fresh process on that release, with a
+stand-in driver for sm_90 or gfx942, so ``kernel[grid]`` really specialises and compiles and
+only the driver's load and launch are recorded.  Every call must reach the launcher of the
+kernel ``JITFunction.run`` selects, and a relaunch must hand it what Triton's launch did."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,16 +26,16 @@ TARGETS = ["cuda:90", "hip:gfx942"]
 
 
 class _Launcher:
-    """Stands in for the backend launcher: records the calls it gets."""
+    """Stands in for the backend launcher: records (launcher, arguments) of every call."""
 
     instances: list = []
+    calls: list = []
 
     def __init__(self, src, metadata):
-        self.calls = []
         _Launcher.instances.append(self)
 
     def __call__(self, *args):
-        self.calls.append(args)
+        _Launcher.calls.append((self, args))
 
 
 class _Utils:
@@ -49,9 +44,7 @@ class _Utils:
         return object(), object(), 32, 0, 1024
 
     def get_device_properties(self, device):
-        return {"max_shared_mem": 228 * 1024, "multiprocessor_count": 132,
-                "max_num_regs": 65536, "warpSize": 32, "sm_clock_rate": 1,
-                "mem_clock_rate": 1, "mem_bus_width": 1}
+        return {"max_shared_mem": 228 * 1024}
 
 
 def _driver(target):
@@ -97,8 +90,7 @@ def _driver(target):
 
 
 def _label(arg, buf):
-    """A comparable label: tensors by offset, per-call metadata by type,
-    other objects (function handles, hooks) by identity."""
+    """Tensors by offset, per-call metadata by type, other objects (handles, hooks) by identity."""
     if isinstance(arg, torch.Tensor):
         if arg.untyped_storage().data_ptr() != buf.data_ptr():
             return "tensor@big"
@@ -148,11 +140,9 @@ def main(target):
 
     def call(x_ptr, y_ptr):
         before = len(jit_runs)
-        counts = [len(i.calls) for i in _Launcher.instances]
+        _Launcher.calls.clear()
         launch(x_ptr=x_ptr, y_ptr=y_ptr)
-        counts += [0] * (len(_Launcher.instances) - len(counts))
-        (launcher,) = [i for i, n in zip(_Launcher.instances, counts) if len(i.calls) > n]
-        args = launcher.calls[-1]
+        ((launcher, args),) = _Launcher.calls  # exactly one launch
         # The compiled kernel JITFunction.run itself selects for these arguments.
         picked = run(x_ptr, y_ptr, None, 128, BLOCK=64, num_warps=4, grid=(2,), warmup=True)
         calls.append({
@@ -171,11 +161,10 @@ def main(target):
     # 6, 7: an aligned tensor whose storage exceeds 2 GiB (never touched; AMD
     # buffer ops specialise on it): the kernel Triton picks, both times.
     big = torch.empty(2**31 + 4096, dtype=torch.uint8).view(torch.float32)
-    hooked = []
     from triton import knobs
 
     saved = knobs.runtime.launch_enter_hook
-    knobs.runtime.launch_enter_hook = hook = lambda metadata: hooked.append(metadata)
+    knobs.runtime.launch_enter_hook = hook = lambda metadata: None
     call(x, y)          # 5: a launch hook is set: CompiledKernel[grid] hands it on
     knobs.runtime.launch_enter_hook = saved
     call(big[:128], y)  # 6
@@ -195,16 +184,11 @@ pytestmark = pytest.mark.skipif(not os.environ.get("VLLM_BUILD_TREE"),
 
 
 def _release(version: str) -> Path:
-    """The folder holding ``triton==version`` (no dependencies), installed on first use
-    through a ``.partial`` folder, so an interrupted install is redone."""
+    """The folder holding ``triton==version`` (no dependencies), pip-installed on first use."""
     folder = cache_dir() / "triton" / version
     if not (folder / "triton" / "__init__.py").is_file():
-        partial = folder.with_name(f"{version}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-                        "--target", str(partial), f"triton=={version}"], check=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        partial.rename(folder)
+                        "--upgrade", "--target", str(folder), f"triton=={version}"], check=True)
     return folder
 
 

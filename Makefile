@@ -76,7 +76,7 @@ venv: apply ## Create/update .venv for the CPU tier (CPU torch, triton, vLLM's c
 # One pip resolution (so nothing can pull a CUDA torch), rerun when an input is newer than the stamp.
 pin = $(shell sed -n 's/^$(1)=//p' pins.env)
 $(VENV)/.series-venv-stamp: pins.env ci/requirements-test.txt $(TREE)/requirements/common.txt
-	@echo "venv: pip install into $(VENV) (first time: about 2.8 GB, a few minutes) ..."
+	@echo "venv: pip install into $(VENV) (first time: about 2.8 GB, a few minutes) ..." >&2
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --disable-pip-version-check torch==$(call pin,TORCH_CPU_VERSION) triton==$(call pin,TRITON_VERSION) numba==$(call pin,NUMBA_VERSION) -r ci/requirements-test.txt -r $(TREE)/requirements/common.txt
 	touch $@

@@ -116,7 +116,7 @@ def _paged_spec(target, mod, p) -> Spec:
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), PAGE_SIZE=bs,
         USE_WINDOW=p["window"], FP8=p["fp8"], WITH_NEW=new,
-        DOT_IEEE=False, RESCALE_SLACK=mod._RESCALE_SLACK,
+        DOT_IEEE=False, RESCALE_SLACK=mod._RESCALE_SLACK,  # DOT_IEEE: fp32 models only
     )
     case = (f"d{d}_b{bs}_g{g}_{p['model']}_{_dname(cache) if p['fp8'] else 'kv=q'}"
             f"{'_new' if new else ''}{'_win' if p['window'] else ''}"

@@ -69,7 +69,7 @@ def run(targets=None, cache: Path | None = None) -> dict:
 
 
 def result_files(result: dict, root: Path) -> dict[str, dict]:
-    """One result document per target (what ``render`` puts in <target>.json), with the
+    """One result document per target (what ``main`` writes to <target>.json), with the
     newest commit that changed INPUTS and whether they have local edits."""
     import triton
 

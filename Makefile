@@ -69,7 +69,15 @@ readme: ## Regenerate README.md's series table from the patch headers
 	@$(SERIES) readme
 
 venv: apply ## Create/update .venv for the CPU tier (CPU torch, triton, vLLM's common requirements)
-	@$(PYTHON) scripts/make_venv.py --venv $(VENV) --tree $(TREE)
+	@$(MAKE) -s --no-print-directory $(VENV)/.series-venv-stamp
+
+# One pip resolution (so nothing can pull a CUDA torch), rerun when an input is newer than the stamp.
+pin = $(shell sed -n 's/^$(1)=//p' pins.env)
+$(VENV)/.series-venv-stamp: pins.env ci/requirements-test.txt $(TREE)/requirements/common.txt
+	@echo "venv: pip install into $(VENV) (first time: about 2.8 GB, a few minutes) ..." >&2
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check torch==$(call pin,TORCH_CPU_VERSION) triton==$(call pin,TRITON_VERSION) numba==$(call pin,NUMBA_VERSION) -r ci/requirements-test.txt -r $(TREE)/requirements/common.txt
+	touch $@
 
 test: apply venv ## CPU tier: series mechanics, engine logic, kernels under TRITON_INTERPRET=1 (TESTS= narrows)
 	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS)

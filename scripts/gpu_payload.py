@@ -1,26 +1,16 @@
 #!/usr/bin/env python3
-"""make gpu-payload: what the GPU machine needs to import the patched vLLM from source.
-
-The GPU machine has python3 3.12 with torch, triton, numpy and pytest, no vLLM, no
-package index, and takes at most 64 MiB of working tree, carried paths included;
-build/vllm is 200 MB.  Into ``.gpu_payload/`` (in .gitignore) this writes:
-
-  vllm-src.zip   the build tree's ``vllm/*.py`` files that importing ROOTS, RUNTIME_ROOTS
-                 and what TESTS import needs: the closure of module-level imports
-                 (function bodies and ``if TYPE_CHECKING:`` blocks skipped).  Extracted
-                 on the device (``python3 -m zipfile -e``).
-  whl/           cp312 manylinux wheels of WHEELS at the versions ``.venv`` has
-                 (``pip download --no-deps``, cached), members recompressed with LZMA
-                 (same files, so RECORD holds): 52 MiB of wheels become 43.
-  MANIFEST.json  the build tree's commit, the modules, each wheel with PyPI's sha256.
-
-A module the closure misses shows as an ImportError in the GPU verbs' first test run.
-"""
+"""make gpu-payload: what the GPU machine (python3 3.12 with torch, triton, numpy and pytest;
+no vLLM, no package index, at most 64 MiB of working tree) needs to import the patched vLLM,
+in ``.gpu_payload/``: ``vllm-src.zip``, the build tree's ``vllm/*.py`` files that importing
+ROOTS, RUNTIME_ROOTS and what TESTS import executes (module-level imports only); ``whl/``,
+cp312 wheels of WHEELS at .venv's versions, recompressed with LZMA (52 MiB become 43); and
+``MANIFEST.json`` (the tree's commit, the modules, each wheel with PyPI's sha256)."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import re
 import shutil
@@ -29,11 +19,9 @@ import sys
 import zipfile
 from pathlib import Path
 
+from seriestool import SeriesError, gitrepo, sdist
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-from seriestool import SeriesError, gitrepo, sdist  # noqa: E402
-
 OUT = REPO / ".gpu_payload"
 # What the GPU verbs run (tests/aiter_fa whole, tests/mla's `gpu` tests).
 TESTS = ("tests/aiter_fa", "tests/mla")
@@ -42,9 +30,8 @@ ROOTS = (
     "vllm.config",
     # The GPU tier's merge (the test compiles it with the real Triton).
     "vllm.v1.attention.ops.triton_merge_attn_states",
-    # The MLA RoPE + KV-cache fusion (overlay + 0301-0304): its layer glue,
-    # decision, Triton kernel (tests/mla's CUDA-graph replay test compiles it),
-    # AITER cos/sin cache and the workspace manager holding its q_out buffer.
+    # The MLA RoPE + KV-cache fusion (overlay + 0301-0304): its layer glue, decision, Triton
+    # kernel, AITER cos/sin cache and the workspace manager holding its q_out buffer.
     "vllm._aiter_ops",
     "vllm.model_executor.layers.attention.mla_rope_fusion",
     "vllm.model_executor.layers.attention.mla_rope_kv_cache",
@@ -54,9 +41,8 @@ ROOTS = (
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.registry",
 )
-# Imported inside functions on the tests' path (found by a traced CPU-tier run
-# of TESTS): VllmConfig's post-init and the model registry subprocess.  tests/mla adds none: what its harness builds inside
-# functions (MLAAttention, the rotary embeddings) the tests import too.
+# Imported inside functions on the tests' path (found by a traced CPU-tier run of TESTS):
+# VllmConfig's post-init and the model registry subprocess.
 RUNTIME_ROOTS = (
     "vllm.distributed.ec_transfer",
     "vllm.lora.resolver",
@@ -69,12 +55,9 @@ RUNTIME_ROOTS = (
     "vllm.v1.pool.metadata",
     "vllm.v1.worker.worker_base",
 )
-# Distributions (as `pip freeze` names them), each a hard import of the modules
-# above or a requirement transformers checks by metadata (charset-normalizer
-# only silences requests' warning).  torch, triton, numpy, pytest and torch's
-# requirements (setuptools, sympy, jinja2, ...) are there; of the latter,
-# typing-extensions, filelock and fsspec travel anyway, at .venv's versions,
-# since pydantic and huggingface-hub need recent ones.
+# Distributions, each a hard import of the modules above or a requirement transformers checks
+# by metadata.  The device has torch's requirements; typing-extensions, filelock and fsspec
+# travel anyway, since pydantic and huggingface-hub need recent ones.
 WHEELS = (
     "aiohappyeyeballs", "aiohttp", "aiosignal", "annotated-doc", "annotated-types", "anyio",
     "apache-tvm-ffi", "attrs", "cachetools", "cbor2", "certifi", "charset-normalizer",
@@ -86,13 +69,10 @@ WHEELS = (
     "truststore", "typing-extensions", "typing-inspection", "urllib3", "uvloop", "xgrammar",
     "yarl",
 )
-# The device: CPython 3.12, x86-64, glibc >= 2.31 (llguidance 1.7 is built
-# for manylinux_2_31; pip matches each listed tag exactly).
+# The device: CPython 3.12, x86-64, glibc >= 2.31 (pip matches each listed tag exactly).
 PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 CARRY_LIMIT_MIB = 64  # the device tool's working tree, carried paths included
-
-
 MIB = 1 << 20
 
 
@@ -125,10 +105,7 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
-                name = node.module or ""
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    name = f"{base}.{node.module}" if node.module else base
+                name = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
                 found.add(name)
                 found.update(f"{name}.{alias.name}" for alias in node.names)
             visit(ast.iter_child_nodes(node))
@@ -161,48 +138,44 @@ def module_closure(pkg_root: Path, roots: list[str]) -> set[str]:
 
 
 def test_imports(pkg_root: Path, paths: list[Path]) -> list[str]:
-    """The vllm modules the test files import anywhere in them: ``import vllm.x`` and
-    ``from vllm.x import y`` need vllm.x (kept even when the tree lacks it); vllm.x.y
-    counts where it is a module of the tree."""
+    """The vllm modules the test files import anywhere in them (``from vllm.x import y``:
+    vllm.x, and vllm.x.y where the tree has that module)."""
     names: set[str] = set()
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 names.update(a.name for a in node.names if a.name.startswith("vllm."))
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                if node.module.startswith("vllm."):
-                    names.add(node.module)
-                    names.update(f"{node.module}.{a.name}" for a in node.names
-                                 if module_file(pkg_root, f"{node.module}.{a.name}"))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm."):
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names
+                             if module_file(pkg_root, f"{node.module}.{a.name}"))
     return sorted(names)
 
 
 def write_source_zip(pkg_root: Path, modules: set[str], dest: Path) -> int:
     """Zip the modules' files (sorted, fixed dates: the same tree gives the same bytes)."""
     files = sorted(str(module_file(pkg_root, m).relative_to(pkg_root)) for m in modules)
-    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zf:
+    with zipfile.ZipFile(dest, "w") as zf:
         for rel in files:
             info = zipfile.ZipInfo(rel, date_time=(2026, 11, 2, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
-            zf.writestr(info, (pkg_root / rel).read_bytes())
+            zf.writestr(info, (pkg_root / rel).read_bytes(), zipfile.ZIP_DEFLATED)
     return len(files)
 
 
-def recompress(src: Path, dest: Path, method: int) -> None:
-    """The same wheel, every member recompressed with ``method`` (names, order, dates kept)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def recompress(src: Path, dest: Path) -> None:
+    """The same wheel, every member recompressed with LZMA (names, order, dates kept)."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w") as zout:
         for info in zin.infolist():
             data = zin.read(info)
             out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
             out.external_attr = info.external_attr
-            out.compress_type = method if data else zipfile.ZIP_STORED
+            out.compress_type = zipfile.ZIP_LZMA if data else zipfile.ZIP_STORED
             zout.writestr(out, data)
 
 
-def wheels(venv: Path, cache: Path) -> list[tuple[str, Path]]:
-    """(requirement, cached wheel) of WHEELS at .venv's versions, downloading what is missing."""
+def venv_requirements(venv: Path) -> list[str]:
+    """``name==version`` of WHEELS as .venv has them."""
     freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze", "--all"],
                             capture_output=True, text=True)
     if freeze.returncode:
@@ -211,8 +184,12 @@ def wheels(venv: Path, cache: Path) -> list[tuple[str, Path]]:
     missing = [n for n in WHEELS if not versions.get(canonical(n))]
     if missing:
         raise SeriesError(f".venv has no {', '.join(missing)}: run `make venv`")
-    requirements = [f"{n}=={versions[canonical(n)]}" for n in WHEELS]
+    return [f"{n}=={versions[canonical(n)]}" for n in WHEELS]
 
+
+def cp312_wheels(requirements: list[str], cache: Path) -> list[Path]:
+    """The cp312 manylinux wheel of each ``name==version`` in ``cache``, downloading what is
+    missing (also gpu_triton_payload's)."""
     def cached(requirement: str) -> Path | None:
         name, _, version = requirement.partition("==")
         return next((p for p in cache.glob("*.whl") if p.name.split("-")[1] == version
@@ -228,8 +205,8 @@ def wheels(venv: Path, cache: Path) -> list[tuple[str, Path]]:
         proc = subprocess.run(cmd + todo, capture_output=True, text=True)
         if proc.returncode:
             raise SeriesError("pip download failed:\n" + (proc.stderr or proc.stdout).strip())
-    found = [(r, cached(r)) for r in requirements]
-    lost = [r for r, wheel in found if wheel is None]
+    found = [cached(r) for r in requirements]
+    lost = [r for r, wheel in zip(requirements, found) if wheel is None]
     if lost:
         raise SeriesError(f"no cp312 manylinux wheel for {', '.join(lost)} in {cache}")
     return found
@@ -245,16 +222,14 @@ def build(tree: Path, venv: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     count = write_source_zip(tree, modules, out / "vllm-src.zip")
     shutil.rmtree(out / "whl", ignore_errors=True)
+    (out / "whl").mkdir()
     cache = sdist.cache_dir() / "gpu-wheels" / "cp312"
     cache.mkdir(parents=True, exist_ok=True)
     listed = []
-    for requirement, wheel in wheels(venv, cache):
-        packed = cache / "lzma" / wheel.name  # recompressing takes a minute: kept in the cache
-        if not packed.exists() or packed.stat().st_mtime < wheel.stat().st_mtime:
-            recompress(wheel, packed.with_suffix(".tmp"), zipfile.ZIP_LZMA)
-            packed.with_suffix(".tmp").replace(packed)
-        (out / "whl").mkdir(exist_ok=True)
-        shutil.copyfile(packed, out / "whl" / wheel.name)
+    requirements = venv_requirements(venv)
+    print(f"packing {len(requirements)} wheels with LZMA (a minute) ...", flush=True)
+    for requirement, wheel in zip(requirements, cp312_wheels(requirements, cache)):
+        recompress(wheel, out / "whl" / wheel.name)
         listed.append({"requirement": requirement, "file": wheel.name,
                        "pypi_sha256": sdist.sha256_of(wheel)})
     manifest = {"tree_commit": gitrepo.head(tree), "roots": roots, "modules": sorted(modules),

@@ -1,13 +1,10 @@
 #!/usr/bin/env python3
-"""A Triton release for the GPU machine, in parts that each fit one device command.
-
-The GPU machine has its own Triton, no package index, and takes at most 64 MiB of files per
-command; the target's Triton (pins.env TRITON_VERSION) is a 250 MB wheel.  ``build`` (here,
-``make gpu-triton-payload``) trims it to what compiling and launching on an NVIDIA GPU needs
-(no CUPTI, proton, Blackwell ptxas or disassemblers), packs it as one xz tar split into
+"""A Triton release (a 250 MB wheel) for the GPU machine, which has no package index and
+takes at most 64 MiB per command.  ``build`` (``make gpu-triton-payload``) drops what
+compiling and launching for sm_90 does not need (DROP) and writes the rest as one tar.xz in
 ``.gpu_payload/triton/triton-<v>.tar.xz.<n>`` parts of at most 48 MiB, with ``MANIFEST.json``
-(sha256 of the whole and of each part).  On the GPU machine (python3 stdlib only), one
-command per part, each carrying MANIFEST.json and its part::
+(sha256 of the whole and of each part).  On the GPU machine (stdlib only), one command per
+part, each carrying MANIFEST.json and its part::
 
     python3 scripts/gpu_triton_payload.py stash      # keeps the verified parts in /tmp
     python3 scripts/gpu_triton_payload.py assemble   # once all are there: verify, extract
@@ -29,15 +26,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from seriestool.sdist import cache_dir, sha256_of  # stdlib only, as on the GPU machine
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-from seriestool.sdist import cache_dir, sha256_of  # noqa: E402  (stdlib only)
 
 OUT = REPO / ".gpu_payload" / "triton"
 STASH = Path("/tmp/triton-parts")
-PYTHON_TAG = "cp312"  # the GPU machine's python3
-
-# Wheel members left out: nothing on the path that compiles and launches for sm_90.
 DROP = (
     "triton/backends/nvidia/lib/cupti/",
     "triton/backends/nvidia/lib/cupti-blackwell/",
@@ -49,23 +43,9 @@ DROP = (
 )
 
 
-def download(version: str) -> Path:
-    folder = cache_dir() / "gpu-wheels" / PYTHON_TAG
-    found = sorted(folder.glob(f"triton-{version}-{PYTHON_TAG}-*.whl"))
-    if found:
-        return found[-1]
-    print(f"gpu-triton-payload: downloading triton=={version} ({PYTHON_TAG}) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
-                    "-d", str(folder), f"triton=={version}"], check=True)
-    return sorted(folder.glob(f"triton-{version}-{PYTHON_TAG}-*.whl"))[-1]
-
-
 def build(version: str, wheel: Path, out: Path, part_bytes: int) -> dict:
     """Trim ``wheel``, pack and split it into ``out``; returns the manifest."""
-    if out.exists():
-        shutil.rmtree(out)
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="gpu-triton-") as tmp:
         tar_path = Path(tmp) / f"triton-{version}.tar"
@@ -95,8 +75,8 @@ def build(version: str, wheel: Path, out: Path, part_bytes: int) -> dict:
 
 
 def stash(src: Path, stash_dir: Path) -> list[str]:
-    """Copy the verified parts present in ``src`` into ``stash_dir``; return the
-    names still missing there."""
+    """Copy the verified parts present in ``src`` into ``stash_dir``; return the names
+    still missing there."""
     manifest = json.loads((src / "MANIFEST.json").read_text())
     stash_dir.mkdir(parents=True, exist_ok=True)
     (stash_dir / "MANIFEST.json").write_text(json.dumps(manifest))
@@ -109,7 +89,7 @@ def stash(src: Path, stash_dir: Path) -> list[str]:
 
 
 def assemble(stash_dir: Path, dest_root: Path) -> Path:
-    """Verify the stashed parts and extract them to ``dest_root/triton-<v>``."""
+    """Verify the stashed parts and extract them to ``dest_root/triton-<v>`` (once)."""
     manifest = json.loads((stash_dir / "MANIFEST.json").read_text())
     dest = dest_root / f"triton-{manifest['version']}"
     done = dest / ".complete"
@@ -149,10 +129,13 @@ def main() -> int:
     a.add_argument("--dest", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     if args.verb == "build":
+        from gpu_payload import cp312_wheels
         from seriestool.pins import load_pins
 
         version = args.version or load_pins(REPO)["TRITON_VERSION"]
-        manifest = build(version, args.wheel or download(version), args.out, args.part_mib << 20)
+        cache = cache_dir() / "gpu-wheels" / "cp312"
+        wheel = args.wheel or cp312_wheels([f"triton=={version}"], cache)[0]
+        manifest = build(version, wheel, args.out, args.part_mib << 20)
         print(f"gpu-triton-payload: {args.out}: {manifest['bytes'] >> 20} MiB in "
               f"{len(manifest['parts'])} parts; carry MANIFEST.json and one part per command")
     elif args.verb == "stash":

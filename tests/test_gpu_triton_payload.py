@@ -1,5 +1,4 @@
-"""scripts/gpu_triton_payload.py: a wheel trimmed, split, stashed part by part and
-assembled byte-identical, on a small stand-in wheel."""
+"""gpu_triton_payload.py on a small stand-in wheel: trimmed, split, stashed, assembled."""
 
 from __future__ import annotations
 
@@ -35,18 +34,25 @@ def wheel(tmp_path: Path) -> Path:
     return path
 
 
-def test_parts_assemble_to_the_trimmed_wheel(wheel, tmp_path):
+def test_parts_stash_one_per_command_and_assemble_to_the_trimmed_wheel(wheel, tmp_path):
     out, stash, dest = tmp_path / "out", tmp_path / "stash", tmp_path / "dest"
     manifest = payload.build("9.9.9", wheel, out, part_bytes=4096)
     names = [p["name"] for p in manifest["parts"]]
     assert len(names) >= 2
-    # A command that carries only the first part: the rest is reported missing.
-    first_only = tmp_path / "cmd1"
-    first_only.mkdir()
-    (first_only / "MANIFEST.json").write_text((out / "MANIFEST.json").read_text())
-    (first_only / names[0]).write_bytes((out / names[0]).read_bytes())
-    assert payload.stash(first_only, stash) == names[1:]
+    # A command that carries the first part and a corrupt copy of the second: only the first
+    # is stashed, and assembling refuses to start.
+    cmd = tmp_path / "cmd1"
+    cmd.mkdir()
+    (cmd / "MANIFEST.json").write_text((out / "MANIFEST.json").read_text())
+    (cmd / names[0]).write_bytes((out / names[0]).read_bytes())
+    (cmd / names[1]).write_bytes(b"x" + (out / names[1]).read_bytes()[1:])
+    assert payload.stash(cmd, stash) == names[1:]
     with pytest.raises(SystemExit, match="parts not stashed yet"):
+        payload.assemble(stash, dest)
+    # A part corrupted past stash's check: the assembled archive is not extracted.
+    for name in names[1:]:
+        (stash / name).write_bytes((cmd / names[1]).read_bytes())
+    with pytest.raises(SystemExit, match="does not match MANIFEST.json"):
         payload.assemble(stash, dest)
     assert payload.stash(out, stash) == []
     folder = payload.assemble(stash, dest)
@@ -56,16 +62,3 @@ def test_parts_assemble_to_the_trimmed_wheel(wheel, tmp_path):
         assert (folder / name).read_bytes() == FILES[name]
     assert (folder / "triton/backends/nvidia/bin/ptxas").stat().st_mode & 0o111
     assert payload.assemble(stash, dest) == folder  # complete: nothing redone
-
-
-def test_a_corrupt_part_is_not_stashed_and_a_bad_archive_not_extracted(wheel, tmp_path):
-    out, stash = tmp_path / "out", tmp_path / "stash"
-    manifest = payload.build("9.9.9", wheel, out, part_bytes=4096)
-    name = manifest["parts"][0]["name"]
-    good = (out / name).read_bytes()
-    (out / name).write_bytes(b"x" + good[1:])
-    assert name in payload.stash(out, stash)
-    (stash / name).write_bytes(b"x" + good[1:])  # put there past stash's check
-    payload.stash(out, stash)
-    with pytest.raises(SystemExit, match="does not match MANIFEST.json"):
-        payload.assemble(stash, tmp_path / "dest")

@@ -1,14 +1,9 @@
-"""The shape matrix, and one compile spec per (kernel, shape) the wrappers can meet.
-
-A spec is what one launch compiles: runtime arguments (representative values, specialised
-by Triton's own ``native_specialize_impl`` in the worker), constexprs and options.  Every
-tunable comes from the wrapper module's own config selection (``_tile_config``,
-``_pages_per_program``, ...) called with the target; only the mapping of shapes to
-arguments is written here, and ``build_specs`` refuses a spec whose argument names differ
-from the kernel's.  Each config a wrapper chooses is compiled at a base shape, with every
-value of every other axis once (one axis varied at a time) and at its heaviest combination
-(docs/compile-tier.md).
-"""
+"""The shape matrix, and one compile spec per (kernel, shape) the wrappers can meet: runtime
+arguments (representative values, specialised by the worker as Triton's JIT would),
+constexprs and options.  Every tunable comes from the wrapper module's own config selection
+called with the target; only the mapping of shapes to arguments is written here.  Each config
+is compiled at a base shape, with every value of every other axis once and at its heaviest
+combination (docs/compile-tier.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +18,6 @@ OPS = "vllm.v1.attention.ops"
 HEAD_SIZES = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64)
 GROUPS = (1, 2, 4, 8, 16)
-MODEL_DTYPES = ("bf16", "fp16")
 NUM_KV_HEADS = 8
 MAX_BLOCKS_PER_REQ = 2048  # block-table row stride
 NUM_REQS = 3  # not 1 (a constexpr at launch) and not a multiple of 16
@@ -31,14 +25,12 @@ MAX_TOKENS = 8192  # token bound of the step buffers
 WINDOW = 4096
 SPLITS = 4
 
-_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "i32": torch.int32, "i64": torch.int64}
+_MODEL = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class Ptr:
-    """A pointer argument: its dtype, and whether its allocation passes 2 GiB
-    (a KV cache: the AMD backend then uses no 32-bit buffer offsets)."""
+    """A pointer argument: its dtype, and whether its allocation passes 2 GiB (a KV cache)."""
 
     dtype: torch.dtype
     big: bool = False
@@ -53,7 +45,7 @@ class Ptr:
 @dataclass
 class Spec:
     kernel: str  # the public entry point, for reports
-    fn_name: str  # module:function of the @triton.jit kernel
+    fn: object  # the @triton.jit kernel
     case: str  # shape key
     config: dict  # what the wrapper chose (tiles, warps, ...), for reports
     args: dict  # runtime argument -> Ptr | int | float
@@ -62,57 +54,42 @@ class Spec:
     expect: dict = field(default_factory=dict)  # extra checks (vector widths)
 
 
-def _module(name: str):
-    return importlib.import_module(f"{OPS}.{name}")
-
-
-def _fp8(target) -> torch.dtype:
-    return getattr(torch, target.fp8_e4m3)
-
-
 def _dname(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
         dtype, str(dtype).removeprefix("torch.").replace("float8_", ""))
 
 
 def _paged_points():
-    """(head, block, group, model, fp8, with_new, window, splits) points."""
-    base = dict(block=16, group=8, model="bf16", fp8=False, with_new=True, window=False,
-                splits=1)
+    """(head, block, group, model, fp8, with_new, window, splits) points: at each head size the
+    base, every other axis varied once and the heaviest combination; block and group sizes at
+    head size 128."""
+    base = dict(head=128, block=16, group=8, model="bf16", fp8=False, with_new=True,
+                window=False, splits=1)
     points = []
     for head in HEAD_SIZES:
-        points.append(dict(base, head=head))
-        for model in MODEL_DTYPES:
-            points.append(dict(base, head=head, model=model, fp8=True))
-        points.append(dict(base, head=head, model="fp16"))
-        points.append(dict(base, head=head, with_new=False))
-        points.append(dict(base, head=head, window=True))
-        points.append(dict(base, head=head, splits=SPLITS))
-        points.append(dict(base, head=head, fp8=True, window=True, splits=SPLITS))
-    for block in BLOCK_SIZES:
-        points.append(dict(base, head=128, block=block))
-    for group in GROUPS:
-        points.append(dict(base, head=128, group=group))
+        at = dict(base, head=head)
+        points += [at, dict(at, fp8=True), dict(at, model="fp16", fp8=True), dict(at, model="fp16"),
+                   dict(at, with_new=False), dict(at, window=True), dict(at, splits=SPLITS),
+                   dict(at, fp8=True, window=True, splits=SPLITS)]
+    points += [dict(base, block=block) for block in BLOCK_SIZES]
+    points += [dict(base, group=group) for group in GROUPS]
     return points
 
 
-def _paged_spec(target, mod, p, tile) -> Spec:
-    """The main kernel's spec at point ``p`` with ``tile`` (a ``_Tile``)."""
+def _paged_spec(target, mod, p) -> Spec:
+    """The main kernel's spec at point ``p``, with the tile the wrapper picks."""
     d, bs, g = p["head"], p["block"], p["group"]
-    model = _TORCH[p["model"]]
-    cache = _fp8(target) if p["fp8"] else model
+    model = _MODEL[p["model"]]
+    tile = mod._tile_config(target.gpu_target(), d, g, model)
+    cache = getattr(torch, target.fp8_e4m3) if p["fp8"] else model
     hq, hkv = g * NUM_KV_HEADS, NUM_KV_HEADS
     split = p["splits"] > 1
     out_dtype = torch.float32 if split else model
     t = MAX_TOKENS
     qkv_row = (hq + 2 * hkv) * d  # q / k / v are views of the fused qkv output
     cache_strides = (hkv * bs * 2 * d, 2 * d, bs * 2 * d)  # packed (blocks, H, bs, 2D)
-    if split:
-        o_strides = (t * hq * d, hq * d, d)
-        l_strides = (hq * t, t, 1)
-    else:
-        o_strides = (0, hq * d, d)
-        l_strides = (0, t, 1)
+    o_strides = (t * hq * d if split else 0, hq * d, d)  # a split's partials: [splits, T, H, D]
+    l_strides = (hq * t if split else 0, t, 1)
     new = p["with_new"]
     args = dict(
         q_ptr=Ptr(model), k_cache_ptr=Ptr(cache, True), v_cache_ptr=Ptr(cache, True),
@@ -139,7 +116,7 @@ def _paged_spec(target, mod, p, tile) -> Spec:
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), PAGE_SIZE=bs,
         USE_WINDOW=p["window"], FP8=p["fp8"], WITH_NEW=new,
-        DOT_IEEE=model == torch.float32, RESCALE_SLACK=mod._RESCALE_SLACK,
+        DOT_IEEE=False, RESCALE_SLACK=mod._RESCALE_SLACK,  # DOT_IEEE: fp32 models only
     )
     case = (f"d{d}_b{bs}_g{g}_{p['model']}_{_dname(cache) if p['fp8'] else 'kv=q'}"
             f"{'_new' if new else ''}{'_win' if p['window'] else ''}"
@@ -147,23 +124,19 @@ def _paged_spec(target, mod, p, tile) -> Spec:
     config = dict(block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps,
                   num_stages=tile.num_stages)
     options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return Spec("paged_context_attention", "_paged_context_attention_kernel", case, config,
+    return Spec("paged_context_attention", mod._paged_context_attention_kernel, case, config,
                 args, constexprs, options)
 
 
-def paged_context_specs(target) -> list[Spec]:
-    mod = _module("triton_paged_context_attention")
-    gpu = target.gpu_target()
+def paged_context_specs(target, mod) -> list[Spec]:
     specs, combines = [], {}
     for p in _paged_points():
-        d, hq, model = p["head"], p["group"] * NUM_KV_HEADS, _TORCH[p["model"]]
-        tile = mod._tile_config(gpu, d, p["group"], model)
-        specs.append(_paged_spec(target, mod, p, tile))
+        specs.append(_paged_spec(target, mod, p))
         if p["splits"] > 1:
-            block_h, warps = mod._combine_config(hq)
-            combines[(d, p["model"], hq)] = (block_h, warps, model)
-
-    for (d, model_name, hq), (block_h, warps, model) in sorted(combines.items()):
+            hq = p["group"] * NUM_KV_HEADS
+            combines[(p["head"], p["model"], hq)] = mod._combine_config(hq)
+    for (d, model_name, hq), (block_h, warps) in sorted(combines.items()):
+        model = _MODEL[model_name]
         t = MAX_TOKENS
         args = dict(
             part_out_ptr=Ptr(torch.float32), part_lse_ptr=Ptr(torch.float32),
@@ -174,7 +147,7 @@ def paged_context_specs(target) -> list[Spec]:
             stride_otok=hq * d, stride_oh=d, stride_lh=t, stride_lt=1,
         )
         constexprs = dict(HEAD_DIM=d, HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_H=block_h)
-        specs.append(Spec("paged_context_attention (combine)", "_combine_splits_kernel",
+        specs.append(Spec("paged_context_attention (combine)", mod._combine_splits_kernel,
                           f"d{d}_h{hq}_{model_name}", dict(block_h=block_h, num_warps=warps),
                           args, constexprs, dict(num_warps=warps)))
     return specs
@@ -182,7 +155,7 @@ def paged_context_specs(target) -> list[Spec]:
 
 def _fetch_points(target):
     """(layout, head, block, cache dtype, out dtype, plan) points."""
-    fp8 = _fp8(target)
+    fp8 = getattr(torch, target.fp8_e4m3)
     points = []
     for layout in ("NHD", "SHUFFLE"):
         for head in HEAD_SIZES:
@@ -206,13 +179,12 @@ def _plan_spec(mod, bs: int, ppp: int, num_reqs: int) -> Spec:
     constexprs = dict(PAGE=bs, PAGES_PER_PROGRAM=ppp, PLAN_WIDTH=mod._plan_width(ppp),
                       PLAN_HEADER=mod._PLAN_HEADER, REQ_STEP=step)
     warps = mod._PLAN_NUM_WARPS
-    return Spec("fetch_kv_plan", "_fetch_kv_plan_kernel", f"b{bs}_pages{ppp}_reqstep{step}",
+    return Spec("fetch_kv_plan", mod._fetch_kv_plan_kernel, f"b{bs}_pages{ppp}_reqstep{step}",
                 dict(pages_per_program=ppp, num_warps=warps), args, constexprs,
                 dict(num_warps=warps))
 
 
-def fetch_kv_specs(target) -> list[Spec]:
-    mod = _module("triton_fetch_kv")
+def fetch_kv_specs(target, mod) -> list[Spec]:
     specs = []
     hkv = NUM_KV_HEADS
     req_step = mod._req_step(NUM_REQS)
@@ -249,15 +221,14 @@ def fetch_kv_specs(target) -> list[Spec]:
         )
         rows = ppp * bs
         warps = mod._num_warps(target.warp_size, rows, d, es, oes)
-        # Bytes of K and V each thread loads and stores: what 16-byte vectors
-        # must carry (the module docstring's claim).
+        # Bytes of K and V each thread loads and stores: what 16-byte vectors must carry.
         threads = warps * target.warp_size
         expect = dict(vector_bytes=mod._VECTOR_BYTES,
                       load_bytes_per_thread=2 * rows * d * es // threads,
                       store_bytes_per_thread=2 * rows * d * oes // threads)
         case = (f"{layout.lower()}_d{d}_b{bs}_{_dname(cache)}_to_{_dname(out)}"
                 f"{'_plan' if plan else '_lookup'}")
-        specs.append(Spec("fetch_kv", "_fetch_kv_kernel", case,
+        specs.append(Spec("fetch_kv", mod._fetch_kv_kernel, case,
                           dict(pages_per_program=ppp, num_warps=warps), args,
                           constexprs, dict(num_warps=warps), expect))
         if plan:
@@ -272,36 +243,32 @@ MLA_BLOCK = 64
 
 
 def _mla_points():
-    """(decode, tokens, heads, model, cache, q_fp8, neox) points."""
-    base = dict(model="bf16", cache="model", q_fp8=False, neox=False)
-    points = []
-    for heads in (8, 16, 128):  # heads per GPU: TP 16 / 8 / 1 of DeepSeek-V3
-        points.append(dict(base, decode=True, tokens=64, heads=heads))
-    points += [
-        dict(base, decode=True, tokens=64, heads=16, cache="fp8"),
-        dict(base, decode=True, tokens=64, heads=16, cache="fp8", q_fp8=True),
-        dict(base, decode=True, tokens=64, heads=16, neox=True),
-        dict(base, decode=True, tokens=64, heads=16, model="fp16"),
-        dict(base, decode=True, tokens=64, heads=16, model="fp16", cache="fp8", q_fp8=True),
+    """(decode, tokens, heads, model, cache, q_fp8, neox) points: each axis varied from a
+    decode base (64 tokens) and a prefill base (8192 tokens), 16 heads."""
+    decode = dict(decode=True, tokens=64, heads=16, model="bf16", cache="model", q_fp8=False,
+                  neox=False)
+    prefill = dict(decode, decode=False, tokens=8192)
+    return [
+        *(dict(decode, heads=heads) for heads in (8, 16, 128)),  # TP 16 / 8 / 1 of DeepSeek-V3
+        dict(decode, cache="fp8"),
+        dict(decode, cache="fp8", q_fp8=True),
+        dict(decode, neox=True),
+        dict(decode, model="fp16"),
+        dict(decode, model="fp16", cache="fp8", q_fp8=True),
+        *(dict(prefill, tokens=tokens) for tokens in (128, 256, 512, 8192)),  # BLOCK_T 1 to 8
+        dict(prefill, cache="fp8"),
+        dict(prefill, heads=128),
+        dict(prefill, neox=True),
+        dict(prefill, model="fp16", cache="fp8"),
     ]
-    for tokens in (128, 256, 512, 8192):  # BLOCK_T 1 / 2 / 4 / 8
-        points.append(dict(base, decode=False, tokens=tokens, heads=16))
-    points += [
-        dict(base, decode=False, tokens=8192, heads=16, cache="fp8"),
-        dict(base, decode=False, tokens=8192, heads=128),
-        dict(base, decode=False, tokens=8192, heads=16, neox=True),
-        dict(base, decode=False, tokens=8192, heads=16, model="fp16", cache="fp8"),
-    ]
-    return points
 
 
-def mla_specs(target) -> list[Spec]:
-    mod = _module("triton_mla_rope_cache")
+def mla_specs(target, mod) -> list[Spec]:
     specs = []
-    fp8 = _fp8(target)
+    fp8 = getattr(torch, target.fp8_e4m3)
     fp8_max = float(torch.finfo(fp8).max)
     for p in _mla_points():
-        model = _TORCH[p["model"]]
+        model = _MODEL[p["model"]]
         cache = fp8 if p["cache"] == "fp8" else model
         q_out = fp8 if p["q_fp8"] else model
         t, h, decode = p["tokens"], p["heads"], p["decode"]
@@ -336,36 +303,33 @@ def mla_specs(target) -> list[Spec]:
         case = (f"{'decode' if decode else 'prefill'}_T{t}_h{h}_{p['model']}_kv"
                 f"{_dname(cache) if cache == fp8 else '=model'}"
                 f"{'_qfp8' if p['q_fp8'] else ''}{'_neox' if p['neox'] else '_gptj'}")
-        specs.append(Spec(kernel, "_mla_rope_cache_kernel", case,
+        specs.append(Spec(kernel, mod._mla_rope_cache_kernel, case,
                           dict(block_t=block_t, block_h=block_h, num_warps=warps), args,
                           constexprs, dict(num_warps=warps, enable_fp_fusion=False)))
     return specs
 
 
 BUILDERS = {
-    "paged_context_attention": ("triton_paged_context_attention", paged_context_specs),
-    "fetch_kv": ("triton_fetch_kv", fetch_kv_specs),
-    "mla_rope_cache": ("triton_mla_rope_cache", mla_specs),
+    "triton_paged_context_attention": paged_context_specs,
+    "triton_fetch_kv": fetch_kv_specs,
+    "triton_mla_rope_cache": mla_specs,
 }
 
 
 def build_specs(target) -> list[Spec]:
     """Every spec of every kernel for ``target``, argument names checked."""
     specs, seen = [], set()
-    for module, builder in BUILDERS.values():
-        mod = _module(module)
-        for spec in builder(target):
-            if (spec.fn_name, spec.case) in seen:  # a base point met twice
+    for module, builder in BUILDERS.items():
+        for spec in builder(target, importlib.import_module(f"{OPS}.{module}")):
+            if (spec.fn.__name__, spec.case) in seen:  # a base point met twice
                 continue
-            seen.add((spec.fn_name, spec.case))
-            fn = getattr(mod, spec.fn_name)
-            spec.fn_name = f"{module}:{spec.fn_name}"
-            runtime = [n for n in fn.arg_names if n not in spec.constexprs]
-            if sorted(runtime) != sorted(spec.args) or any(
-                    n not in fn.arg_names for n in spec.constexprs):
+            seen.add((spec.fn.__name__, spec.case))
+            names = spec.fn.arg_names
+            runtime = [n for n in names if n not in spec.constexprs]
+            if sorted(runtime) != sorted(spec.args) or any(n not in names for n in spec.constexprs):
                 raise RuntimeError(
-                    f"compile tier: {spec.fn_name}'s arguments changed; update "
-                    f"scripts/compile_tier/cases.py (kernel: {fn.arg_names}, spec: "
+                    f"compile tier: {module}.{spec.fn.__name__}'s arguments changed; update "
+                    f"scripts/compile_tier/cases.py (kernel: {names}, spec: "
                     f"{sorted(spec.args) + sorted(spec.constexprs)})")
             specs.append(spec)
     return specs

@@ -1,14 +1,9 @@
-"""docs/roofline-amd.md: the bound each benchmark case implies on MI300X and MI355X.
-
-For every case of the newest usable results file of each suite (as `make report` picks
-it): ``max(bytes / HBM bandwidth, FLOPs / dense bf16 peak)`` with the bytes the suite
-counts (``nbytes``), attention's matrix FLOPs and ``targets.DEVICES``.  A paper bound, not
-a prediction: an AMD run of ``make bench`` can be read against it.
-"""
+"""docs/roofline-amd.md: for every case of the newest usable results file of each suite (as
+`make report` picks it), ``max(bytes / HBM bandwidth, FLOPs / dense bf16 peak)`` on MI300X
+and MI355X, from the suite's ``nbytes``, attention's matrix FLOPs and ``targets.DEVICES``."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from .targets import DEVICES
@@ -22,8 +17,7 @@ def case_flops(kernel: str, shapes: dict) -> tuple[int, str]:
     """Matrix FLOPs of one case and how they were counted ('' for data movement)."""
     if kernel != "paged_context":
         return 0, ""
-    # The suite records the context part (QK^T and PV over every cached
-    # token); the fused call also attends causally to the new tokens.
+    # Recorded: QK^T and PV over every cached token; the call also attends causally to new tokens.
     reqs, new = shapes["requests"], shapes["new_tokens"]
     causal = 4 * reqs * shapes["num_heads"] * shapes["head_size"] * new * (new + 1) // 2
     return shapes["context_flops"] + causal, "context + causal new tokens"
@@ -65,12 +59,8 @@ def page(latest: dict) -> str:
                    f"{entry['file']}) ({device}); bound = max(bytes / HBM, FLOPs / peak), "
                    "µs; `mem` / `mma` says which term binds.")
         out.append("")
-        head = "| case | bytes | FLOPs | FLOP/B |"
-        rule = "|---|---:|---:|---:|"
-        for name in AMD:
-            head += f" {name} bound µs |"
-            rule += "---:|"
-        out += [head, rule]
+        out.append("| case | bytes | FLOPs | FLOP/B |" + "".join(f" {n} bound µs |" for n in AMD))
+        out.append("|---|---:|---:|---:|" + "---:|" * len(AMD))
         for c in cases:
             flops, _ = case_flops(kernel, c.get("shapes", {}))
             row = f"| {c['case']} | {_fmt_bytes(c['nbytes'])} | "
@@ -91,7 +81,6 @@ def page(latest: dict) -> str:
 def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
     """(kernel, device) -> {"file", "cases"} of the newest committed, clean results file with
     the kernel's timed cases (the files `make report` uses); host-timed suites have no bound."""
-    sys.path.insert(0, str(root / "scripts"))
     from seriestool import results
 
     selection = results.select(root)
@@ -105,10 +94,3 @@ def latest_cases(root: Path) -> dict[tuple[str, str], dict]:
                 latest[(kernel, device)] = {"file": found.name, "cases": found.cases(kernel)}
     return latest
 
-
-def render(root: Path) -> dict[Path, str]:
-    """docs/roofline-amd.md with its generated region, path -> text (nothing written)."""
-    from .report import replace_region
-
-    path = root / "docs" / "roofline-amd.md"
-    return {path: replace_region(path.read_text(), path, BEGIN, END, page(latest_cases(root)))}

@@ -1,12 +1,10 @@
-"""The AMD compile targets, and ``DEVICES``: the one table of hardware specifications that the
-compile tier (occupancy) and the AMD roofline (docs/roofline-amd.md) read, each cited."""
+"""The AMD compile targets, and ``DEVICES``: the one table of hardware specifications, each
+cited, that occupancy and the AMD roofline (docs/roofline-amd.md) read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Vendor specifications, each with its source (waves per SIMD on AMD come from LLVM's own
-# occupancy, which knows each target's limits).
 _ROCM_SPECS = ("ROCm: AMD GPU specifications",
                "https://rocm.docs.amd.com/en/latest/reference/gpu-specs.html")
 DEVICES = {
@@ -55,32 +53,9 @@ class Target:
 
         return GPUTarget("hip", self.name, self.warp_size)
 
-    @property
-    def spec(self) -> dict:
-        return DEVICES[self.device]
-
 
 TARGETS = {
-    t.name: t
-    for t in (
-        Target("gfx942", "MI300X", "float8_e4m3fnuz"),
-        Target("gfx950", "MI355X", "float8_e4m3fn"),
-    )
+    "gfx942": Target("gfx942", "MI300X", "float8_e4m3fnuz"),
+    "gfx950": Target("gfx950", "MI355X", "float8_e4m3fn"),
 }
 
-
-def amd_waves_per_simd(target: Target, llvm_occupancy: int, lds_bytes: int,
-                       num_warps: int) -> int:
-    """Waves per SIMD: LLVM's register-bound occupancy, capped by LDS.
-
-    Triton allocates LDS dynamically at launch, so the ``; Occupancy`` comment
-    of the amdgcn text (registers, waves-per-EU attributes) does not see it: a
-    workgroup of ``num_warps`` waves spread over the CU's SIMDs fits
-    ``LDS per CU // lds_bytes`` times.
-    """
-    spec = target.spec
-    waves = llvm_occupancy
-    if lds_bytes > 0:
-        groups = spec["lds_bytes_per_cu"] // lds_bytes
-        waves = min(waves, groups * num_warps // spec["simds_per_cu"])
-    return waves

@@ -12,8 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from compile_tier import facts, report, roofline  # noqa: E402
-from compile_tier.targets import TARGETS, amd_waves_per_simd  # noqa: E402
+from compile_tier import roofline, run, worker  # noqa: E402
+from compile_tier.targets import TARGETS  # noqa: E402
+from compile_tier.worker import amd_waves_per_simd  # noqa: E402
 
 AMDGCN = """
 	global_load_dwordx4 v[0:3], v[8:9], off
@@ -35,13 +36,13 @@ AMDGCN = """
 """
 
 def test_amd_memory_ops_count_global_and_buffer_accesses_by_width():
-    assert facts.amd_memory_ops(AMDGCN) == {
+    assert worker.amd_memory_ops(AMDGCN) == {
         "load": {1: 1, 4: 1, 16: 2}, "store": {2: 1, 8: 1}}  # s_load_* is not memory data
 
 
 def test_amd_facts_read_the_descriptor_and_cap_waves_by_lds():
     gfx942 = TARGETS["gfx942"]
-    f = facts.amd_facts(gfx942, AMDGCN, lds_bytes=32784, num_warps=4)
+    f = worker.amd_facts(gfx942, AMDGCN, lds_bytes=32784, num_warps=4)
     assert (f["vgpr"], f["agpr"], f["vgpr_total"], f["sgpr"]) == (200, 48, 248, 90)
     assert (f["vgpr_spill"], f["sgpr_spill"], f["scratch_bytes"]) == (2, 3, 16)
     assert f["spills"] and f["llvm_occupancy"] == 2
@@ -54,12 +55,12 @@ def test_amd_facts_read_the_descriptor_and_cap_waves_by_lds():
 
 def test_amd_facts_refuse_output_without_one_descriptor():
     with pytest.raises(ValueError, match="vgpr_total"):
-        facts.amd_facts(TARGETS["gfx942"], AMDGCN.replace(".vgpr_count", ".x"), 0, 4)
+        worker.amd_facts(TARGETS["gfx942"], AMDGCN.replace(".vgpr_count", ".x"), 0, 4)
 
 
 def test_result_files_have_one_line_per_record():
     doc = {"target": "gfx942", "records": [{"case": "a", "vgpr": 1}, {"case": "b", "vgpr": 2}]}
-    text = report.dumps(doc)
+    text = run.dumps(doc)
     assert json.loads(text) == doc
     assert text.count("\n") == 7
 

@@ -47,13 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             buildtree.apply(layout, force=args.force)
         elif args.verb == "check":
             findings = lint.lint(layout)
-            for finding in findings:
-                print(finding)
-            if findings:
-                print(f"make check: {len(findings)} finding(s)")
-                return 1
-            print(f"make check: series OK ({len(buildtree.series_patches(layout))} patches, "
-                  f"{len(buildtree.overlay_files(layout))} overlay files)")
+            print("\n".join([*findings, f"make check: {lint.summary(layout, findings)}"]))
+            return 1 if findings else 0
         elif args.verb == "refresh":
             report = buildtree.refresh(layout)
             print("\n".join(report) if report else "refresh: nothing changed")

@@ -75,11 +75,11 @@ def _set_tested_on(fake_series, name: str, text: str) -> None:
 
 def test_a_header_figure_and_a_missing_result_file_are_findings(fake_series):
     fs = fake_series
-    assert lint.lint_header_claims(_layout(fs)) == []
+    assert lint.lint_series_files(_layout(fs)) == []
     _set_tested_on(fs, "0001-add-series-flag.patch",
                    "CPU; H200: 2.28-3.51x upstream at 92-94% of copy\n"
                    "  (benchmarks/results/20261130-0604-nvidia-h200-297bfc9903.json)")
-    findings = lint.lint_header_claims(_layout(fs))
+    findings = lint.lint_series_files(_layout(fs))
     assert findings == [
         "patches/0001-add-series-flag.patch:8: header carries a figure (ratio) '2.28-3.51x': "
         "name the result file or test instead",
@@ -100,7 +100,7 @@ def test_a_committed_result_file_may_be_named(fake_series):
     fs.git("commit", "-qm", "a result", cwd=fs.root)
     _set_tested_on(fs, "0002-check-sub.patch",
                    "H200 (`benchmarks/results/run.json`, benchmarks/results/untracked.json).")
-    assert lint.lint_header_claims(_layout(fs)) == [
+    assert lint.lint_series_files(_layout(fs)) == [
         "patches/0002-check-sub.patch:8: header names benchmarks/results/untracked.json, which is "
         "not a committed result file"]
 
@@ -126,11 +126,11 @@ def test_a_header_longer_than_fifteen_lines_is_a_finding(fake_series):
     path = fs.patches / name
     text = path.read_text()
     header_lines = text.split("\n---\n", 1)[0].count("\n") + 1
-    assert header_lines == 8 and lint.lint_header_claims(_layout(fs)) == []
+    assert header_lines == 8 and lint.lint_series_files(_layout(fs)) == []
     longer = "\n".join(f"  continued why, line {i}." for i in range(15 - header_lines))
     path.write_text(text.replace("  on two lines.", "  on two lines.\n" + longer))
-    assert lint.lint_header_claims(_layout(fs)) == []  # 15 lines: fine
+    assert lint.lint_series_files(_layout(fs)) == []  # 15 lines: fine
     path.write_text(text.replace("  on two lines.", "  on two lines.\n" + longer + "\n  one more."))
-    assert lint.lint_header_claims(_layout(fs)) == [
+    assert lint.lint_series_files(_layout(fs)) == [
         f"patches/{name}: header has 16 lines, more than 15: keep Subject/Topic/Why/How/Upstream/"
         "Drop when/Tested on to the stable facts"]

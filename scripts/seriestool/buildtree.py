@@ -1,16 +1,9 @@
 """Build the patched tree (make apply) and save edits back (make refresh).
 
-The history of ``build/vllm`` *is* the series:
-
-    <root>   vLLM X.Y.Z pristine (sdist sha256 ...)
-    <1>      Series overlay: N new files            (only if vllm_overlay/ has files)
-    <2..n>   one commit per patch of patches/series, message = its header
-
-``.git/series-state.json`` records the HEAD and input hash the last apply/refresh
-produced: apply tells "up to date", "rebuild" and "someone has work here" apart and
-never clobbers work without ``--force``.  It builds in ``build/.vllm.new`` and renames
-that into place when complete (the old tree via ``build/.vllm.old``), so an interrupted
-run leaves the previous tree or none, never half of one; the next apply clears both.
+build/vllm's history is the series: pristine vLLM, the overlay commit, one commit per patch.
+``.git/series-state.json`` records what the last apply/refresh produced, so apply tells "up
+to date", "rebuild" and "someone has work here" apart.  Apply builds in ``build/.vllm.new``
+and renames it into place when complete: an interrupt leaves the previous tree or none.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
-"""make pr TOPIC=...: one topic of the series as an upstream pull request.
+"""make pr TOPIC=...: one topic as an upstream pull request (docs/prs-wheels-image.md).
 
-In a scratch ``git worktree`` of build/vllm (its checkout, index and uncommitted work
-are never touched) the branch ``pr/<topic>`` is built on the pristine root commit: the
-commits of earlier PRs that add files this one shares, the topic's overlay files, its
-tests (patches/pr-tests), then one commit per patch, authored and signed off (DCO) by the
-git identity git itself would use there.  ruff (format --check, check; the pinned tree's
-pyproject.toml) and py_compile run on the changed files before anything is written.
-Then ``dist/<topic>/`` gets ``git format-patch`` output and PR_DESCRIPTION.md: the
-sections of vLLM's PR template from the patch headers and the committed, clean benchmark
-results (results.py, headlines.py), then the template's checklist footer; tables and
-per-patch notes are folded in ``<details>``, at most MAX_BODY_LINES lines outside them.
+The branch ``pr/<topic>`` is built in a scratch worktree of build/vllm on the pristine root
+(shared files' commits first, then the topic's overlay files, its tests, one signed-off commit
+per patch), checked with ruff and py_compile, then written to ``dist/<topic>/`` by
+``git format-patch`` with PR_DESCRIPTION.md in vLLM's template sections.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -58,8 +52,6 @@ def check_identity(repo: Path) -> None:
 def pristine_root(layout: buildtree.Layout, pins: dict[str, str]) -> str:
     """The root commit of build/vllm, built by `make apply` if there is no tree yet."""
     if not gitrepo.is_repo(layout.build):
-        if layout.build.exists():
-            raise SeriesError(f"{layout.build} exists but is not a tree made by `make apply` (no .git)")
         buildtree.apply(layout)
     root = gitrepo.root_commit(layout.build)
     subject = gitrepo.out(layout.build, "log", "-1", "--format=%s", root)
@@ -80,7 +72,6 @@ def scratch_worktree(build: Path, name: str, commit: str):
     try:
         yield path
     finally:
-        gitrepo.git(build, "worktree", "remove", "--force", str(path), check=False)
         shutil.rmtree(path, ignore_errors=True)
         gitrepo.git(build, "worktree", "prune", check=False)
 
@@ -91,30 +82,27 @@ def shown(text: str) -> str:
     return "\n".join("  " + ln for ln in lines[:_MAX_SHOWN]) + more
 
 
-def find_ruff(root: Path) -> list[str]:
+def find_ruff(root: Path) -> str:
     """The running Python's ruff, else the venv's (`make venv`), else one on PATH."""
-    if importlib.util.find_spec("ruff") is not None:
-        return [sys.executable, "-m", "ruff"]
-    found = root / ".venv" / "bin" / "ruff"
-    if not found.exists():
-        found = shutil.which("ruff")
+    where = [str(Path(sys.executable).parent), str(root / ".venv" / "bin"), os.environ.get("PATH", "")]
+    found = shutil.which("ruff", path=os.pathsep.join(where))
     if not found:
         raise SeriesError("ruff not found: `make venv` installs it")
-    return [str(found)]
+    return found
 
 
-def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str]) -> str:
+def upstream_ci_checks(tree: Path, files: list[str], ruff: str) -> str:
     """ruff format --check and ruff check (the tree's config), py_compile; raise on a failure."""
     python = [f for f in files if f.endswith((".py", ".pyi")) and (tree / f).is_file()]
-    checks = [([*ruff, "format", "--check", "--no-cache", "--force-exclude", "--", *python], "ruff format --check"),
-              ([*ruff, "check", "--no-fix", "--no-cache", "--force-exclude", "--output-format", "concise",
+    checks = [([ruff, "format", "--check", "--no-cache", "--force-exclude", "--", *python], "ruff format --check"),
+              ([ruff, "check", "--no-fix", "--no-cache", "--force-exclude", "--output-format", "concise",
                 "--", *python], "ruff check")]
     checks += [([sys.executable, "-m", "py_compile", f], f"python -m py_compile {f}") for f in python]
     for cmd, what in checks if python else []:
         proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
         if proc.returncode:
             raise SeriesError(f"{what} failed (pinned tree's pyproject.toml):\n{shown(proc.stdout + proc.stderr)}")
-    version = subprocess.run([*ruff, "--version"], capture_output=True, text=True).stdout.strip()
+    version = subprocess.run([ruff, "--version"], capture_output=True, text=True).stdout.strip()
     return f"checks: {version} format --check + check, py_compile: {len(python)} file(s) OK"
 
 
@@ -265,8 +253,7 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
 
 
 def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches: list[patchfile.Patch],
-             overlay: list[str], changed: list[str], template: str | None, series_commit: str,
-             plan: ExportPlan) -> str:
+             changed: list[str], template: str | None, series_commit: str, plan: ExportPlan) -> str:
     """The PR body in the pinned template's sections (Overview, Claims, Validation, Details):
     each thing said once, every figure rounded from committed results, tables and notes folded."""
     title = topics.TOPIC_TITLES.get(topic, topic)
@@ -399,7 +386,7 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path) -> list[str]:
                           f"{base}..{branch}", env=EXPORT_ENV).stdout.split()
     commit = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip() or "(none)"
     dirty = " + uncommitted changes" if gitrepo.series_inputs_dirty(layout.root) else ""
-    text = describe(layout, topic, pins, mine, overlay, changed,
+    text = describe(layout, topic, pins, mine, changed,
                     template.stdout if template.returncode == 0 else None, commit + dirty, plan)
     (out / "PR_DESCRIPTION.md").write_text(text)
     on = f"on PR {', '.join(u for u, _ in plan.depends)}'s shared commit(s) on " if plan.depends else "on "

@@ -1,13 +1,7 @@
 """make check: lint the series without touching build/vllm.
 
-Every check runs, whatever the others found; each finding is one line naming the file:
-series entries (missing, duplicate, unlisted, misnamed), patch headers (fields, topic, no
-figures, only committed result files, at most MAX_HEADER_LINES lines), ``index`` lines,
-overlay files that shadow upstream's, overlay-topics and pr-tests lines, relative links in
-the tracked Markdown naming files that exist; then, on a scratch tree built from the cached
-sdist: the whole series applying with zero fuzz and no whitespace errors, each topic applying
-alone on pristine upstream, and upstream's pre-commit hooks on the series' Python files
-(precommit.py).  A check that cannot run is the finding "not run: ... because ...".
+Every check runs, whatever the others found; each finding is one line naming the file.  A
+check that cannot run is the finding "not run: ... because ...".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The patch file format of the series: a header (Subject, Topic, Why, How, Upstream,
-Drop when, Tested on; continuation lines indented two spaces), a line ``---``, and a
-unified git diff (``a/`` ``b/`` prefixes, 3 lines of context, no ``index`` lines).
-In the build tree each patch is one commit whose message is the subject, a blank line,
-the other header lines and a ``Series-Patch: <file>`` trailer; ``make refresh`` turns
-such commits back into exactly this text.
+"""The patch file format: a header (Subject, Topic, Why, How, Upstream, Drop when, Tested
+on; continuation lines indented two spaces), a line ``---``, a git diff without ``index``
+lines.  In build/vllm a patch is one commit: the header as its message, plus a
+``Series-Patch: <file>`` trailer.
 """
 
 from __future__ import annotations

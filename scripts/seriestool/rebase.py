@@ -1,18 +1,7 @@
-"""make rebase: port the series to another vLLM release with git's three-way merges.
-
-    make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y   start; finishes at once when nothing conflicts
-    make rebase CONTINUE=1                            after resolving a conflict
-    make rebase ABORT=1                               drop the rebase
-
-In ``build/rebase/vllm`` the current series is built as ``make apply`` builds it; the other
-release's sdist becomes a second root commit, and ``git rebase --onto <new> <old> main``
-replays the overlay and every patch (ort merges, diff3 markers).  At a conflict the report
-names the patch (N of M, its Drop when), each file, the patch's hunk and upstream's change
-there.  When all is replayed, finish rewrites patches/, vllm_overlay/, pins.env and the
-README table from the rebased commits (make refresh's and make readme's code), runs
-``make check``, and writes the per-patch table to ``build/rebase-<X>.md``.  All or nothing:
-finish first snapshots those paths as a git tree object (named in state.json) and puts it
-back if anything fails.  build/vllm is never touched.
+"""make rebase: port the series to another vLLM release with git's three-way merges
+(``git rebase --onto`` in build/rebase/vllm; docs/series-workflow.md).  A conflict stops it
+with a report (the patch, each file, the patch's hunk and upstream's change there); the finish
+rewrites patches/, vllm_overlay/, pins.env and README's table all or nothing.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def _real_bodies() -> dict[str, str]:
         overlay = topics.overlay_files_of(layout.patches, buildtree.overlay_files(layout), topic)
         plan = export.export_plan(layout, topic, buildtree.overlay_files(layout))
         changed = sorted({f for p in mine for f in p.files()} | set(overlay) | {t.dest for t in plan.tests})
-        out[topic] = export.describe(layout, topic, pins, mine, overlay, changed, template.read_text(),
+        out[topic] = export.describe(layout, topic, pins, mine, changed, template.read_text(),
                                      "HEAD", plan)
     return out
 

@@ -142,7 +142,6 @@ def files_message(subject: str, text: str, files: list[str]) -> str:
 @dataclass
 class ExportPlan:
     """What one topic's PR is made of, commit by commit, on pristine upstream."""
-    topic: str
     depends: list[tuple[str, list[str]]]   # (earlier topic, the shared files its commit adds)
     shared: list[str]                      # shared files this topic adds first (own commit)
     own: list[str]                         # overlay files of this topic alone
@@ -157,10 +156,10 @@ def export_plan(layout: buildtree.Layout, topic: str, files: list[str]) -> Expor
     for rel, owned in shared.items():
         first.setdefault(owned[0], []).append(rel)
     return ExportPlan(
-        topic=topic, shared=first.get(topic, []), own=[rel for rel in mine if rel not in shared],
+        shared=first.get(topic, []), own=[rel for rel in mine if rel not in shared],
         depends=[(u, first[u]) for u in patchfile.TOPICS
                  if u != topic and any(rel in mine for rel in first.get(u, []))],
-        tests=topics.pr_tests_of(layout.patches, topic),
+        tests=[t for t in topics.read_pr_tests(layout.patches)[0] if t.topic == topic],
         shared_with={rel: [t for t in owned if t != topic] for rel, owned in shared.items() if rel in mine})
 
 

@@ -104,10 +104,6 @@ def read_pr_tests(patches_dir: Path) -> tuple[list[PrTest], list[str]]:
     return out, findings
 
 
-def pr_tests_of(patches_dir: Path, topic: str) -> list[PrTest]:
-    return [t for t in read_pr_tests(patches_dir)[0] if t.topic == topic]
-
-
 def lint_pr_tests(root: Path, patches_dir: Path, pristine: set[str]) -> list[str]:
     entries, findings = read_pr_tests(patches_dir)
     seen: set[str] = set()

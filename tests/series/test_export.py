@@ -7,13 +7,11 @@ from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_1, envs_edit_2, make_patc
 ADA = "Ada Lovelace <ada@example.com>"
 
 
-
 def _identity(tmp_path, name: str | None = "Ada Lovelace", email: str | None = "ada@example.com") -> dict:
     config = tmp_path / "gitconfig"
     lines = ["[user]"] + ([f"\tname = {name}"] if name else []) + ([f"\temail = {email}"] if email else [])
     config.write_text("\n".join(lines) + "\n")
     return {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
-
 
 
 def _branches(fs) -> list[str]:
@@ -33,6 +31,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     fs = fake_series
     fs.add_patch("0003-other-flag.patch",
                make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY), topic="fetch-kv"))
+    fs.commit()
     env = _identity(tmp_path)
     ok(fs.run("apply"))
     main_head = fs.git("rev-parse", "HEAD")
@@ -79,6 +78,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     # The build tree is still the series: once the edit is undone, apply has nothing to do.
     edited.write_text(original)
     assert "up to date" in ok(fs.run("apply")).stdout
+    assert fs.git("status", "--porcelain", cwd=fs.root) == ""   # nothing written outside build/ and dist/
 
 
 def test_a_topic_that_needs_another_topics_hunk_fails_clearly(fake_series, tmp_path):

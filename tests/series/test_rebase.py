@@ -28,8 +28,6 @@ NEXT_UPSTREAM = {
 RESOLVED = "return a - b  # upstream, checked"
 
 
-
-
 def _prepare(fs) -> str:
     """Three more patches, the series committed, the next release's sdist in the cache."""
     fs.add_patch("0003-other-flag.patch",

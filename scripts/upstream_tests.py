@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,19 +114,15 @@ def prepare(tree: Path, work: Path, python: str, names: list[str]) -> tuple[dict
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     root = cpu_engine.root_commit(tree)
-    upstream_paths = ("tests", "pyproject.toml")
     trees = {}
-    if "pristine" in names:
-        trees["pristine"] = cpu_engine.export_tree(tree, work / "pristine", so_dir, rev=root,
-                                                   paths=("vllm", *upstream_paths), python=python)
-    if "patched" in names:
-        # The patched package with upstream's tests beside it.
-        patched = cpu_engine.export_tree(tree, work / "patched", so_dir, rev=None, paths=("vllm",),
-                                         python=python)
-        _archive(tree, root, upstream_paths, patched)
-        trees["patched"] = patched
+    for name in {"pristine", "patched"} & set(names):
+        # The pristine or the patched package, with upstream's tests beside it.
+        trees[name] = cpu_engine.export_tree(tree, work / name, so_dir, rev=root if name == "pristine" else None,
+                                             paths=("vllm",), python=python)
+        _archive(tree, root, ("tests", "pyproject.toml"), trees[name])
     if "series" in names:
         # The series' own versions of the test files it edits, on the patched package.
+        patched = trees["patched"]
         series = work / "series"
         series.mkdir()
         (series / "vllm").symlink_to(patched / "vllm", target_is_directory=True)
@@ -191,9 +188,7 @@ def run_pytest(name: str, tree: Path, files: list[str], python: str, hf: Path, t
 
 
 def counts(result: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for outcome in result["tests"].values():
-        out[outcome] = out.get(outcome, 0) + 1
+    out = dict(Counter(result["tests"].values()))
     if result["collect_errors"]:
         out["collect errors"] = len(result["collect_errors"])
     return out

@@ -53,20 +53,15 @@ def main(argv: list[str] | None = None) -> int:
             report = buildtree.refresh(layout)
             print("\n".join(report) if report else "refresh: nothing changed")
         elif args.verb == "pr":
-            report = export.export(layout, args.topic, root / "dist")
-            print("\n".join(report))
+            print("\n".join(export.export(layout, args.topic, root / "dist")))
         elif args.verb == "pr-stack":
             print("\n".join(prstack.check_stack(layout, root / "dist", args.python)))
         elif args.verb == "topics":
             print("\n".join(patchfile.TOPICS))
+        elif args.verb == "rebase" and args.abort:
+            print(rebase.abort(layout))
         elif args.verb == "rebase":
-            if args.abort:
-                print(rebase.abort(layout))
-                return 0
-            if args.resume:
-                code, text = rebase.resume(layout)
-            else:
-                code, text = rebase.start(layout, args.version, args.sha256)
+            code, text = rebase.resume(layout) if args.resume else rebase.start(layout, args.version, args.sha256)
             print(text)
             return code
         elif args.verb == "readme":

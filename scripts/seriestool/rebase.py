@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +65,7 @@ def _git(paths: Paths, *args: str, check: bool = True, env: dict | None = None):
 
 
 def _in_progress(paths: Paths) -> bool:
-    git_dir = paths.repo / ".git"
-    return (git_dir / "rebase-merge").is_dir() or (git_dir / "rebase-apply").is_dir()
+    return (paths.repo / ".git" / "rebase-merge").is_dir()
 
 
 def sdist_facts(tree: Path) -> dict[str, str]:
@@ -306,8 +304,6 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
         _git(paths, "config", "merge.conflictStyle", "diff3")
         old_pristine = gitrepo.root_commit(paths.repo)
         new_pristine = _import_pristine(paths, new_sdist, new_pins)
-        _git(paths, "tag", f"vllm-{old_pins['VLLM_VERSION']}", old_pristine)
-        _git(paths, "tag", f"vllm-{version}", new_pristine)
         state = {"root": str(layout.root), "series_head": series_head, "inputs": buildtree.inputs_hash(layout),
                  "from": {k: old_pins[k] for k in REQUIRED}, "to": {k: new_pins[k] for k in REQUIRED},
                  "old_pristine": old_pristine, "old_tip": gitrepo.head(paths.repo), "new_pristine": new_pristine,
@@ -323,17 +319,15 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
 
 def _import_pristine(paths: Paths, sdist_file: Path, pins: dict[str, str]) -> str:
     """The other sdist as a root commit of its own (pins get its VLLM_COMMIT and AITER_REF)."""
-    with tempfile.TemporaryDirectory(dir=paths.dir, prefix="sdist-") as tmp, gitrepo.temp_index() as env:
-        tree_dir = Path(tmp)
-        progress.say("rebase", f"unpacking {sdist_file.name} ...")
-        sdist.unpack(sdist_file, tree_dir)
-        pins.update(sdist_facts(tree_dir))
-        env.update(GIT_DIR=str(paths.repo / ".git"), GIT_WORK_TREE=str(tree_dir))
-        progress.say("rebase", f"committing pristine vLLM {pins['VLLM_VERSION']} ...")
-        gitrepo.git(tree_dir, "add", "-A", "-f", ".", env=env)
-        tree = gitrepo.git(tree_dir, "write-tree", env=env).stdout.strip()
-    return gitrepo.git(paths.repo, "commit-tree", tree, "-F", "-", identity=True,
-                       input_text=buildtree.pristine_message(pins)).stdout.strip()
+    _git(paths, "checkout", "-q", "--orphan", f"vllm-{pins['VLLM_VERSION']}")
+    _git(paths, "rm", "-rfq", ".")
+    progress.say("rebase", f"unpacking {sdist_file.name} ...")
+    sdist.unpack(sdist_file, paths.repo)
+    pins.update(sdist_facts(paths.repo))
+    progress.say("rebase", f"committing pristine vLLM {pins['VLLM_VERSION']} ...")
+    commit = gitrepo.commit_all(paths.repo, buildtree.pristine_message(pins))
+    _git(paths, "checkout", "-q", "main")
+    return commit
 
 
 def resume(layout: Layout) -> tuple[int, str]:
@@ -406,9 +400,6 @@ def _restore(layout: Layout, paths: Paths) -> bool:
 
 def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
     """Write the port (patches/, vllm_overlay/, pins.env, README.md) and check it: all of it, or nothing."""
-    if gitrepo.dirty(paths.repo):
-        raise SeriesError(f"{paths.repo} has changes made after git finished the rebase; undo them "
-                          f"(git -C {paths.repo} stash) and `make rebase CONTINUE=1` again")
     rows = classify(paths, state)
     regenerate = {r["key"] for r in rows if r["status"] in (MERGED, HAND)}
     to = state["to"]

@@ -128,11 +128,7 @@ def unpack(sdist: Path, dest: Path) -> None:
     """Extract the sdist into dest (made if absent), dropping its top-level ``vllm-X.Y.Z/`` folder."""
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            parts = member.name.split("/", 1)
-            if len(parts) < 2 or not parts[1]:
-                continue
-            member.name = parts[1]
-            members.append(member)
+        members = [member for member in tar.getmembers() if "/" in member.name.strip("/")]
+        for member in members:
+            member.name = member.name.split("/", 1)[1]
         tar.extractall(dest, members=members, filter="data")

@@ -40,7 +40,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     edited.write_text(original + "# my local work\n")
 
     report = ok(fs.run("pr", "--topic", "fetch-kv", env=env)).stdout
-    assert "pr/fetch-kv" in report and "main untouched" in report and "py_compile: 3 file(s) OK" in report
+    assert "pr/fetch-kv" in report and "main untouched" in report and "check: 3 file(s) OK" in report
     # build/vllm: same branch, same HEAD, uncommitted work intact, no scratch worktree left.
     assert fs.git("symbolic-ref", "--short", "HEAD") == "main" and fs.git("rev-parse", "HEAD") == main_head
     assert edited.read_text() == original + "# my local work\n" and _worktrees(fs) == 1
@@ -115,7 +115,7 @@ def test_export_without_a_git_identity_for_the_sign_off_is_refused_first(fake_se
 
 
 def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
-    """ruff runs with the pinned tree's pyproject.toml; py_compile catches what ruff does not."""
+    """ruff runs with the pinned tree's pyproject.toml."""
     fs = fake_series
     env = _identity(tmp_path)
     long_line = ENVS_PY.replace("VALUE_15 = 15\n", "VALUE_15 = 15  # fifteen, explained at some length\n")
@@ -132,12 +132,6 @@ def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
     assert "The export stopped: pr/fetch-kv and dist/fetch-kv/ were not written." in proc.stderr
     assert "pr/fetch-kv" not in _branches(fs) and _worktrees(fs) == 1
 
-    (fs.patches / "series").write_text("0001-add-series-flag.patch\n0002-check-sub.patch\n")
-    (fs.patches / "0003-document-fifteen.patch").unlink()
-    kernel = fs.root / "vllm_overlay/vllm/ops/new_kernel.py"
-    kernel.write_text("return 42\n")  # ruff (E501 only) accepts it; Python does not
-    proc = fs.run("pr", "--topic", "fetch-kv", env=env)
-    assert proc.returncode == 2 and "python -m py_compile vllm/ops/new_kernel.py failed" in proc.stderr
 
 
 def test_overlay_topics_and_pr_tests_are_linted(fake_series):

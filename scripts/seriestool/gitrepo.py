@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import SeriesError
 
-# Fixed identity and dates make `make apply` reproduce the same commit ids, not only
-# the same trees; the date stays fixed across pins, so overlay and patch commits keep their ids.
+# A fixed identity and date: `make apply` reproduces the same commit ids, on any pin.
 SERIES_IDENTITY = {
     "GIT_AUTHOR_NAME": "vllm-aiter-series",
     "GIT_AUTHOR_EMAIL": "series@localhost",
@@ -53,10 +54,6 @@ def head(repo: Path) -> str:
     return out(repo, "rev-parse", "HEAD")
 
 
-def tree_of(repo: Path, rev: str = "HEAD") -> str:
-    return out(repo, "rev-parse", f"{rev}^{{tree}}")
-
-
 def dirty(repo: Path) -> list[str]:
     """Uncommitted changes, untracked files included (``git status --porcelain``)."""
     return git(repo, "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
@@ -78,8 +75,6 @@ def files_at(repo: Path, rev: str) -> set[str]:
 
 def diff(repo: Path, a: str, b: str, paths: list[str] | None, context: int = 3) -> str:
     """The series' diff format between two revisions; paths None means every file."""
-    if paths is not None and not paths:
-        return ""
     return git(repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
                "--diff-algorithm=myers", "--src-prefix=a/", "--dst-prefix=b/", f"-U{context}",
                a, b, "--", *(paths or [])).stdout
@@ -88,3 +83,10 @@ def diff(repo: Path, a: str, b: str, paths: list[str] | None, context: int = 3) 
 def series_inputs_dirty(root: Path) -> bool:
     """Whether the series repository has uncommitted changes to what the series is made of."""
     return bool(git(root, "status", "--porcelain", "--", *SERIES_INPUTS, check=False).stdout.strip())
+
+
+@contextmanager
+def temp_index():
+    """The environment of git commands that work in a throw-away index (checkout and HEAD untouched)."""
+    with tempfile.TemporaryDirectory(prefix="series-index-") as tmp:
+        yield {"GIT_INDEX_FILE": str(Path(tmp) / "index")}

@@ -1,14 +1,7 @@
 """make check: lint the series without touching build/vllm.
 
-Every check runs, whatever the others found; each finding is one line naming the file:
-series entries (missing, duplicate, unlisted, misnamed), patch headers (fields, topic, no
-figures, only committed result files, at most MAX_HEADER_LINES lines), ``index`` lines,
-overlay files that shadow upstream's, overlay-topics and pr-tests lines, relative links in
-the tracked Markdown naming files that exist; then, on a scratch tree built from the cached
-sdist: the whole series applying with zero fuzz and no whitespace errors, each topic applying
-alone on pristine upstream, and upstream's pre-commit hooks on the series' Python files
-(precommit.py).  A check that cannot run is the finding
-"not run: ... because ...".
+Every check runs, whatever the others found; each finding is one line naming the file.  A
+check that cannot run is the finding "not run: ... because ...".
 """
 
 from __future__ import annotations
@@ -28,8 +21,10 @@ _LINK_RE = re.compile(r"\]\(<?([^()\s<>#]+)[^()]*\)")
 
 
 def lint_series_files(layout: Layout) -> list[str]:
+    """The series entries and each patch's header: fields, topic, length, figures, result files named."""
     names = patchfile.read_series(layout.patches)
     findings = [f"patches/series: {name} is listed {n} times" for name, n in Counter(names).items() if n > 1]
+    tracked = set(gitrepo.out(layout.root, "ls-files", "--", "benchmarks/results").splitlines())
     for name in dict.fromkeys(names):
         if not patchfile.NAME_RE.match(name):
             findings.append(f"patches/series: {name}: name is not NNNN-slug.patch")
@@ -44,43 +39,21 @@ def lint_series_files(layout: Layout) -> list[str]:
         if not patch.header or not patch.header[0].startswith("Subject:"):
             findings.append(f"patches/{name}: the header must start with 'Subject:'")
         findings += [f"patches/{name}: {problem}" for problem in patchfile.header_problems(patch.header)]
-        if any(line.startswith("index ") for line in patch.diff.splitlines()):
+        if len(patch.header) > MAX_HEADER_LINES:
+            findings.append(f"patches/{name}: header has {len(patch.header)} lines, more than {MAX_HEADER_LINES}: "
+                            "keep Subject/Topic/Why/How/Upstream/Drop when/Tested on to the stable facts")
+        # Headers state stable facts: the numbers are in result files (make report / make pr render them).
+        for lineno, line in enumerate(patch.header, 1):
+            findings += [f"patches/{name}:{lineno}: header carries a figure ({fig.kind}) {fig.text!r}: "
+                         "name the result file or test instead" for fig in figures.find_figures(line)]
+            findings += [f"patches/{name}:{lineno}: header names {ref}, which is not a committed result file"
+                         for ref in (r.rstrip(".:") for r in figures.RESULT_FILE_RE.findall(line))
+                         if ref not in tracked]
+        if re.search(r"^index ", patch.diff, re.M):
             findings.append(f"patches/{name}: has 'index' lines (run make refresh)")
     for path in sorted(layout.patches.glob("*.patch")):
         if path.name not in names:
             findings.append(f"patches/{path.name}: not listed in patches/series")
-    return findings
-
-
-def lint_header_claims(layout: Layout) -> list[str]:
-    """Headers state stable facts, briefly: no figure (the numbers are in result files and
-    what make report / make pr render from them), only committed result files."""
-    findings = []
-    listed = gitrepo.git(layout.root, "ls-files", "--", "benchmarks/results", check=False)
-    tracked = set(listed.stdout.splitlines()) if listed.returncode == 0 else None
-    for name in dict.fromkeys(patchfile.read_series(layout.patches)):
-        try:
-            header = patchfile.parse(layout.patches / name).header
-        except (SeriesError, OSError):
-            continue  # lint_series_files reports it
-        if len(header) > MAX_HEADER_LINES:
-            findings.append(f"patches/{name}: header has {len(header)} lines, more than {MAX_HEADER_LINES}: "
-                            "keep Subject/Topic/Why/How/Upstream/Drop when/Tested on to the stable facts")
-        findings += _claims_of(layout, name, header, tracked)
-    return findings
-
-
-def _claims_of(layout: Layout, name: str, header: list[str], tracked: set[str] | None) -> list[str]:
-    findings = []
-    for lineno, line in enumerate(header, 1):
-        for fig in figures.find_figures(line):
-            findings.append(f"patches/{name}:{lineno}: header carries a figure ({fig.kind}) {fig.text!r}: "
-                            "name the result file or test instead")
-        for ref in figures.RESULT_FILE_RE.findall(line):
-            ref = ref.rstrip(".:")
-            if not (ref in tracked if tracked is not None else (layout.root / ref).is_file()):
-                findings.append(f"patches/{name}:{lineno}: header names {ref}, which is not a "
-                                "committed result file")
     return findings
 
 
@@ -100,10 +73,8 @@ def lint_doc_links(root: Path) -> list[str]:
 
 
 def topic_alone_problem(repo: Path, base: str, all_patches: list[patchfile.Patch], topic: str) -> str | None:
-    """Do the topic's patches apply, in series order, on base without the other topics?
-    (A temporary index: touches neither the checkout nor HEAD.)"""
-    with tempfile.TemporaryDirectory(prefix="series-topic-") as tmp:
-        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+    """Do the topic's patches apply, in series order, on base without the other topics?"""
+    with gitrepo.temp_index() as env:
         gitrepo.git(repo, "read-tree", base, env=env)
         for i, patch in enumerate(all_patches):
             if patch.topic != topic:
@@ -121,8 +92,14 @@ def topic_alone_problem(repo: Path, base: str, all_patches: list[patchfile.Patch
     return None
 
 
+def summary(layout: Layout, findings: list[str]) -> str:
+    if findings:
+        return f"{len(findings)} finding(s)"
+    return f"series OK ({len(series_patches(layout))} patches, {len(overlay_files(layout))} overlay files)"
+
+
 def lint(layout: Layout) -> list[str]:
-    findings = lint_series_files(layout) + lint_header_claims(layout) + lint_doc_links(layout.root)
+    findings = lint_series_files(layout) + lint_doc_links(layout.root)
     pins = load_pins(layout.root)
     sdist_file = sdist.fetch(pins, sdist.cache_dir())
     with tarfile.open(sdist_file) as tar:
@@ -132,26 +109,26 @@ def lint(layout: Layout) -> list[str]:
     findings += topics.lint_overlay_topics(layout.patches, overlay_files(layout))
     findings += topics.lint_pr_tests(layout.root, layout.patches, pristine)
     with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:
-        scratch = Layout(root=layout.root, build=Path(tmp) / "vllm")
+        scratch = Path(tmp) / "vllm"
         not_applied = None
         try:
-            build_tree(scratch, sdist_file, pins, record_state=False, verb="check")
+            build_tree(Layout(root=layout.root, build=scratch), sdist_file, pins, verb="check")
         except PatchFailed as exc:
-            not_applied = str(exc).splitlines()[0]
+            not_applied = str(exc)
             findings.append(not_applied)
         except SeriesError as exc:  # a missing patch file, an overlay file shadowing upstream
             findings.append("not run: the zero-fuzz apply, topic-alone and pre-commit hook checks, "
                             f"because {str(exc).splitlines()[0].rstrip(':')}")
             return findings
-        root = gitrepo.root_commit(scratch.build)
+        root = gitrepo.root_commit(scratch)
         for topic in patchfile.TOPICS:
-            with progress.stage("check", f"topic {topic} alone on pristine upstream"):
-                problem = topic_alone_problem(scratch.build, root, series_patches(layout), topic)
+            progress.say("check", f"topic {topic} alone on pristine upstream ...")
+            problem = topic_alone_problem(scratch, root, series_patches(layout), topic)
             findings += [problem] if problem else []
         if not_applied:
             findings.append(f"not run: the pre-commit hooks, because {not_applied}")
             return findings
-        hook_findings, notes = precommit.run_hooks(scratch.build, root)
+        hook_findings, notes = precommit.run_hooks(scratch, root)
         findings += hook_findings
         for note in notes:
             progress.say("check", note)

@@ -1,9 +1,7 @@
-"""The patch file format of the series: a header (Subject, Topic, Why, How, Upstream,
-Drop when, Tested on; continuation lines indented two spaces), a line ``---``, and a
-unified git diff (``a/`` ``b/`` prefixes, 3 lines of context, no ``index`` lines).
-In the build tree each patch is one commit whose message is the subject, a blank line,
-the other header lines and a ``Series-Patch: <file>`` trailer; ``make refresh`` turns
-such commits back into exactly this text.
+"""The patch file format: a header (Subject, Topic, Why, How, Upstream, Drop when, Tested
+on; continuation lines indented two spaces), a line ``---``, a git diff without ``index``
+lines.  In build/vllm a patch is one commit: the header as its message, plus a
+``Series-Patch: <file>`` trailer.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ TOPICS = ("order-contract", "fetch-kv", "mla-fusion")
 TRAILER = "Series-Patch: "
 NAME_RE = re.compile(r"^\d{4}-[a-z0-9][a-z0-9.-]*\.patch$")
 _FIELD_RE = re.compile(r"^([A-Z][A-Za-z ]*):(?: (.*))?$")
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
 @dataclass
@@ -76,37 +73,6 @@ def header_problems(header: list[str]) -> list[str]:
     return problems
 
 
-@dataclass
-class Hunk:
-    file: str                  # the b/ side's path
-    index: int                 # within its file, from 1
-    old_start: int
-    old_len: int
-    header: str                # the whole "@@ ... @@ context" line
-    lines: list[str]           # the body: " ", "-", "+" and "\\ No newline" lines
-
-
-def diff_hunks(diff: str) -> list[Hunk]:
-    """Every hunk of a unified git diff, in order (bodies read by their line counts)."""
-    hunks: list[Hunk] = []
-    current, index = "", 0
-    old_left = new_left = 0
-    for line in diff.splitlines():
-        if old_left > 0 or new_left > 0 or (hunks and line.startswith("\\")):
-            tag = line[:1]
-            old_left -= tag in (" ", "-", "")
-            new_left -= tag in (" ", "+", "")
-            hunks[-1].lines.append(line)
-        elif line.startswith("diff --git "):
-            current, index = line.split(" b/", 1)[-1], 0
-        elif match := _HUNK_RE.match(line):
-            index += 1
-            old_left = 1 if match.group(2) is None else int(match.group(2))
-            new_left = 1 if match.group(4) is None else int(match.group(4))
-            hunks.append(Hunk(current, index, int(match.group(1)), old_left, line, []))
-    return hunks
-
-
 def parse(path: Path) -> Patch:
     text = path.read_text()
     lines = text.splitlines()
@@ -116,10 +82,6 @@ def parse(path: Path) -> Patch:
     if diff_start < 0:
         raise SeriesError(f"{path}: no 'diff --git' section")
     return Patch(path=path, header=lines[:lines.index("---")], diff=text[diff_start + 1:])
-
-
-def render(header: list[str], diff: str) -> str:
-    return "\n".join(header) + "\n---\n" + diff
 
 
 def header_from_commit_message(message: str) -> tuple[list[str], str | None]:
@@ -137,17 +99,8 @@ def header_from_commit_message(message: str) -> tuple[list[str], str | None]:
 
 
 def strip_index_lines(diff: str) -> str:
-    """Drop ``index abc..def`` lines from the extended headers of a git diff."""
-    out = []
-    in_header = False
-    for line in diff.splitlines(keepends=True):
-        if line.startswith("diff --git "):
-            in_header = True
-        elif line.startswith("@@"):
-            in_header = False
-        if not (in_header and line.startswith("index ")):
-            out.append(line)
-    return "".join(out)
+    """Drop the ``index abc..def`` lines of a git diff (a line of a hunk starts with " ", "+" or "-")."""
+    return re.sub(r"^index [0-9a-f]+\.\.[0-9a-f]+.*\n", "", diff, flags=re.M)
 
 
 def slug(text: str) -> str:

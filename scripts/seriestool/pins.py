@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from . import SeriesError
@@ -31,18 +32,14 @@ def load_pins(root: Path) -> dict[str, str]:
 def update_pins(root: Path, values: dict[str, str]) -> list[str]:
     """Set KEY=VALUE lines of pins.env in place (comments and order kept); return "KEY: old -> new"."""
     path = root / "pins.env"
-    lines = path.read_text().splitlines()
-    changed, seen = [], set()
-    for i, raw in enumerate(lines):
-        key, sep, old = raw.partition("=")
-        key = key.strip()
-        if sep and not raw.lstrip().startswith("#") and key in values:
-            seen.add(key)
-            if old.strip() != values[key]:
-                lines[i] = f"{key}={values[key]}"
-                changed.append(f"{key}: {old.strip()} -> {values[key]}")
-    missing = [k for k in values if k not in seen]
-    if missing:
-        raise SeriesError(f"{path}: no line for {', '.join(missing)}")
-    path.write_text("\n".join(lines) + "\n")
+    text = path.read_text()
+    changed = []
+    for key, value in values.items():
+        line = re.search(rf"^{key}=(.*)$", text, re.M)
+        if not line:
+            raise SeriesError(f"{path}: no line for {key}")
+        if line.group(1).strip() != value:
+            text = text[:line.start(1)] + value + text[line.end(1):]
+            changed.append(f"{key}: {line.group(1).strip()} -> {value}")
+    path.write_text(text)
     return changed

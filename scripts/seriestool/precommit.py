@@ -1,14 +1,9 @@
 """make check: upstream's pre-commit hooks on the Python files the series adds or changes.
 
 pre-commit itself cannot run here (it clones each hook's repository), so this does what
-``pre-commit run --hook-stage manual`` would, from the pinned tree's config: a hook runs
-when its stages include ``manual`` and its files/exclude/types select a file; ``local``
-hooks run their entry (``python`` ones in a venv of their additional_dependencies); the
-remote hooks in REMOTE_HOOKS run the PyPI package of the config's rev (a SHA-frozen rev
-names its version in a ``# frozen: vX.Y.Z`` comment).  A hook fails when it exits
-non-zero or changes a file; one whose environment cannot be made is a finding too, and
-the others still run.  Environments are cached in SERIES_HOOK_ENVS (default
-``<cache>/pre-commit-envs/``).
+``pre-commit run --hook-stage manual`` would, from the pinned tree's config: local hooks run
+their entry, the remote hooks in REMOTE_HOOKS their PyPI package at the config's rev, each
+in a cached venv of its dependencies (SERIES_HOOK_ENVS, default <cache>/pre-commit-envs/).
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import SeriesError, progress
+from . import SeriesError, gitrepo, progress
 from .sdist import cache_dir
 
 CONFIG = ".pre-commit-config.yaml"
@@ -42,8 +37,7 @@ REMOTE_HOOKS = {
 
 
 def rev_version(config_text: str, rev: str) -> str | None:
-    """The version a remote hook's rev names: its tag, or for a rev frozen to a commit SHA
-    (``pre-commit autoupdate --freeze``) the ``# frozen: vX.Y.Z`` comment on its line."""
+    """A rev's version: its tag, or the ``# frozen: vX.Y.Z`` comment of a rev frozen to a SHA."""
     if not re.fullmatch(r"[0-9a-f]{40}", rev):
         return rev.removeprefix("v")
     frozen = re.search(rf"^\s*rev:\s*['\"]?{rev}['\"]?\s+#\s*frozen:\s*v?(\S+)", config_text, re.M)
@@ -51,8 +45,8 @@ def rev_version(config_text: str, rev: str) -> str | None:
 
 
 def load_hooks(tree: Path) -> tuple[list[dict], list[str], str]:
-    """(hooks to run, ids of remote hooks not run here, global exclude).  Each hook is its
-    config entry plus ``entry`` (a list), ``requirements`` and ``problem`` (why not runnable)."""
+    """(hooks, ids of remote hooks not run here, global exclude); a hook is its config entry
+    with pre-commit's defaults, ``entry`` a list, ``requirements`` and ``problem`` (why not runnable)."""
     import yaml
 
     text = (tree / CONFIG).read_text()
@@ -117,10 +111,6 @@ def hook_env(requirements: list[str]) -> Path:
     return env
 
 
-def _git(tree: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout
-
-
 def run_hook(tree: Path, hook: dict, files: list[str]) -> list[str]:
     """Run one hook as pre-commit would; its failure as finding lines (none when it passes)."""
     if hook["problem"]:
@@ -137,28 +127,27 @@ def run_hook(tree: Path, hook: dict, files: list[str]) -> list[str]:
         command[0] = str(tree / command[0])
     elif hook["language"] != "system":
         return [f"pre-commit hook {hook['id']}: language {hook['language']!r} is not run by make check"]
-    before = _git(tree, "status", "--porcelain")
+    before = gitrepo.out(tree, "status", "--porcelain")
     proc = subprocess.run(command + (files if hook.get("pass_filenames", True) else []), cwd=tree, env=env,
                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    changed = _git(tree, "status", "--porcelain") != before
+    changed = gitrepo.out(tree, "status", "--porcelain") != before
     if proc.returncode == 0 and not changed:
         return []
     text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr).replace(f"{tree}/", "")
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     if changed:
-        lines += _git(tree, "diff", "--stat").rstrip().splitlines()
-    if len(lines) > MAX_OUTPUT_LINES:
-        lines = lines[:MAX_OUTPUT_LINES] + [f"... {len(lines) - MAX_OUTPUT_LINES} more lines"]
+        lines += gitrepo.out(tree, "diff", "--stat").splitlines()
     why = f"exit {proc.returncode}" + (", files were modified by this hook" if changed else "")
-    return [f"pre-commit hook {hook['id']} failed ({why}):"] + ["  " + line for line in lines]
+    more = [f"  ... {len(lines) - MAX_OUTPUT_LINES} more lines"] if len(lines) > MAX_OUTPUT_LINES else []
+    return [f"pre-commit hook {hook['id']} failed ({why}):"] + ["  " + ln for ln in lines[:MAX_OUTPUT_LINES]] + more
 
 
 def run_hooks(tree: Path, base: str) -> tuple[list[str], list[str]]:
     """(findings, notes): upstream's hooks on the series' Python files in the scratch tree."""
     if not (tree / CONFIG).is_file():
         return [], [f"note: the pinned tree has no {CONFIG}; no pre-commit hook ran"]
-    files = [f for f in _git(tree, "diff", "--name-only", "--no-renames", "--diff-filter=d", base, "HEAD").split()
-             if Path(f).suffix in PYTHON_TAGS]
+    changed = gitrepo.out(tree, "diff", "--name-only", "--no-renames", "--diff-filter=d", base, "HEAD").split()
+    files = [f for f in changed if Path(f).suffix in PYTHON_TAGS]
     hooks, skipped, global_exclude = load_hooks(tree)
     findings, ran = [], []
     for hook in hooks:

@@ -1,6 +1,4 @@
-"""Progress lines on stderr for the slow steps; SIGTERM and SIGHUP raise
-KeyboardInterrupt (as Ctrl-C does), so an interrupted verb cleans up and says one line.
-"""
+"""Progress lines on stderr; SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""make pr-stack (CI): the exported PRs as a maintainer would apply them.
-
-After ``make pr TOPIC=...`` for every topic, in scratch worktrees on pristine upstream
-(build/vllm's root commit): each topic alone (``git am``, after the shared first commit
-of a PR it depends on); all topics stacked in series order, which must be build/vllm's
-``main`` plus the PRs' tests (patches/pr-tests) and nothing else; with ``python``, the
-PRs' tests run in the stacked tree in vLLM's layout on the CPU.  build/vllm's checkout,
-branches and index do not change.
+"""make pr-stack (CI): the exported PRs as a maintainer would apply them: each alone and
+all stacked (= build/vllm's main plus the PRs' tests) on pristine upstream with ``git am``,
+in scratch worktrees; with ``python``, the PRs' tests run in the stacked tree (CPU).
 """
 
 from __future__ import annotations

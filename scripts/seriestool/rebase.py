@@ -1,18 +1,7 @@
-"""make rebase: port the series to another vLLM release with git's three-way merges.
-
-    make rebase VLLM_VERSION=X VLLM_SDIST_SHA256=Y   start; finishes at once when nothing conflicts
-    make rebase CONTINUE=1                            after resolving a conflict
-    make rebase ABORT=1                               drop the rebase
-
-In ``build/rebase/vllm`` the current series is built as ``make apply`` builds it; the other
-release's sdist becomes a second root commit, and ``git rebase --onto <new> <old> main``
-replays the overlay and every patch (ort merges, diff3 markers).  At a conflict the report
-names the patch (N of M, its Drop when), each file, the patch's hunk and upstream's change
-there.  When all is replayed, finish rewrites patches/, vllm_overlay/, pins.env and the
-README table from the rebased commits (make refresh's and make readme's code), runs
-``make check``, and writes the per-patch table to ``build/rebase-<X>.md``.  All or nothing:
-finish first snapshots those paths as a git tree object (named in state.json) and puts it
-back if anything fails.  build/vllm is never touched.
+"""make rebase: port the series to another vLLM release with git's three-way merges
+(``git rebase --onto`` in build/rebase/vllm; docs/series-workflow.md).  A conflict stops it
+with a report (the patch, each file, the patch's hunk and upstream's change there); the finish
+rewrites patches/, vllm_overlay/, pins.env and README's table all or nothing.
 """
 
 from __future__ import annotations
@@ -21,13 +10,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import Interrupted, SeriesError, buildtree, gitrepo, lint, patchfile, progress, readme, sdist
 from .buildtree import Layout
-from .pins import load_pins, update_pins
+from .pins import REQUIRED, load_pins, update_pins
 
 CLEAN, MERGED, HAND = "clean", "merged", "resolved by hand"
 EMPTY, HAND_DROPPED = "dropped: upstream has it", "dropped by hand"
@@ -35,8 +23,13 @@ OVERLAY = "overlay"
 WRITTEN_PATHS = ("patches", "vllm_overlay", "pins.env", "README.md")   # what finish writes
 WRITTEN = "patches/, vllm_overlay/, pins.env and README.md"
 _MARKER_RE = re.compile(r"^(<{7}|>{7}|\|{7})(?: |$)", re.M)
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@")
 _SHOW_LINES = 14           # changed lines shown per hunk in a conflict report
 _SHOW_HUNKS = 4            # patch hunks shown per conflicted file
+_KINDS = {"UU": "both changed it", "AA": "both added it",
+          "DU": "upstream deleted it (or moved it where git could not follow)",
+          "UD": "the patch deletes it, upstream changed it", "AU": "added by upstream", "UA": "added by the patch",
+          "DD": "both deleted it"}
 
 
 @dataclass
@@ -72,25 +65,17 @@ def _git(paths: Paths, *args: str, check: bool = True, env: dict | None = None):
 
 
 def _in_progress(paths: Paths) -> bool:
-    git_dir = paths.repo / ".git"
-    return (git_dir / "rebase-merge").is_dir() or (git_dir / "rebase-apply").is_dir()
+    return (paths.repo / ".git" / "rebase-merge").is_dir()
 
-
-# --- what the other sdist says about itself -----------------------------------------
 
 def sdist_facts(tree: Path) -> dict[str, str]:
     """VLLM_COMMIT from vllm/_version.py, AITER_REF from docker/Dockerfile.rocm_base (if present)."""
-
-    def read(rel: str) -> str:
-        return (tree / rel).read_text() if (tree / rel).is_file() else ""
-
     facts = {"VLLM_COMMIT": "unknown"}
-    commit = re.search(r"commit_id\s*=\s*['\"]([^'\"]+)['\"]", read("vllm/_version.py"))
-    if commit:
-        facts["VLLM_COMMIT"] = commit.group(1)
-    aiter = re.search(r"^ARG AITER_BRANCH=\"?([^\"\s]+)\"?", read("docker/Dockerfile.rocm_base"), re.M)
-    if aiter:
-        facts["AITER_REF"] = aiter.group(1)
+    for key, rel, pattern in (("VLLM_COMMIT", "vllm/_version.py", r"commit_id\s*=\s*['\"]([^'\"]+)['\"]"),
+                              ("AITER_REF", "docker/Dockerfile.rocm_base", r"^ARG AITER_BRANCH=\"?([^\"\s]+)\"?")):
+        found = re.search(pattern, (tree / rel).read_text(), re.M) if (tree / rel).is_file() else None
+        if found:
+            facts[key] = found.group(1)
     return facts
 
 
@@ -118,7 +103,7 @@ def _diff(paths: Paths, commit: str) -> str:
 def classify(paths: Paths, state: dict) -> list[dict]:
     """One row per commit of the old series: key, status, detail."""
     new = dict(_commits(paths, state["new_pristine"], "HEAD"))
-    stops = {s["key"]: s for s in state.get("stops", [])}
+    stops = {s["key"]: s for s in state["stops"]}
     rows = []
     for key, old_commit in _commits(paths, state["old_pristine"], state["old_tip"]):
         stop, new_commit = stops.get(key), new.get(key)
@@ -152,7 +137,27 @@ def render_table(state: dict, rows: list[dict], check_line: str) -> str:
 
 # --- the conflict report ----------------------------------------------------------------
 
-def _overlaps(patch_hunk: patchfile.Hunk, up: patchfile.Hunk) -> bool:
+@dataclass
+class Hunk:
+    index: int                 # within its file, from 1
+    old_start: int
+    old_len: int
+    lines: list[str]           # the body: " ", "-", "+" and "\\ No newline" lines
+
+
+def _hunks(diff: str) -> list[Hunk]:
+    """The hunks of a one-file unified diff, in order."""
+    hunks: list[Hunk] = []
+    for line in diff.splitlines():
+        match = _HUNK_RE.match(line)
+        if match:
+            hunks.append(Hunk(len(hunks) + 1, int(match.group(1)), int(match.group(2) or 1), []))
+        elif hunks:
+            hunks[-1].lines.append(line)
+    return hunks
+
+
+def _overlaps(patch_hunk: Hunk, up: Hunk) -> bool:
     """Does an upstream change (a -U0 hunk, old-side lines) touch the patch hunk's lines (old side)?"""
     lo, hi = patch_hunk.old_start, patch_hunk.old_start + max(patch_hunk.old_len, 1)
     # A pure insertion (old_len 0) sits after line old_start; adjacent changes conflict too.
@@ -173,30 +178,42 @@ def _marker_spans(path: Path) -> list[str]:
     return spans
 
 
-def _status_codes(paths: Paths) -> dict[str, str]:
-    codes = {}
-    for line in _git(paths, "status", "--porcelain", "--untracked-files=no").stdout.splitlines():
-        codes[line[3:].split(" -> ")[-1]] = line[:2]
-    return codes
-
-
-def _changed(hunks: list[patchfile.Hunk]) -> list[str]:
+def _changed(hunks: list[Hunk]) -> list[str]:
     """The - and + lines of hunks, without their positions (the report numbers lines one way only)."""
     body = [f"      {ln}" for h in hunks for ln in h.lines if ln[:1] in "-+"]
     more = [f"      ... {len(body) - _SHOW_LINES} more lines"] if len(body) > _SHOW_LINES else []
     return body[:_SHOW_LINES] + more
 
 
-_KINDS = {"UU": "both changed it", "AA": "both added it",
-          "DU": "upstream deleted it (or moved it where git could not follow)",
-          "UD": "the patch deletes it, upstream changed it", "AU": "added by upstream", "UA": "added by the patch",
-          "DD": "both deleted it"}
+def _file_report(paths: Paths, picked: str, path: str, code: str, versions: str) -> list[str]:
+    """What the patch and upstream changed in one conflicted file."""
+    spans = _marker_spans(paths.repo / path)
+    where = f"; conflict markers at lines {', '.join(spans)} of {paths.repo / path}" if spans else ""
+    lines = [f"  {path}: {_KINDS.get(code, 'conflict')}{where}"]
+    theirs = _hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
+    if code == "DU":
+        return lines + ["    the patch changes it:", *_changed(theirs),
+                        "    to drop the patch's change to it (upstream's deletion stands): "
+                        f"git -C {paths.repo} rm {path}",
+                        "    to restore it (as the patch leaves it; git left that in the tree): leave it, "
+                        "CONTINUE=1 stages it"]
+    ups = _hunks(gitrepo.diff(paths.repo, f"{picked}^", "HEAD", [path], context=0))
+    shown = 0
+    for hunk in theirs:
+        near = [u for u in ups if _overlaps(hunk, u)]
+        if not near:
+            continue
+        shown += 1
+        if shown > _SHOW_HUNKS:
+            return lines + ["    ... more hunks conflict"]
+        lines += [f"    patch hunk #{hunk.index} changes:", *_changed([hunk]),
+                  f"    upstream ({versions}) changed there:", *_changed(near)]
+    if not shown and code == "UU":
+        lines.append("    (no upstream change overlaps a hunk of the patch: see the markers)")
+    return lines
 
 
-def conflict_report(paths: Paths, state: dict, git_output: str) -> str:
-    picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
-    if not picked:
-        return "git rebase stopped without a conflicting commit:\n" + git_output.strip()
+def conflict_report(paths: Paths, state: dict, picked: str, git_output: str) -> str:
     key = _key(paths, picked)
     patches = [k for k, _ in _commits(paths, state["old_pristine"], state["old_tip"]) if k != OVERLAY]
     frm, to = state["from"]["VLLM_VERSION"], state["to"]["VLLM_VERSION"]
@@ -205,45 +222,18 @@ def conflict_report(paths: Paths, state: dict, git_output: str) -> str:
                  f"vLLM {frm} -> {to})"]
     else:
         header, _ = patchfile.header_from_commit_message(_git(paths, "log", "-1", "--format=%B", picked).stdout)
-        drop_when = patchfile.Patch(Path(key), header, "").fields().get("Drop when", "(no Drop when: line)")
+        drop_when = patchfile.header_fields(header).get("Drop when", "(no Drop when: line)")
         position = patches.index(key) + 1 if key in patches else "?"
         lines = [f"rebase: conflict in patches/{key} (patch {position} of {len(patches)}, "
                  f"vLLM {frm} -> {to})", f"  Drop when: {drop_when}"]
-    unmerged = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
-    codes = _status_codes(paths)
+    codes = {ln[3:]: ln[:2] for ln in _git(paths, "status", "--porcelain", "--untracked-files=no").stdout.splitlines()}
+    for path in _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split():
+        lines += _file_report(paths, picked, path, codes.get(path, ""), f"{frm} -> {to}")
     touched = _git(paths, "diff-tree", "--no-commit-id", "--name-only", "-r", "--no-renames", picked).stdout.split()
     upstream_diff = paths.dir / f"{key}.upstream.diff"
     upstream_diff.write_text(_git(paths, "diff", "-M", state["old_pristine"], state["new_pristine"], "--",
                                   *touched).stdout if touched else "")
-    for path in unmerged:
-        code = codes.get(path, "")
-        spans = _marker_spans(paths.repo / path)
-        where = f"; conflict markers at lines {', '.join(spans)} of {paths.repo / path}" if spans else ""
-        lines.append(f"  {path}: {_KINDS.get(code, 'conflict')}{where}")
-        theirs = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", picked, [path]))
-        if code == "DU":
-            lines += ["    the patch changes it:", *_changed(theirs),
-                      "    to drop the patch's change to it (upstream's deletion stands): "
-                      f"git -C {paths.repo} rm {path}",
-                      "    to restore it (as the patch leaves it; git left that in the tree): leave it, "
-                      "CONTINUE=1 stages it"]
-            continue
-        ups = patchfile.diff_hunks(gitrepo.diff(paths.repo, f"{picked}^", "HEAD", [path], context=0))
-        shown = 0
-        for hunk in theirs:
-            near = [u for u in ups if _overlaps(hunk, u)]
-            if not near:
-                continue
-            shown += 1
-            if shown > _SHOW_HUNKS:
-                lines.append("    ... more hunks conflict")
-                break
-            lines += [f"    patch hunk #{hunk.index} changes:", *_changed([hunk]),
-                      f"    upstream ({frm} -> {to}) changed there:", *_changed(near)]
-        if not shown and code == "UU":
-            lines.append("    (no upstream change overlaps a hunk of the patch: see the markers)")
-    conflict_lines = [ln.strip() for ln in git_output.splitlines() if ln.startswith("CONFLICT")]
-    lines += [f"  git: {ln}" for ln in conflict_lines[:10]]
+    lines += [f"  git: {ln.strip()}" for ln in git_output.splitlines() if ln.startswith("CONFLICT")][:10]
     lines += [
         f"  upstream diff {frm} -> {to} of the files this commit touches: {upstream_diff}",
         "",
@@ -258,29 +248,23 @@ def conflict_report(paths: Paths, state: dict, git_output: str) -> str:
 
 # --- the steps ---------------------------------------------------------------------------
 
-def _git_env() -> dict[str, str]:
-    return {**gitrepo.SERIES_IDENTITY, "GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true"}
-
-
 def _run_rebase(layout: Layout, paths: Paths, state: dict, args: list[str]) -> tuple[int, str]:
+    env = {**gitrepo.SERIES_IDENTITY, "GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true"}
+    progress.say("rebase", f"git {' '.join(args[:2])}: three-way merges onto vLLM {state['to']['VLLM_VERSION']} ...")
     try:
-        with progress.stage("rebase", f"git {' '.join(args[:2])}: three-way merges onto vLLM "
-                                      f"{state['to']['VLLM_VERSION']}"):
-            proc = _git(paths, *args, check=False, env=_git_env())
+        proc = _git(paths, *args, check=False, env=env)
     except KeyboardInterrupt:
         raise Interrupted(f"git rebase stopped in {paths.repo}; `make rebase CONTINUE=1` goes on, "
                           f"ABORT=1 drops it") from None
     output = proc.stdout + proc.stderr
-    if _in_progress(paths):
-        picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip()
-        if picked:
-            key = _key(paths, picked)
-            files = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
-            stops = [s for s in state.get("stops", []) if s["key"] != key]
-            state["stops"] = stops + [{"key": key, "files": files}]
-            _save(paths, state)
-        return 1, conflict_report(paths, state, output)
-    if proc.returncode:
+    picked = _git(paths, "rev-parse", "REBASE_HEAD", check=False).stdout.strip() if _in_progress(paths) else ""
+    if picked:
+        key = _key(paths, picked)
+        files = _git(paths, "diff", "--name-only", "--diff-filter=U").stdout.split()
+        state["stops"] = [s for s in state["stops"] if s["key"] != key] + [{"key": key, "files": files}]
+        _save(paths, state)
+        return 1, conflict_report(paths, state, picked, output)
+    if proc.returncode or _in_progress(paths):
         raise SeriesError(f"git {' '.join(args)} failed in {paths.repo}:\n{output.strip()}")
     return finish(layout, paths, state)
 
@@ -306,59 +290,44 @@ def start(layout: Layout, version: str, sha256: str) -> tuple[int, str]:
     if paths.dir.exists():
         progress.say("rebase", f"removing {paths.dir}, left by an interrupted start")
         _drop(paths)
-    cache = sdist.cache_dir()
     new_pins = {**old_pins, "VLLM_VERSION": version, "VLLM_SDIST_SHA256": sha256}
-    old_sdist = sdist.fetch(old_pins, cache)
-    new_sdist = sdist.fetch(new_pins, cache)
+    old_sdist = sdist.fetch(old_pins, sdist.cache_dir())
+    new_sdist = sdist.fetch(new_pins, sdist.cache_dir())
     series_head = gitrepo.git(layout.root, "rev-parse", "--short=12", "HEAD", check=False).stdout.strip()
     try:
         paths.dir.mkdir(parents=True)
         try:
-            buildtree.build_tree(Layout(root=layout.root, build=paths.repo), old_sdist, old_pins,
-                                 record_state=False, verb="rebase")
+            buildtree.build_tree(Layout(root=layout.root, build=paths.repo), old_sdist, old_pins, verb="rebase")
         except buildtree.PatchFailed as exc:
             raise SeriesError(f"the series does not apply to its own pin (vLLM {old_pins['VLLM_VERSION']}); "
                               f"fix that first (`make check`):\n{exc}") from None
         _git(paths, "config", "merge.conflictStyle", "diff3")
-        old_tip = gitrepo.head(paths.repo)
         old_pristine = gitrepo.root_commit(paths.repo)
-        _git(paths, "branch", "series-old", old_tip)
-        _git(paths, "tag", f"vllm-{old_pins['VLLM_VERSION']}", old_pristine)
         new_pristine = _import_pristine(paths, new_sdist, new_pins)
-        _git(paths, "tag", f"vllm-{version}", new_pristine)
-        state = {
-            "root": str(layout.root), "series_head": series_head, "inputs": buildtree.inputs_hash(layout),
-            "from": {k: old_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
-            "to": {k: new_pins[k] for k in ("VLLM_VERSION", "VLLM_SDIST_SHA256", "VLLM_COMMIT", "AITER_REF")},
-            "old_pristine": old_pristine, "old_tip": old_tip, "new_pristine": new_pristine,
-            "stops": [],
-        }
+        state = {"root": str(layout.root), "series_head": series_head, "inputs": buildtree.inputs_hash(layout),
+                 "from": {k: old_pins[k] for k in REQUIRED}, "to": {k: new_pins[k] for k in REQUIRED},
+                 "old_pristine": old_pristine, "old_tip": gitrepo.head(paths.repo), "new_pristine": new_pristine,
+                 "stops": []}
         _save(paths, state)     # from here on the rebase exists: CONTINUE=1 / ABORT=1
     except KeyboardInterrupt:
         raise Interrupted(f"nothing changed; {paths.dir} is removed by the next `make rebase`") from None
     except BaseException:
-        try:
-            _drop(paths)
-        except BaseException:
-            pass
+        _drop(paths)
         raise
     return _run_rebase(layout, paths, state, ["rebase", "--onto", new_pristine, old_pristine, "main"])
 
 
 def _import_pristine(paths: Paths, sdist_file: Path, pins: dict[str, str]) -> str:
     """The other sdist as a root commit of its own (pins get its VLLM_COMMIT and AITER_REF)."""
-    with tempfile.TemporaryDirectory(dir=paths.dir, prefix="sdist-") as tmp:
-        tree_dir = Path(tmp) / "tree"
-        with progress.stage("rebase", f"unpacking {sdist_file.name}"):
-            sdist.unpack(sdist_file, tree_dir)
-        pins.update(sdist_facts(tree_dir))
-        env = {"GIT_DIR": str(paths.repo / ".git"), "GIT_WORK_TREE": str(tree_dir),
-               "GIT_INDEX_FILE": str(Path(tmp) / "index")}
-        with progress.stage("rebase", f"committing pristine vLLM {pins['VLLM_VERSION']}"):
-            gitrepo.git(tree_dir, "add", "-A", "-f", ".", env=env)
-            tree = gitrepo.git(tree_dir, "write-tree", env=env).stdout.strip()
-    return gitrepo.git(paths.repo, "commit-tree", tree, "-F", "-", identity=True,
-                       input_text=buildtree.pristine_message(pins)).stdout.strip()
+    _git(paths, "checkout", "-q", "--orphan", f"vllm-{pins['VLLM_VERSION']}")
+    _git(paths, "rm", "-rfq", ".")
+    progress.say("rebase", f"unpacking {sdist_file.name} ...")
+    sdist.unpack(sdist_file, paths.repo)
+    pins.update(sdist_facts(paths.repo))
+    progress.say("rebase", f"committing pristine vLLM {pins['VLLM_VERSION']} ...")
+    commit = gitrepo.commit_all(paths.repo, buildtree.pristine_message(pins))
+    _git(paths, "checkout", "-q", "main")
+    return commit
 
 
 def resume(layout: Layout) -> tuple[int, str]:
@@ -405,8 +374,7 @@ def abort(layout: Layout) -> str:
 
 def _snapshot(layout: Layout, paths: Paths, state: dict) -> None:
     """What finish writes, kept as a git tree object of the series repository (state["backup"])."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+    with gitrepo.temp_index() as env:
         present = [name for name in WRITTEN_PATHS if (layout.root / name).exists()]
         gitrepo.git(layout.root, "add", "-A", "-f", "--", *present, env=env)
         state["backup"] = gitrepo.git(layout.root, "write-tree", env=env).stdout.strip()
@@ -422,8 +390,7 @@ def _restore(layout: Layout, paths: Paths) -> bool:
         if (layout.root / name).is_dir():
             shutil.rmtree(layout.root / name)
         (layout.root / name).unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+    with gitrepo.temp_index() as env:
         gitrepo.git(layout.root, "read-tree", state["backup"], env=env)
         gitrepo.git(layout.root, "checkout-index", "-a", "-f", env=env)
     del state["backup"]
@@ -433,16 +400,13 @@ def _restore(layout: Layout, paths: Paths) -> bool:
 
 def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
     """Write the port (patches/, vllm_overlay/, pins.env, README.md) and check it: all of it, or nothing."""
-    if gitrepo.dirty(paths.repo):
-        raise SeriesError(f"{paths.repo} has changes made after git finished the rebase; undo them "
-                          f"(git -C {paths.repo} stash) and `make rebase CONTINUE=1` again")
     rows = classify(paths, state)
     regenerate = {r["key"] for r in rows if r["status"] in (MERGED, HAND)}
     to = state["to"]
     _snapshot(layout, paths, state)
     try:
-        with progress.stage("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits"):
-            report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
+        progress.say("rebase", "rewriting patches/ and vllm_overlay/ from the rebased commits ...")
+        report = buildtree.refresh(Layout(root=layout.root, build=paths.repo), regenerate=regenerate)
         changed_pins = update_pins(layout.root, {k: v for k, v in to.items() if v and v != "unknown"})
         if (layout.root / "README.md").is_file() and readme.update(layout.root):
             report.append("README.md: series table rewritten")
@@ -456,9 +420,9 @@ def finish(layout: Layout, paths: Paths, state: dict) -> tuple[int, str]:
             raise SeriesError(f"finishing the rebase failed; {kept}:\n{exc}\nFix that, then "
                               "`make rebase CONTINUE=1` (or ABORT=1)") from None
         raise
-    check_line = (f"series OK ({len(buildtree.series_patches(layout))} patches, "
-                  f"{len(buildtree.overlay_files(layout))} overlay files)") if not findings else \
-        f"{len(findings)} finding(s): " + "; ".join(findings)
+    check_line = lint.summary(layout, findings)
+    if findings:
+        check_line += ": " + "; ".join(findings)
     table = render_table(state, rows, check_line)
     table_file = layout.build.parent / f"rebase-{to['VLLM_VERSION']}.md"
     table_file.write_text(table)

@@ -1,9 +1,6 @@
-"""Fetch (with pip, hash-checked), verify and unpack the pinned vLLM sdist.
-
-Cached outside the tree (``$SERIES_CACHE``, default ``~/.cache/vllm-aiter-series``), so
-``make clean`` never deletes it.  pip downloads it with ``--no-build-isolation
---require-hashes`` from a small tools venv plus a stand-in ``torch`` package
-(``VLLM_TARGET_DEVICE=empty``): vLLM's build requirements pin a CUDA torch (BRIEF §1).
+"""Fetch (with pip, hash-checked), verify and unpack the pinned vLLM sdist, cached outside
+the tree (``$SERIES_CACHE``).  pip runs from a small tools venv with a stand-in ``torch``
+(``VLLM_TARGET_DEVICE=empty``): vLLM's build requirements pin a CUDA torch.
 """
 
 from __future__ import annotations
@@ -65,10 +62,9 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def _last_error(proc: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines()
-             if ln.strip() and "is ignored: it is neither" not in ln]
-    errors = [ln for ln in lines if "ERROR" in ln or "error" in ln.lower()]
-    return (errors or lines or ["(no output)"])[-1].strip()
+    lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or ["(no output)"])[-1]
 
 
 def _tools_python(cache: Path) -> Path:
@@ -91,53 +87,48 @@ def _tools_python(cache: Path) -> Path:
 def fetch(pins: dict[str, str], cache: Path) -> Path:
     """Return the verified cached sdist, downloading it with pip if absent."""
     target = sdist_path(pins, cache)
-    if target.exists():
-        verify(target, pins["VLLM_SDIST_SHA256"])
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    try:
-        with progress.stage("fetch", f"preparing pip's download environment in {cache / 'fetch-venv'}"):
-            python = _tools_python(cache)
-        with tempfile.TemporaryDirectory(dir=cache, prefix="download-") as tmp:
-            tmp_path = Path(tmp)
-            standin = tmp_path / "standin"
-            for rel, text in _STANDIN_TORCH.items():
-                (standin / rel).parent.mkdir(parents=True, exist_ok=True)
-                (standin / rel).write_text(text)
-            req = tmp_path / "requirements.txt"
-            req.write_text(f"vllm=={pins['VLLM_VERSION']} "
-                           f"--hash=sha256:{pins['VLLM_SDIST_SHA256']}\n")
-            env = dict(os.environ, PYTHONPATH=str(standin), VLLM_TARGET_DEVICE="empty",
-                       VLLM_SKIP_VERSION_SUFFIX="1")
-            out = tmp_path / "out"
-            with progress.stage("fetch", f"downloading vllm=={pins['VLLM_VERSION']} sdist with pip "
-                                         f"(hash-checked) into {cache}"):
-                proc = _run([str(python), "-m", "pip", "download", "-q", "--no-deps",
-                             "--no-binary", ":all:", "--no-build-isolation", "--require-hashes",
-                             "--retries", "1", "-r", str(req), "-d", str(out)], env=env)
-            if proc.returncode != 0:
-                raise SeriesError(f"pip download failed: {_last_error(proc)}")
-            got = out / target.name
-            if not got.exists():
-                raise SeriesError(f"pip download produced no {target.name} in {out}")
-            verify(got, pins["VLLM_SDIST_SHA256"])  # pip checked it too; belt and braces
-            os.replace(got, target)
-    except SeriesError as exc:
-        raise SeriesError(
-            f"cannot get vllm=={pins['VLLM_VERSION']}: {exc}\n"
-            f"No cached copy at {target}. Connect to PyPI, or put the verified sdist there.") from None
+    if not target.exists():
+        try:
+            _download(pins, cache, target)
+        except SeriesError as exc:
+            raise SeriesError(
+                f"cannot get vllm=={pins['VLLM_VERSION']}: {exc}\n"
+                f"No cached copy at {target}. Connect to PyPI, or put the verified sdist there.") from None
+    verify(target, pins["VLLM_SDIST_SHA256"])
     return target
+
+
+def _download(pins: dict[str, str], cache: Path, target: Path) -> None:
+    """pip download of the sdist (hash-checked by pip) into target."""
+    cache.mkdir(parents=True, exist_ok=True)
+    progress.say("fetch", f"preparing pip's download environment in {cache / 'fetch-venv'} ...")
+    python = _tools_python(cache)
+    with tempfile.TemporaryDirectory(dir=cache, prefix="download-") as tmp:
+        standin = Path(tmp) / "standin"
+        for rel, text in _STANDIN_TORCH.items():
+            (standin / rel).parent.mkdir(parents=True, exist_ok=True)
+            (standin / rel).write_text(text)
+        req = Path(tmp) / "requirements.txt"
+        req.write_text(f"vllm=={pins['VLLM_VERSION']} --hash=sha256:{pins['VLLM_SDIST_SHA256']}\n")
+        env = dict(os.environ, PYTHONPATH=str(standin), VLLM_TARGET_DEVICE="empty", VLLM_SKIP_VERSION_SUFFIX="1")
+        out = Path(tmp) / "out"
+        progress.say("fetch", f"downloading vllm=={pins['VLLM_VERSION']} sdist with pip (hash-checked) "
+                              f"into {cache} ...")
+        proc = _run([str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                     "--no-build-isolation", "--require-hashes", "--retries", "1", "-r", str(req), "-d", str(out)],
+                    env=env)
+        if proc.returncode != 0:
+            raise SeriesError(f"pip download failed: {_last_error(proc)}")
+        if not (out / target.name).exists():
+            raise SeriesError(f"pip download produced no {target.name} in {out}")
+        os.replace(out / target.name, target)
 
 
 def unpack(sdist: Path, dest: Path) -> None:
     """Extract the sdist into dest (made if absent), dropping its top-level ``vllm-X.Y.Z/`` folder."""
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            parts = member.name.split("/", 1)
-            if len(parts) < 2 or not parts[1]:
-                continue
-            member.name = parts[1]
-            members.append(member)
+        members = [member for member in tar.getmembers() if "/" in member.name.strip("/")]
+        for member in members:
+            member.name = member.name.split("/", 1)[1]
         tar.extractall(dest, members=members, filter="data")

@@ -1,11 +1,8 @@
 """Topics: which upstream PR each patch, overlay file and PR test belongs to.
 
-A patch names its topic in its header (``Topic:``).  ``patches/overlay-topics``
-maps overlay files, one ``<glob> <topic>`` rule a line (fnmatch glob relative to
-``vllm_overlay/``, the first matching rule wins; ``a,b`` ships a shared file with each
-of those topics' PRs).  ``patches/pr-tests``
-lists the tests each PR carries: ``<test file here> <its path in vLLM> <topic>``.
-``make check`` lints both; ``make apply`` reads neither.
+A patch names its topic in its header; ``patches/overlay-topics`` maps overlay files
+(``<fnmatch glob> <topic>[,<topic>]``, the first matching line wins); ``patches/pr-tests``
+lists each PR's tests (``<file here> <path in vLLM> <topic>``).
 """
 
 from __future__ import annotations
@@ -105,10 +102,6 @@ def read_pr_tests(patches_dir: Path) -> tuple[list[PrTest], list[str]]:
         else:
             out.append(PrTest(where, *parts))
     return out, findings
-
-
-def pr_tests_of(patches_dir: Path, topic: str) -> list[PrTest]:
-    return [t for t in read_pr_tests(patches_dir)[0] if t.topic == topic]
 
 
 def lint_pr_tests(root: Path, patches_dir: Path, pristine: set[str]) -> list[str]:

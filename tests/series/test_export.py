@@ -7,13 +7,11 @@ from fake_upstream import ENVS_PY, UPSTREAM, envs_edit_1, envs_edit_2, make_patc
 ADA = "Ada Lovelace <ada@example.com>"
 
 
-
 def _identity(tmp_path, name: str | None = "Ada Lovelace", email: str | None = "ada@example.com") -> dict:
     config = tmp_path / "gitconfig"
     lines = ["[user]"] + ([f"\tname = {name}"] if name else []) + ([f"\temail = {email}"] if email else [])
     config.write_text("\n".join(lines) + "\n")
     return {"GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
-
 
 
 def _branches(fs) -> list[str]:
@@ -33,6 +31,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     fs = fake_series
     fs.add_patch("0003-other-flag.patch",
                make_patch("Add OTHER_FLAG", "vllm/envs.py", ENVS_PY, envs_edit_2(ENVS_PY), topic="fetch-kv"))
+    fs.commit()
     env = _identity(tmp_path)
     ok(fs.run("apply"))
     main_head = fs.git("rev-parse", "HEAD")
@@ -41,7 +40,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     edited.write_text(original + "# my local work\n")
 
     report = ok(fs.run("pr", "--topic", "fetch-kv", env=env)).stdout
-    assert "pr/fetch-kv" in report and "main untouched" in report and "py_compile: 3 file(s) OK" in report
+    assert "pr/fetch-kv" in report and "main untouched" in report and "check: 3 file(s) OK" in report
     # build/vllm: same branch, same HEAD, uncommitted work intact, no scratch worktree left.
     assert fs.git("symbolic-ref", "--short", "HEAD") == "main" and fs.git("rev-parse", "HEAD") == main_head
     assert edited.read_text() == original + "# my local work\n" and _worktrees(fs) == 1
@@ -63,13 +62,6 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     description = (dist / "PR_DESCRIPTION.md").read_text()
     assert 'FILES="vllm/envs.py vllm/ops/new_kernel.py vllm/utils.py"\n' in description
 
-    # The other topic alone: one commit, no overlay (its file is fetch-kv's).
-    ok(fs.run("pr", "--topic", "mla-fusion", env=env))
-    assert fs.git("log", "--format=%s", f"{_root(fs)}..pr/mla-fusion").splitlines() == ["Add SERIES_FLAG"]
-    envs = fs.git("show", "pr/mla-fusion:vllm/envs.py")
-    assert "SERIES_FLAG = True" in envs and "OTHER_FLAG" not in envs
-    assert sorted(_branches(fs)) == ["main", "pr/fetch-kv", "pr/mla-fusion"]
-
     # Exporting again gives the same commits and byte-identical files.
     first = {p.name: p.read_bytes() for p in dist.iterdir()}
     tip = fs.git("rev-parse", "pr/fetch-kv")
@@ -79,6 +71,7 @@ def test_each_topic_exports_alone_without_touching_the_build_tree(fake_series, t
     # The build tree is still the series: once the edit is undone, apply has nothing to do.
     edited.write_text(original)
     assert "up to date" in ok(fs.run("apply")).stdout
+    assert fs.git("status", "--porcelain", cwd=fs.root) == ""   # nothing written outside build/ and dist/
 
 
 def test_a_topic_that_needs_another_topics_hunk_fails_clearly(fake_series, tmp_path):
@@ -97,9 +90,6 @@ def test_a_topic_that_needs_another_topics_hunk_fails_clearly(fake_series, tmp_p
     assert "depend on a hunk of patches/0001-add-series-flag.patch (topic mla-fusion)" in err
     assert "pr/order-contract" not in _branches(fs) and not (fs.root / "dist" / "order-contract").exists()
     assert _worktrees(fs) == 1 and fs.git("status", "--porcelain") == ""
-    lint = fs.run("check")
-    assert lint.returncode == 1
-    assert "topic order-contract: patches/0003-use-series-flag.patch does not apply" in lint.stdout
 
 
 def test_export_without_a_git_identity_for_the_sign_off_is_refused_first(fake_series, tmp_path):
@@ -115,7 +105,7 @@ def test_export_without_a_git_identity_for_the_sign_off_is_refused_first(fake_se
 
 
 def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
-    """ruff runs with the pinned tree's pyproject.toml; py_compile catches what ruff does not."""
+    """ruff runs with the pinned tree's pyproject.toml."""
     fs = fake_series
     env = _identity(tmp_path)
     long_line = ENVS_PY.replace("VALUE_15 = 15\n", "VALUE_15 = 15  # fifteen, explained at some length\n")
@@ -132,12 +122,6 @@ def test_upstream_ci_checks_use_the_pinned_trees_config(fake_series, tmp_path):
     assert "The export stopped: pr/fetch-kv and dist/fetch-kv/ were not written." in proc.stderr
     assert "pr/fetch-kv" not in _branches(fs) and _worktrees(fs) == 1
 
-    (fs.patches / "series").write_text("0001-add-series-flag.patch\n0002-check-sub.patch\n")
-    (fs.patches / "0003-document-fifteen.patch").unlink()
-    kernel = fs.root / "vllm_overlay/vllm/ops/new_kernel.py"
-    kernel.write_text("return 42\n")  # ruff (E501 only) accepts it; Python does not
-    proc = fs.run("pr", "--topic", "fetch-kv", env=env)
-    assert proc.returncode == 2 and "python -m py_compile vllm/ops/new_kernel.py failed" in proc.stderr
 
 
 def test_overlay_topics_and_pr_tests_are_linted(fake_series):

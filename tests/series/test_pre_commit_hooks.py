@@ -1,9 +1,5 @@
-"""make check runs upstream's pre-commit hooks on the files the series adds or changes.
-
-The fake upstream carries the pinned tree's own ``tools/pre_commit/`` hook scripts
-(read from build/vllm at test time, never committed here) and a
-``.pre-commit-config.yaml`` that invokes them as upstream's does.
-"""
+"""make check runs upstream's pre-commit hooks on the files the series adds or changes: the fake
+upstream carries the pinned tree's ``tools/pre_commit/`` scripts (read from build/vllm, never committed)."""
 
 from __future__ import annotations
 
@@ -79,21 +75,12 @@ def test_upstream_hooks_run_on_a_scratch_tree_and_report_every_failure(fake_seri
     assert "check-forbidden-imports on 3 file(s)" in proc.stderr and "new_kernel.py" not in proc.stdout
 
 
-SHA = "f368fb366ff7f2f808dd324b83a6d32267799e19"
-
-
-def _config(tree: Path, text: str) -> Path:
-    tree.mkdir()
-    (tree / ".pre-commit-config.yaml").write_text(text)
-    return tree
-
-
 def test_a_rev_frozen_to_a_sha_installs_the_version_its_comment_names(tmp_path):
     """`pre-commit autoupdate --freeze` (vLLM 0.34.0) pins a SHA and names the tag in a comment."""
-    tree = _config(tmp_path / "tree", f"""\
+    (tmp_path / ".pre-commit-config.yaml").write_text("""\
 repos:
 - repo: https://github.com/astral-sh/ruff-pre-commit
-  rev: {SHA}  # frozen: v0.17.2
+  rev: f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2
   hooks:
   - id: ruff-check
 - repo: https://github.com/crate-ci/typos
@@ -105,5 +92,5 @@ repos:
   hooks:
   - id: ruff-format
 """)
-    hooks, _, _ = precommit.load_hooks(tree)
+    hooks, _, _ = precommit.load_hooks(tmp_path)
     assert [hook["requirements"] for hook in hooks] == [["ruff==0.17.2"], ["typos==1.51.1"], ["ruff==0.14.0"]]

@@ -28,8 +28,6 @@ NEXT_UPSTREAM = {
 RESOLVED = "return a - b  # upstream, checked"
 
 
-
-
 def _prepare(fs) -> str:
     """Three more patches, the series committed, the next release's sdist in the cache."""
     fs.add_patch("0003-other-flag.patch",
@@ -47,10 +45,6 @@ def _prepare(fs) -> str:
     return hashlib.sha256(sdist.read_bytes()).hexdigest()
 
 
-def _rebase(fs, *args: str):
-    return fs.run("rebase", *args)
-
-
 def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_series):
     fs = fake_series
     sha = _prepare(fs)
@@ -59,7 +53,7 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     pins_before = (fs.root / "pins.env").read_text()
     kept = (fs.patches / "0004-init-marker.patch").read_bytes()
 
-    proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    proc = fs.run("rebase", "--version", NEXT, "--sha256", sha)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
     rebase_tree = fs.root / "build" / "rebase" / "vllm"
@@ -81,13 +75,13 @@ def test_rebase_reports_the_conflict_resumes_and_classifies_every_patch(fake_ser
     assert (fs.root / "pins.env").read_text() == pins_before and fs.git("status", "--porcelain", cwd=fs.root) == ""
 
     # A file that still has markers is refused, naming it.
-    proc = _rebase(fs, "--continue")
+    proc = fs.run("rebase", "--continue")
     assert proc.returncode == 2 and "conflict markers are still there" in proc.stderr
     assert "vllm/utils.py:" in proc.stderr
 
     (rebase_tree / "vllm/utils.py").write_text(
         UPSTREAM["vllm/utils.py"].replace("return a - b", RESOLVED))
-    out = ok(_rebase(fs, "--continue")).stdout
+    out = ok(fs.run("rebase", "--continue")).stdout
     rows = {line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| ")}
     assert rows["`overlay`"] == "| – | `overlay` | clean |  |"
     assert rows["`0001-add-series-flag.patch`"].startswith("| 1 | `0001-add-series-flag.patch` | merged |")
@@ -127,19 +121,19 @@ def test_rebase_guards_and_an_all_or_nothing_finish(fake_series):
     fs = fake_series
     sha = _prepare(fs)
     (fs.root / "pins.env").write_text((fs.root / "pins.env").read_text() + "# local edit\n")
-    proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    proc = fs.run("rebase", "--version", NEXT, "--sha256", sha)
     assert proc.returncode == 2 and "uncommitted changes: commit or stash them first" in proc.stderr
     fs.git("checkout", "--", "pins.env", cwd=fs.root)
-    assert "64-hex-digit sha256" in _rebase(fs, "--version", NEXT, "--sha256", "abc").stderr
-    bad = _rebase(fs, "--version", NEXT, "--sha256", "0" * 64)
+    assert "64-hex-digit sha256" in fs.run("rebase", "--version", NEXT, "--sha256", "abc").stderr
+    bad = fs.run("rebase", "--version", NEXT, "--sha256", "0" * 64)
     assert bad.returncode == 2 and "sha256 mismatch" in bad.stderr and "Traceback" not in bad.stderr
     assert not (fs.root / "build" / "rebase").exists()
 
-    assert _rebase(fs, "--version", NEXT, "--sha256", sha).returncode == 1      # stops at the conflict
-    again = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    assert fs.run("rebase", "--version", NEXT, "--sha256", sha).returncode == 1      # stops at the conflict
+    again = fs.run("rebase", "--version", NEXT, "--sha256", sha)
     assert again.returncode == 2 and "a rebase to vLLM 9.10.0 is in progress" in again.stderr
     (fs.patches / "0004-init-marker.patch").write_text("edited while the rebase waits\n")
-    changed = _rebase(fs, "--continue")
+    changed = fs.run("rebase", "--continue")
     assert changed.returncode == 2 and "changed since the rebase started" in changed.stderr
     fs.git("checkout", "--", "patches", cwd=fs.root)
     tree = fs.root / "build" / "rebase" / "vllm"
@@ -147,7 +141,7 @@ def test_rebase_guards_and_an_all_or_nothing_finish(fake_series):
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
     sdist.write_bytes(b"damaged")      # make check cannot run at finish
     for _ in range(2):                 # CONTINUE=1 again fails the same way, from the same checkout
-        proc = _rebase(fs, "--continue")
+        proc = fs.run("rebase", "--continue")
         assert proc.returncode == 2 and "sha256 mismatch" in proc.stderr, proc.stdout + proc.stderr
         assert ("patches/, vllm_overlay/, pins.env and README.md restored as they were; "
                 f"{fs.root / 'build' / 'rebase'} kept") in proc.stderr
@@ -158,13 +152,13 @@ def test_rebase_guards_and_an_all_or_nothing_finish(fake_series):
     (fs.root / "pins.env").write_text("half written\n")
     (fs.patches / "0005-readme.patch").unlink()
     (fs.patches / "0009-new.patch").write_text("written by the killed finish\n")
-    proc = ok(_rebase(fs, "--abort"))
+    proc = ok(fs.run("rebase", "--abort"))
     assert proc.stdout.startswith("rebase to vLLM 9.10.0 dropped") and proc.stdout.endswith(
         "restored to what they were before an interrupted finish wrote them\n")
     assert fs.git("status", "--porcelain", "--untracked-files=all", cwd=fs.root) == ""
     assert not (fs.root / "build" / "rebase").exists()
-    assert "no rebase in progress" in _rebase(fs, "--continue").stderr
-    assert "none in progress" in ok(_rebase(fs, "--abort")).stdout
+    assert "no rebase in progress" in fs.run("rebase", "--continue").stderr
+    assert "none in progress" in ok(fs.run("rebase", "--abort")).stdout
 
 
 def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
@@ -179,7 +173,7 @@ def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
     sdist = fs.cache / f"vllm-{NEXT}.tar.gz"
     write_sdist(sdist, {k: v for k, v in NEXT_UPSTREAM.items() if k != "vllm/utils.py"}, version=NEXT)
     sha = hashlib.sha256(sdist.read_bytes()).hexdigest()
-    proc = _rebase(fs, "--version", NEXT, "--sha256", sha)
+    proc = fs.run("rebase", "--version", NEXT, "--sha256", sha)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     tree = fs.root / "build" / "rebase" / "vllm"
     assert proc.stdout.startswith(
@@ -194,7 +188,7 @@ def test_rebase_conflict_where_upstream_deleted_a_patched_file(fake_series):
         "    to restore it (as the patch leaves it; git left that in the tree): leave it, CONTINUE=1 stages it\n"
     ), proc.stdout
     fs.git("rm", "-q", "vllm/utils.py", cwd=tree)
-    proc = _rebase(fs, "--continue")
+    proc = fs.run("rebase", "--continue")
     out = proc.stdout
     assert "| dropped by hand | conflict in vllm/utils.py; resolved to no change |" in out
     assert "0002-check-sub.patch" not in (fs.patches / "series").read_text()

@@ -6,11 +6,8 @@ import pytest
 from fake_upstream import ENVS_PY, UPSTREAM, commit_message, envs_edit_1, envs_edit_2, make_patch, ok
 
 
-
 def _subjects(fs) -> list[str]:
     return fs.git("log", "--reverse", "--format=%s").splitlines()
-
-
 
 
 def test_apply_history_is_the_series_reproducibly(fake_series):
@@ -90,7 +87,8 @@ def test_refresh_round_trip_keeps_patches_byte_for_byte(fake_series):
     fs.commit()
     ok(fs.run("apply"))
     assert "nothing changed" in ok(fs.run("refresh")).stdout
-    assert fs.git("status", "--porcelain", cwd=fs.root) == ""
+    ok(fs.run("check"))
+    assert fs.git("status", "--porcelain", cwd=fs.root) == ""   # apply, refresh, check: the checkout stays clean
 
 
 def test_refresh_saves_new_commits_as_patches_and_overlay(fake_series):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -52,3 +53,14 @@ def test_result_writing_verbs_default_to_ignored_folders():
                               "build/sweeps/smoke-fake/x.json", "build/rebase-0.32.0.md"],
                              capture_output=True, text=True)
     assert len(ignored.stdout.splitlines()) == 3
+
+
+def test_make_clean_removes_build_outputs_and_keeps_the_rest(tmp_path):
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    for folder in ("build/vllm", "dist/fetch-kv", ".venv/bin", "patches", "scripts"):
+        (tmp_path / folder).mkdir(parents=True)
+    proc = subprocess.run(["make", "--no-print-directory", "-C", str(tmp_path), "clean"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "build").exists() and not (tmp_path / "dist").exists()
+    assert all((tmp_path / f).is_dir() for f in (".venv/bin", "patches", "scripts"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -64,3 +65,15 @@ def test_make_clean_removes_build_outputs_and_keeps_the_rest(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "build").exists() and not (tmp_path / "dist").exists()
     assert all((tmp_path / f).is_dir() for f in (".venv/bin", "patches", "scripts"))
+
+
+def test_make_bench_host_writes_a_sealed_result_where_asked(tmp_path):
+    proc = _make("bench-host", f"BENCH_OUT={tmp_path}",
+                 "PYTEST_ARGS=-k 'cpu_order_host_cost and 8' --benchmark-max-time=0.01")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (result,) = tmp_path.glob("*.json")
+    data = json.loads(result.read_text())
+    names = sorted(b["name"] for b in data["benchmarks"])
+    assert len(names) == 2 and all(n.startswith("test_cpu_order_host_cost[") for n in names)
+    assert data["machine_info"]["series"]["run"]["pytest_exit"] == 0
+    assert (tmp_path / "logs" / f"{result.stem}.bench.log").is_file()

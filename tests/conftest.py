@@ -11,11 +11,15 @@ Tiers (README "Test tiers"):
 is decided here, before test modules import the kernels.
 """
 
+import importlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 # tests/fakes: fakes of vendor libraries (AITER), importable from every test
 # folder and from an engine subprocess that puts this folder on sys.path.
@@ -65,3 +69,23 @@ def device() -> str:
 @pytest.fixture(scope="session")
 def on_gpu() -> bool:
     return _HAS_CUDA
+
+
+@pytest.fixture
+def bench_pkg(monkeypatch):
+    """The series' benchmarks/ as the package ``benchmarks`` (the patched vLLM tree on
+    PYTHONPATH has its own ``benchmarks`` package); ``bench_pkg(name)`` imports
+    ``benchmarks.<name>``; sys.modules restored afterwards."""
+    saved = {k: v for k, v in sys.modules.items() if k == "benchmarks" or k.startswith("benchmarks.")}
+    monkeypatch.setattr(sys, "path", list(sys.path))  # benchmarks/conftest.py prepends the repo
+    for key in saved:
+        del sys.modules[key]
+    pkg = types.ModuleType("benchmarks")
+    pkg.__path__ = [str(REPO / "benchmarks")]
+    sys.modules["benchmarks"] = pkg
+    try:
+        yield lambda name: importlib.import_module(f"benchmarks.{name}")
+    finally:
+        for key in [k for k in sys.modules if k == "benchmarks" or k.startswith("benchmarks.")]:
+            del sys.modules[key]
+        sys.modules.update(saved)

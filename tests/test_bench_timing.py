@@ -9,35 +9,14 @@ bytes.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import sys
-import types
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def bench_pkg(monkeypatch):
-    """The series' benchmarks/ as the package ``benchmarks`` (the patched vLLM tree on
-    PYTHONPATH has its own ``benchmarks`` package); sys.modules restored afterwards."""
-    saved = {k: v for k, v in sys.modules.items() if k == "benchmarks" or k.startswith("benchmarks.")}
-    monkeypatch.setattr(sys, "path", list(sys.path))  # benchmarks/conftest.py prepends the repo
-    for key in saved:
-        del sys.modules[key]
-    pkg = types.ModuleType("benchmarks")
-    pkg.__path__ = [str(REPO / "benchmarks")]
-    sys.modules["benchmarks"] = pkg
-    try:
-        yield lambda name: importlib.import_module(f"benchmarks.{name}")
-    finally:
-        for key in [k for k in sys.modules if k == "benchmarks" or k.startswith("benchmarks.")]:
-            del sys.modules[key]
-        sys.modules.update(saved)
 
 
 def _load_timing():

@@ -14,12 +14,9 @@ CPU with small heads, so its agreement check covers ``upstream_unified``.
 Skipped when the pinned tree (build/vllm, ``make apply``) is not there.
 """
 
-import importlib
 import importlib.util
 import math
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -153,32 +150,12 @@ def test_loads_from_the_staged_files_and_names_a_missing_definition(unified, tmp
         upstream_kernels.load_unified_attention()
 
 
-@pytest.fixture
-def bench_paged_context(monkeypatch):
-    """benchmarks/bench_paged_context.py with the series' benchmarks/ as the package
-    ``benchmarks`` (the patched tree on PYTHONPATH has its own); sys.modules restored."""
-    saved = {k: v for k, v in sys.modules.items()
-             if k == "benchmarks" or k.startswith("benchmarks.")}
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    for key in saved:
-        del sys.modules[key]
-    pkg = types.ModuleType("benchmarks")
-    pkg.__path__ = [str(REPO / "benchmarks")]
-    sys.modules["benchmarks"] = pkg
-    try:
-        yield importlib.import_module("benchmarks.bench_paged_context")
-    finally:
-        for key in [k for k in sys.modules if k == "benchmarks" or k.startswith("benchmarks.")]:
-            del sys.modules[key]
-        sys.modules.update(saved)
-
-
 @pytest.mark.slow
 def test_suite_step_checks_upstream_unified_against_the_paged_route(
-        unified, device, monkeypatch, bench_paged_context):
+        unified, device, monkeypatch, bench_pkg):
     """make_step on the CPU (fp16, 8 query / 2 kv heads): its check runs every route,
     upstream_unified included, and fails when upstream_unified is wrong."""
-    bench = bench_paged_context
+    bench = bench_pkg("bench_paged_context")
     if bench._UNIFIED is None:
         pytest.skip(bench._UNIFIED_MISSING)
     monkeypatch.setattr(bench, "DTYPE", torch.float16)

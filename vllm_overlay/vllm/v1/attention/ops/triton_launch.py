@@ -18,12 +18,12 @@ does not read, ``num_warps`` ...).  ``call(q_ptr=q, ...)`` launches
 relaunches that compiled kernel afterwards, on the current stream.  The
 guard, read on every call, is what Triton specialises on beyond the fixed
 arguments: the tensors' names in call order, which are None, the others'
-dtypes and, on AMD, whether each storage is within the buffer ops' 2 GiB;
-a call with a pointer that is not
-16-byte aligned goes through ``kernel[grid]`` (unless the kernel takes that
-pointer with ``do_not_specialize_on_alignment``).  A fixed int argument
-counts by what Triton specialises on: whether it fits int32, is 1, is a
-multiple of 16 (only the first with ``do_not_specialize``).
+dtypes and, on AMD, whether each storage is within the buffer ops' 2 GiB; a
+call with a pointer that is not 16-byte aligned goes through ``kernel[grid]``
+(unless the kernel takes that pointer with
+``do_not_specialize_on_alignment``).  A fixed int argument counts by what
+Triton specialises on: whether it fits int32, is 1, is a multiple of 16 (only
+the first with ``do_not_specialize``).
 
 ``kernel[grid]`` runs instead whenever anything is unknown: not a compiled
 ``JITFunction`` (``TRITON_INTERPRET=1``), a Triton release outside
@@ -50,12 +50,13 @@ __all__ = ["TESTED_TRITON", "KernelCall", "relaunch_supported"]
 TESTED_TRITON = ((3, 4), (3, 9))
 _INT32 = range(-(2**31), 2**31)
 _MAX_BUFFER_BYTES = 2**31 - 1
-# Compiled kernels and their argument order by (configuration, device, guard),
-# so the KernelCalls a later step builds find them without JITFunction.run
-# (Triton keeps each kernel anyway).  A configuration (kernel and fixed
-# arguments) is numbered when a KernelCall is built.
+# The relaunch (launcher, argument order) of each compiled kernel by
+# (configuration, device, guard), so the KernelCalls a later step builds find
+# them without JITFunction.run (Triton keeps each kernel anyway).  A
+# configuration (kernel and fixed arguments) is numbered when a KernelCall is
+# built.
 _CONFIGS: dict[tuple, int] = {}
-_COMPILED: dict[tuple, Any] = {}
+_COMPILED: dict[tuple, _Relaunch] = {}
 _MAX_COMPILED = 4096
 
 
@@ -186,13 +187,14 @@ class KernelCall:
                 return  # (Triton launched it, or said what is missing)
             # The kernel's arguments in order, taken from (*fixed, *tensors).
             order = operator.itemgetter(*(given.index(n) for n in names))
+            relaunch = _Relaunch(compiled, order, self.grid)
             if len(_COMPILED) < _MAX_COMPILED:
-                _COMPILED[key] = (compiled, order)
-            self._launchers[guard] = _Relaunch(compiled, order, self.grid)
+                _COMPILED[key] = relaunch
+            self._launchers[guard] = relaunch
             return
-        compiled, order = found
-        self._launchers[guard] = _Relaunch(compiled, order, self.grid)
-        compiled[self.grid](*order((*self._fixed_values, *tensors.values())))
+        self._launchers[guard] = found
+        args = found.order((*self._fixed_values, *tensors.values()))
+        found.compiled[self.grid](*args)
 
     def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
         """Compile without launching (``JITFunction.warmup``, for vLLM's JIT

@@ -42,7 +42,7 @@ GPU machine) leaves out, as the earlier versions of it did.
 there is no GPU): the same calls with every Triton kernel replaced by a stub
 whose launch does nothing -- ``kernel[grid](...)`` returns a compiled
 stand-in whose launcher is a no-op, so ``ours`` takes ``KernelCall``'s
-relaunch path (guard, lookup, argument order) and ``ours_plain`` its
+relaunch path (pointers and their checks, argument order) and ``ours_plain`` its
 ``kernel[grid]`` path: the wrapper's pure-Python cost without the launch.
 
 Run: ``PYTHONPATH=vllm_overlay:tests/without_vllm:. python3 -m pytest -q -s benchmarks/bench_host_cost.py``
@@ -526,10 +526,12 @@ def test_host_cost_hip_spec(benchmark, monkeypatch):
     whatever host runs this (pure Python; no AMD GPU needed): Triton's
     HIPBackend.get_tensor_specialization for each pointer argument (what
     ``kernel[grid]`` does: it reads its knob from the environment every call)
-    against ``KernelCall.guard`` with the AMD 2 GiB bound on (names, which
-    are None, dtypes, 16-byte alignment, each storage within 2 GiB), for the
-    MLA decode form's 11 pointer arguments.  ``torch_op`` is the host's own
-    torch op (CPU tensors where there is no GPU)."""
+    against ``KernelCall._variant`` with the AMD 2 GiB bound on (what a
+    KernelCall's first call keys the compiled kernel by: names, which are
+    None, dtypes, 16-byte alignment, each storage within 2 GiB; a relaunch
+    checks only the alignment and the bounds), for the MLA decode form's 11
+    pointer arguments.  ``torch_op`` is the host's own torch op (CPU tensors
+    where there is no GPU)."""
     hip = pytest.importorskip("triton.backends.amd.compiler").HIPBackend
     if _JIT is object or not isinstance(mla._mla_rope_cache_kernel, _JIT):
         pytest.skip("the MLA kernel is not a compiled JITFunction here (TRITON_INTERPRET?)")
@@ -545,13 +547,13 @@ def test_host_cost_hip_spec(benchmark, monkeypatch):
         tuple(hip.get_tensor_specialization(t, align=True) for t in tensors.values())
 
     def ours():
-        call.guard(tensors)
+        call._variant(tensors)
 
     record(benchmark, "host_cost_hip_spec", f"mla_decode_{len(pointers)}_pointers", None,
            {"ours": _once(ours), "baseline": _once(triton_spec)},
            dict(pointers=len(pointers), device_tensors=dev),
            notes="baseline: Triton's HIPBackend.get_tensor_specialization per pointer "
-                 "(buffer ops on); ours: KernelCall.guard with the AMD 2 GiB bound",
+                 "(buffer ops on); ours: KernelCall._variant with the AMD 2 GiB bound",
            gpu=False)
 
 

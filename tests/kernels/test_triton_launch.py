@@ -4,7 +4,8 @@ through ``kernel[grid]``, and what its per-call guard keys on.
 A stand-in JITFunction records every ``kernel[grid](**kwargs)`` and returns a
 stand-in CompiledKernel whose launcher records what it is handed; the
 relaunch must hand it every parameter in order (constexprs and ``None``
-pointers included), as ``JITFunction.run`` does.
+pointers included), as ``JITFunction.run`` does, with the tensors' pointers
+in place of the tensors.
 """
 
 import types
@@ -96,7 +97,7 @@ def test_first_call_compiles_then_relaunches_with_every_parameter(jit):
     (grid, stream, hook, args), = jit.compiled[0].calls
     assert grid == (7, 3, 1)  # three dimensions: CompiledKernel[grid] reads grid[2]
     assert stream == STREAM and hook is None  # no hook set: none handed on
-    assert args[0] is x and args[1] is y and args[2:] == (None, 5, 16, 64)
+    assert args == (x.data_ptr(), y.data_ptr(), None, 5, 16, 64)
 
 
 def test_a_launch_hook_set_goes_through_the_compiled_kernels_own_launch(jit):
@@ -112,7 +113,9 @@ def test_a_launch_hook_set_goes_through_the_compiled_kernels_own_launch(jit):
         hooks.remove(seen.append)
     call(x_ptr=x, y_ptr=y)
     (_, _, with_hook, args), (_, _, without, again) = jit.compiled[0].calls
-    assert with_hook is hooks and without is None and args == again
+    assert with_hook is hooks and without is None
+    assert args[:2] == (x, y) and again[:2] == (x.data_ptr(), y.data_ptr())
+    assert args[2:] == again[2:]
     assert len(jit.launches) == 1
 
 
@@ -124,11 +127,36 @@ def test_another_keyword_order_is_only_a_miss(jit):
     assert len(jit.launches) == 2 and jit.launches[1][1]["x_ptr"] is x
 
 
+def test_a_misaligned_pointer_goes_through_kernel_grid_then_the_aligned_relaunch(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    call = _call(jit)
+    call(x_ptr=x, y_ptr=y)
+    call(x_ptr=x[1:], y_ptr=y)  # Triton specialises x_ptr on 16-byte alignment
+    call(x_ptr=x, y_ptr=y[1:])  # y_ptr: do_not_specialize_on_alignment
+    call(x_ptr=x, y_ptr=y)
+    assert len(jit.launches) == 2 and jit.launches[1][1]["x_ptr"].data_ptr() & 15
+    assert [c[3][:2] for c in jit.compiled[0].calls] == [
+        (x.data_ptr(), y[1:].data_ptr()), (x.data_ptr(), y.data_ptr())]
+
+
 def test_a_new_object_of_the_same_variant_relaunches(jit):
     x, y = torch.zeros(64), torch.zeros(64)
     _call(jit)(x_ptr=x, y_ptr=y)
     _call(jit, n=1 << 20)(x_ptr=x, y_ptr=y)  # do_not_specialize: same variant
     assert len(jit.launches) == 1 and len(jit.compiled[0].calls) == 1
+
+
+def test_a_fixed_tensor_counts_by_dtype_and_alignment_not_identity(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    configs = len(triton_launch._CONFIGS)
+    for s in (torch.zeros(4), torch.zeros(4)):  # a step's metadata, per step
+        _call(jit, s_ptr=s)(x_ptr=x, y_ptr=y)
+    assert len(jit.launches) == 1 and len(triton_launch._CONFIGS) == configs + 1
+    (_, _, _, args), = jit.compiled[0].calls
+    assert args == (x.data_ptr(), y.data_ptr(), s.data_ptr(), 5, 16, 64)  # the second s
+    _call(jit, s_ptr=torch.zeros(4, dtype=torch.float16))(x_ptr=x, y_ptr=y)
+    _call(jit, s_ptr=torch.zeros(8)[1:])(x_ptr=x, y_ptr=y)
+    assert len(jit.launches) == 3
 
 
 @pytest.mark.parametrize("change", ["stride", "n_int64", "dtype", "misaligned",

@@ -613,6 +613,7 @@ def _copy_call(plan: FetchKVPlan, key_cache, value_cache, key_out, value_out):
         block_table_ptr=None if with_table else plan.block_table,
         cu_seqlens_ptr=None if with_table else plan.cu_seqlens_kv,
         seq_starts_ptr=None if with_table else plan.seq_starts,
+        plan_ptr=plan.table,
         num_reqs=plan.num_reqs,
         num_kv_heads=num_kv_heads,
         stride_bt_req=plan.block_table.stride(0),
@@ -667,7 +668,7 @@ def fetch_kv(
 
     Metadata (int32/int64): ``block_table`` ``[>= num_reqs, max_blocks]``,
     ``cu_seqlens_kv`` ``[num_reqs + 1]`` output row offsets, ``seq_starts``
-    ``[num_reqs]``.  ``k_scale`` / ``v_scale``: one-element, for an fp8 cache.
+    ``[num_reqs]``.  ``k_scale`` / ``v_scale``: one-element float32, for an fp8 cache.
     ``max_num_tokens``: host bound on ``cu_seqlens_kv[-1]`` sizing the grid.
     ``plan``: ``fetch_kv_plan`` of the step (built once for all its layers):
     the metadata arguments are then the plan's and are not read again; this
@@ -723,8 +724,10 @@ def fetch_kv(
         copy = _copy_call(plan, key_cache, value_cache, key_out, value_out)
         plan.copies[geometry] = copy
     dequant = copy.fixed["DEQUANT"]
-    if dequant and not (_one_element(k_scale) and _one_element(v_scale)):
-        raise ValueError("fetch_kv: an fp8 cache needs one-element k_scale/v_scale")
+    if dequant and not (_float32_scalar(k_scale) and _float32_scalar(v_scale)):
+        raise ValueError(
+            "fetch_kv: an fp8 cache needs one-element k_scale/v_scale (float32)"
+        )
     if plan.num_tokens == 0 or plan.num_reqs == 0:
         return
     copy(
@@ -732,11 +735,14 @@ def fetch_kv(
         value_cache_ptr=value_cache,
         key_out_ptr=key_out,
         value_out_ptr=value_out,
-        plan_ptr=plan.table,
         k_scale_ptr=k_scale if dequant else None,
         v_scale_ptr=v_scale if dequant else None,
     )
 
 
-def _one_element(scale) -> bool:
-    return isinstance(scale, torch.Tensor) and scale.numel() == 1
+def _float32_scalar(scale) -> bool:
+    return (
+        isinstance(scale, torch.Tensor)
+        and scale.dtype == torch.float32
+        and scale.numel() == 1
+    )

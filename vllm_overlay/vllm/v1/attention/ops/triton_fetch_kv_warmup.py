@@ -145,7 +145,6 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
                 value_cache_ptr=value_cache,
                 key_out_ptr=out,
                 value_out_ptr=out,
-                plan_ptr=plan.table,
                 k_scale_ptr=scale if dequant else None,
                 v_scale_ptr=scale if dequant else None,
             )
@@ -188,7 +187,8 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
         pool = g.cache_bytes or _KV_POOL_BYTES
         (calls,) = workspace.calls.values()
         assert calls.attend is not None  # a call with requests and tokens attends
-        split = calls.combine is not None
+        # (With splits, out and lse are the workspace's partials: fixed.)
+        outputs = {} if calls.combine else {"out_ptr": query, "lse_ptr": workspace.lse}
         calls.attend.warmup(
             {"k_cache_ptr": pool, "v_cache_ptr": pool},
             q_ptr=query,
@@ -196,11 +196,7 @@ def compile_case(g: FetchKVGeometry, case: tuple, device) -> None:
             v_cache_ptr=value_cache,
             k_new_ptr=new,
             v_new_ptr=new,
-            block_table_ptr=block_table,
-            cu_seqlens_q_ptr=cu,
-            seq_lens_ptr=seq_lens,
             k_scale_ptr=scale if calls.fp8 else None,
             v_scale_ptr=scale if calls.fp8 else None,
-            out_ptr=workspace.partial_out if split else query,
-            lse_ptr=workspace.partial_lse if split else workspace.lse,
+            **outputs,
         )

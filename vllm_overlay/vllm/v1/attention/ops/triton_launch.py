@@ -14,16 +14,23 @@ through ``CompiledKernel[grid]`` itself.
 ``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and every argument
 that is not a tensor (scalars, constexprs, ``None`` for pointers the kernel
 does not read, ``num_warps`` ...).  ``call(q_ptr=q, ...)`` launches
-``kernel[grid](**fixed, **tensors)`` the first time for each guard value and
-relaunches that compiled kernel afterwards, on the current stream.  The
-guard, read on every call, is what Triton specialises on beyond the fixed
-arguments: the tensors' names in call order, which are None, the others'
-dtypes and, on AMD, whether each storage is within the buffer ops' 2 GiB; a
-call with a pointer that is not 16-byte aligned goes through ``kernel[grid]``
-(unless the kernel takes that pointer with
-``do_not_specialize_on_alignment``).  A fixed int argument counts by what
-Triton specialises on: whether it fits int32, is 1, is a multiple of 16 (only
-the first with ``do_not_specialize``).
+``kernel[grid](**fixed, **tensors)`` the first time and relaunches that
+compiled kernel afterwards, on the current stream, handing the launcher the
+tensors' pointers (ints: the launcher then neither calls ``data_ptr()`` nor
+asks the driver about each pointer again).  A KernelCall's first call finds
+the kernel an earlier step compiled for the same configuration, device and
+tensors (keywords, dtypes, which are None; on AMD whether each storage is
+within the buffer ops' 2 GiB) in ``_COMPILED``, or compiles it.
+
+Every later call must pass the same keywords with tensors of the same dtypes
+(None where the first call had None): the wrappers keep one KernelCall per
+layer geometry, and their geometry keys hold the dtypes.  Per call the
+relaunch checks what Triton specialises on that a geometry does not fix: each
+pointer's 16-byte alignment (unless the kernel takes it with
+``do_not_specialize_on_alignment``) and, on AMD, each storage's 2 GiB bound;
+a call that differs goes through ``kernel[grid]``.  A fixed int argument
+counts by what Triton specialises on: whether it fits int32, is 1, is a
+multiple of 16 (only the first with ``do_not_specialize``).
 
 ``kernel[grid]`` runs instead whenever anything is unknown: not a compiled
 ``JITFunction`` (``TRITON_INTERPRET=1``), a Triton release outside
@@ -51,10 +58,10 @@ TESTED_TRITON = ((3, 4), (3, 9))
 _INT32 = range(-(2**31), 2**31)
 _MAX_BUFFER_BYTES = 2**31 - 1
 # The relaunch (launcher, argument order) of each compiled kernel by
-# (configuration, device, guard), so the KernelCalls a later step builds find
-# them without JITFunction.run (Triton keeps each kernel anyway).  A
-# configuration (kernel and fixed arguments) is numbered when a KernelCall is
-# built.
+# (configuration, device, variant: KernelCall._variant), so the KernelCalls
+# a later step builds find them without JITFunction.run (Triton keeps each
+# kernel anyway).  A configuration (kernel and fixed arguments) is numbered
+# when a KernelCall is built.
 _CONFIGS: dict[tuple, int] = {}
 _COMPILED: dict[tuple, _Relaunch] = {}
 _MAX_COMPILED = 4096
@@ -87,18 +94,21 @@ class KernelCall:
         # Three dimensions: CompiledKernel[grid] reads grid[0], grid[1], grid[2].
         self.grid = (*grid, 1, 1)[:3]
         self.fixed = fixed
-        self._relaunch = relaunch_supported()[0] and isinstance(
+        self._may_relaunch = relaunch_supported()[0] and isinstance(
             kernel, getattr(triton.runtime, "JITFunction", ())
         )
-        if not self._relaunch:
+        self._relaunch: _Relaunch | None = None
+        if not self._may_relaunch:
             return
         params = _parameters(kernel)
         self._any_alignment = params.any_alignment
         self._hip = relaunch_supported()[1]
-        # The fixed kernel arguments (not the launch options), in order, and
-        # the configuration's key: an int argument counts by the class Triton
-        # specialises it by (int32 or not; unless do_not_specialize, whether
-        # it is 1 and whether a multiple of 16), not by its value.
+        # The fixed kernel arguments (not the launch options), in order (a
+        # tensor as its pointer), and the configuration's key: an int
+        # argument counts by the class Triton specialises it by (int32 or
+        # not; unless do_not_specialize, whether it is 1 and whether a
+        # multiple of 16), not by its value, and a tensor by its dtype,
+        # alignment and (AMD) 2 GiB bound, not by its identity.
         self._fixed_args: list[str] = []
         fixed_values = []
         key = []
@@ -107,7 +117,14 @@ class KernelCall:
             if kind is not None:
                 self._fixed_args.append(name)
                 fixed_values.append(value)
-            if type(value) is int and kind == _INT:
+            if isinstance(value, torch.Tensor):
+                fixed_values[-1] = pointer = value.data_ptr()
+                value = (
+                    value.dtype,
+                    name in params.any_alignment or not pointer & 15,
+                    self._hip and _within_buffer({name: value}),
+                )
+            elif type(value) is int and kind == _INT:
                 value = (value in _INT32) + 2 * (value == 1) + 4 * (value % 16 == 0)
             elif type(value) is int and kind == _LOOSE_INT:
                 value = value in _INT32
@@ -116,21 +133,25 @@ class KernelCall:
         self._config = _CONFIGS.setdefault(
             (kernel, tuple(fixed), tuple(key)), len(_CONFIGS)
         )
-        # The launcher and argument order per guard value.
-        self._launchers: dict[tuple | None, _Relaunch] = {}
+        # What a relaunch of the first call's kernel needs of a later call:
+        # its keywords, on AMD which storages were within 2 GiB.
+        self._names: tuple[str, ...] = ()
+        self._within: tuple[bool, ...] | None = None
+        # Which of the tensors Triton specialises on 16-byte alignment.
+        self._aligned: tuple[bool, ...] = ()
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
-        guard = None
-        if self._relaunch and not torch.compiler.is_compiling():
-            guard = self.guard(tensors)
-            relaunch = self._launchers.get(guard)
-            if relaunch is not None:
+        relaunch = self._relaunch
+        if relaunch is not None and not torch.compiler.is_compiling():
+            pointers = self.pointers(tensors)
+            if pointers is not None and _launch_hooks_set():
                 args = relaunch.order((*self._fixed_values, *tensors.values()))
-                if _launch_hooks_set():
-                    relaunch.compiled[self.grid](*args)
-                    return
+                relaunch.compiled[self.grid](*args)
+                return
+            if pointers is not None:
                 # CompiledKernel[grid]'s own call of run, less what only
                 # launch hooks read (launch metadata, the hooks).
+                args = relaunch.order((*self._fixed_values, *pointers))
                 grid = self.grid
                 relaunch.run(
                     grid[0],
@@ -145,56 +166,77 @@ class KernelCall:
                     *args,
                 )
                 return
-        self._launch(guard, tensors)
+        self._launch(tensors)
 
-    def guard(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
-        """What a relaunch depends on per call (None: ``kernel[grid]``): the
-        keywords in order (the launcher takes the arguments in it), the
-        tensors' dtypes (None for None) and, on AMD, each storage's bound."""
-        pointers = 0
-        any_alignment = self._any_alignment
+    def pointers(self, tensors: dict[str, torch.Tensor | None]) -> list | None:
+        """The tensors' pointers for a relaunch of the first call's kernel
+        (None for None), or None where the call differs from the first in
+        what it may not: the keywords, a specialised pointer that is not
+        16-byte aligned, on AMD a storage on the other side of 2 GiB."""
+        if tuple(tensors) != self._names:
+            return None
         try:
-            for name, t in tensors.items():
-                if t is not None and name not in any_alignment:
-                    pointers |= t.data_ptr()
-            within = None
-            if self._hip:
-                within = tuple(
-                    _within_buffer(t) for t in tensors.values() if t is not None
-                )
+            pointers = [t if t is None else t.data_ptr() for t in tensors.values()]
         except AttributeError:  # not a tensor: Triton decides
             return None
-        if pointers & 15:
-            return None  # a pointer not 16-byte aligned
-        dtypes = map(getattr, tensors.values(), _DTYPE, _NO_DTYPE)
-        return (*tensors, *dtypes, within)
+        bits = 0
+        for pointer in itertools.compress(pointers, self._aligned):
+            bits |= pointer or 0
+        if bits & 15:
+            return None
+        if self._within is not None and self._within != _within_buffer(tensors):
+            return None
+        return pointers
 
-    def _launch(self, guard, tensors: dict[str, torch.Tensor | None]) -> None:
-        """A call the relaunch path does not take (the first of ``guard``, a
-        misaligned pointer, anything unknown: None): through ``kernel[grid]``,
-        or the kernel an earlier KernelCall of this configuration compiled;
-        keeps what a relaunch needs."""
-        if guard is None:
+    def _launch(self, tensors: dict[str, torch.Tensor | None]) -> None:
+        """A call the relaunch does not take (the first, one that differs,
+        anything unknown): through ``kernel[grid]``, or for a first call the
+        kernel an earlier KernelCall of this configuration compiled; keeps
+        what a relaunch needs."""
+        variant = None
+        first = self._may_relaunch and self._relaunch is None
+        if first and not torch.compiler.is_compiling():
+            variant = self._variant(tensors)
+        if variant is None:
             self.kernel[self.grid](**self.fixed, **tensors)  # Triton decides
             return
-        key = (self._config, triton.runtime.driver.active.get_current_device(), guard)
+        key = (self._config, triton.runtime.driver.active.get_current_device(), variant)
         found = _COMPILED.get(key)
-        if found is None:
+        launched = found is None
+        if launched:
             compiled = self.kernel[self.grid](**self.fixed, **tensors)
             names = _parameters(self.kernel).names
             given = [*self._fixed_args, *tensors]
             if compiled is None or sorted(given) != sorted(names):
                 return  # (Triton launched it, or said what is missing)
-            # The kernel's arguments in order, taken from (*fixed, *tensors).
+            # The kernel's arguments in order, taken from (*fixed, *pointers).
             order = operator.itemgetter(*(given.index(n) for n in names))
-            relaunch = _Relaunch(compiled, order, self.grid)
+            found = _Relaunch(compiled, order, self.grid)
             if len(_COMPILED) < _MAX_COMPILED:
-                _COMPILED[key] = relaunch
-            self._launchers[guard] = relaunch
-            return
-        self._launchers[guard] = found
-        args = found.order((*self._fixed_values, *tensors.values()))
-        found.compiled[self.grid](*args)
+                _COMPILED[key] = found
+        any_alignment = self._any_alignment
+        self._names = tuple(tensors)
+        self._aligned = tuple(name not in any_alignment for name in tensors)
+        self._within = variant[-1]
+        self._relaunch = found
+        if not launched:
+            self(**tensors)  # relaunches the kernel found
+
+    def _variant(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
+        """What the compiled kernel depends on beyond the configuration
+        (None: ``kernel[grid]``): the keywords in order (the launcher takes
+        the arguments in it), the tensors' dtypes (None for None) and, on
+        AMD, each storage's bound.  A misaligned pointer: None."""
+        any_alignment = self._any_alignment
+        try:
+            for name, t in tensors.items():
+                if t is not None and name not in any_alignment and t.data_ptr() & 15:
+                    return None  # a pointer not 16-byte aligned
+            within = _within_buffer(tensors) if self._hip else None
+        except AttributeError:  # not a tensor: Triton decides
+            return None
+        dtypes = map(getattr, tensors.values(), _DTYPE, _NO_DTYPE)
+        return (*tensors, *dtypes, within)
 
     def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
         """Compile without launching (``JITFunction.warmup``, for vLLM's JIT
@@ -269,8 +311,13 @@ def _parameters(kernel) -> _Parameters:
     )
 
 
-def _within_buffer(t: torch.Tensor) -> bool:
-    return t.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES
+def _within_buffer(tensors: dict[str, torch.Tensor | None]) -> tuple[bool, ...]:
+    """Whether each tensor's storage is within AMD's 2 GiB buffer bound."""
+    return tuple(
+        t.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES
+        for t in tensors.values()
+        if t is not None
+    )
 
 
 class _Pointer:

@@ -586,12 +586,14 @@ def _check_and_launch(
             kv_cache.stride(),
             kv_cache.dtype,
             slot_mapping.shape,
+            slot_mapping.dtype,
             positions.shape,
+            positions.dtype,
             cos_sin_cache.shape,
             cos_sin_cache.stride(),
             cos_sin_cache.dtype,
-            k_scale is None,
-            q_scale is None,
+            None if k_scale is None else k_scale.dtype,
+            None if q_scale is None else q_scale.dtype,
         )
         launch = launches.get(key)
     if launch is None:

@@ -981,6 +981,11 @@ def _layer_calls(
     attend = KernelCall(
         _paged_context_attention_kernel,
         (ws.num_tokens // tile.block_q + ws.num_reqs, ws.num_kv_heads, ws.num_splits),
+        # The step's tensors (the workspace's, fixed for its layers).
+        block_table_ptr=ws.block_table,
+        cu_seqlens_q_ptr=ws.cu_seqlens_q,
+        seq_lens_ptr=ws.seq_lens,
+        **({"out_ptr": part_out, "lse_ptr": part_lse} if split else {}),
         num_reqs=ws.num_reqs,
         num_splits=ws.num_splits,
         qk_scale_log2=scale * _LOG2E,
@@ -1026,6 +1031,9 @@ def _layer_calls(
     combine = KernelCall(
         _combine_splits_kernel,
         (ws.num_tokens, cdiv(ws.num_heads, block_h)),
+        part_out_ptr=part_out,
+        part_lse_ptr=part_lse,
+        cu_seqlens_q_ptr=ws.cu_seqlens_q,
         num_reqs=ws.num_reqs,
         num_splits=ws.num_splits,
         num_heads=ws.num_heads,
@@ -1176,29 +1184,29 @@ def paged_context_attention(
         v_scale = _scale_tensor(v_scale, query)
     if calls.attend is None:
         return out, lse
-    split = calls.combine is not None
-    calls.attend(
+    if calls.combine is None:  # one split: the kernel writes out and lse
+        calls.attend(
+            q_ptr=query,
+            k_cache_ptr=key_cache,
+            v_cache_ptr=value_cache,
+            k_new_ptr=key,  # None: not read
+            v_new_ptr=value,
+            k_scale_ptr=k_scale if calls.fp8 else None,
+            v_scale_ptr=v_scale if calls.fp8 else None,
+            out_ptr=out,
+            lse_ptr=lse,
+        )
+        return out, lse
+    calls.attend(  # into the workspace's partials
         q_ptr=query,
         k_cache_ptr=key_cache,
         v_cache_ptr=value_cache,
-        k_new_ptr=key,  # None: not read
+        k_new_ptr=key,
         v_new_ptr=value,
-        block_table_ptr=ws.block_table,
-        cu_seqlens_q_ptr=ws.cu_seqlens_q,
-        seq_lens_ptr=ws.seq_lens,
         k_scale_ptr=k_scale if calls.fp8 else None,
         v_scale_ptr=v_scale if calls.fp8 else None,
-        out_ptr=ws.partial_out if split else out,
-        lse_ptr=ws.partial_lse if split else lse,
     )
-    if calls.combine is not None:
-        calls.combine(
-            part_out_ptr=ws.partial_out,
-            part_lse_ptr=ws.partial_lse,
-            out_ptr=out,
-            lse_ptr=lse,
-            cu_seqlens_q_ptr=ws.cu_seqlens_q,
-        )
+    calls.combine(out_ptr=out, lse_ptr=lse)
     return out, lse
 
 

@@ -639,21 +639,24 @@ def _mla_trace(dev):
         ql_nope = torch.randn(h, dec, lr, device=dev, dtype=dtype).transpose(0, 1)
         q_out = torch.empty(dec, h, lr + r, device=dev, dtype=dtype)
 
-        # The step's rows (the metadata builder's split, once per step).
+        # The step's rows (the metadata builder's split, once per step) and
+        # the layer's q / kv views of each kind, made outside the timed call
+        # as mla_calls and the fetch_kv trace make theirs.
         def decode_setup(q=q, kv_c=kv_c, k_pe=k_pe, slots=slots, positions=positions,
                          ql=ql_nope, q_out=q_out, dec=dec, t=t):
             sl, pos, launches = step_rows(positions, slots, dec, t)["decode"]
+            q_pe, c, kp = q[:dec, :, p:], kv_c[:dec], k_pe[:dec]
             return lambda: mla.mla_rope_concat_and_cache(
-                ql, q[:dec, :, p:], kv_c[:dec], k_pe[:dec], cache, sl, pos, cos_sin,
-                False, kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
-                launches=launches)
+                ql, q_pe, c, kp, cache, sl, pos, cos_sin, False, kv_cache_dtype="auto",
+                k_scale=k_scale, q_out=q_out, launches=launches)
 
         def prefill_setup(q=q, kv_c=kv_c, k_pe=k_pe, slots=slots, positions=positions,
                           dec=dec, t=t):
             sl, pos, launches = step_rows(positions, slots, dec, t)["prefill"]
+            q_pe, c, kp = q[dec:, :, p:], kv_c[dec:], k_pe[dec:]
             return lambda: mla.mla_rope_and_cache(
-                q[dec:, :, p:], kv_c[dec:], k_pe[dec:], cache, sl, pos, cos_sin,
-                False, kv_cache_dtype="auto", k_scale=k_scale, launches=launches)
+                q_pe, c, kp, cache, sl, pos, cos_sin, False, kv_cache_dtype="auto",
+                k_scale=k_scale, launches=launches)
         steps["mla_decode"].append(decode_setup)
         steps["mla_prefill"].append(prefill_setup)
     return steps, dict(model=model["name"], steps=16, layers=TRACE_LAYERS,

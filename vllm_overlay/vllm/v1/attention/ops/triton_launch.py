@@ -109,29 +109,29 @@ class KernelCall:
         # not; unless do_not_specialize, whether it is 1 and whether a
         # multiple of 16), not by its value, and a tensor by its dtype,
         # alignment and (AMD) 2 GiB bound, not by its identity.
-        self._fixed_args: list[str] = []
+        kinds = params.kinds
+        self._fixed_args = [name for name in fixed if name in kinds]
         fixed_values = []
-        key = []
+        key: list[Any] = []
         for name, value in fixed.items():
-            kind = params.kinds.get(name)  # None: a launch option
-            if kind is not None:
-                self._fixed_args.append(name)
-                fixed_values.append(value)
-            if isinstance(value, torch.Tensor):
-                fixed_values[-1] = pointer = value.data_ptr()
-                value = (
-                    value.dtype,
-                    name in params.any_alignment or not pointer & 15,
-                    self._hip and _within_buffer({name: value}),
-                )
-            elif type(value) is int and kind == _INT:
-                value = (value in _INT32) + 2 * (value == 1) + 4 * (value % 16 == 0)
+            kind = kinds.get(name)  # None: a launch option
+            if type(value) is int and kind == _INT:
+                key.append((value in _INT32) + 2 * (value == 1) + 4 * (value % 16 == 0))
             elif type(value) is int and kind == _LOOSE_INT:
-                value = value in _INT32
-            key.append(value)
+                key.append(value in _INT32)
+            elif isinstance(value, torch.Tensor):
+                pointer = value.data_ptr()
+                aligned = name in params.any_alignment or not pointer & 15
+                within = self._hip and _within_buffer({name: value})
+                key.append((value.dtype, aligned, within))
+                value = pointer
+            else:
+                key.append(value)
+            if kind is not None:
+                fixed_values.append(value)
         self._fixed_values = tuple(fixed_values)
         self._config = _CONFIGS.setdefault(
-            (kernel, tuple(fixed), tuple(key)), len(_CONFIGS)
+            (params.number, tuple(fixed), tuple(key)), len(_CONFIGS)
         )
         # What a relaunch of the first call's kernel needs of a later call:
         # its keywords, on AMD which storages were within 2 GiB.
@@ -281,9 +281,11 @@ _NO_DTYPE = itertools.repeat(None)
 
 
 _CONSTEXPR, _INT, _LOOSE_INT = 0, 1, 2
+_KERNEL_NUMBERS = itertools.count()
 
 
 class _Parameters(NamedTuple):
+    number: int  # the kernel's, in _CONFIGS keys
     names: tuple[str, ...]
     # _CONSTEXPR (compiled in), _INT (specialised by class) or _LOOSE_INT
     # (do_not_specialize); pointers and other arguments count as _INT.
@@ -303,6 +305,7 @@ def _parameters(kernel) -> _Parameters:
         for p in params
     }
     return _Parameters(
+        number=next(_KERNEL_NUMBERS),
         names=tuple(p.name for p in params),
         kinds=kinds,
         any_alignment=frozenset(

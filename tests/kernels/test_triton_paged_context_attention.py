@@ -768,7 +768,7 @@ def test_second_layer_of_a_step_recomputes_nothing(num_splits, device, monkeypat
         return wrapped
 
     monkeypatch.setattr(pca, "KernelCall", Counting)
-    monkeypatch.setattr(pca, "_check_layer", count(pca._check_layer, checked))
+    monkeypatch.setattr(pca, "_layer_calls", count(pca._layer_calls, checked))
     workspace = _step_workspace(data, num_splits)
     monkeypatch.setattr(
         pca, "paged_context_workspace", count(pca.paged_context_workspace, checked)
@@ -780,7 +780,7 @@ def test_second_layer_of_a_step_recomputes_nothing(num_splits, device, monkeypat
     if num_splits > 1:
         kernels.append(pca._combine_splits_kernel)
     assert built == kernels
-    assert checked == ["_check_layer"]
+    assert checked == ["_layer_calls"]
 
 
 def test_a_layer_of_another_geometry_is_checked_in_the_same_step(device):

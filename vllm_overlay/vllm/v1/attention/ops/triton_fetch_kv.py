@@ -518,7 +518,7 @@ def fetch_kv_plan(
     )
 
 
-def _check_layer(
+def _copy_call(
     plan: FetchKVPlan,
     key_cache,
     value_cache,
@@ -527,8 +527,9 @@ def _check_layer(
     seq_starts,
     kv_cache_layout,
     max_num_tokens,
-):
-    """What a layer's tensors must be for ``plan``'s work items (the step's
+) -> KernelCall:
+    """The copy launch of one layer geometry of ``plan``'s step, after
+    checking the layer's tensors against the plan's work items (the step's
     first call of each layer geometry)."""
     fn = "fetch_kv"
     if max_num_tokens not in (None, plan.num_tokens):
@@ -596,13 +597,8 @@ def _check_layer(
                 f"D, 1]) and head_size and block_size multiples of x = {x}"
             )
 
-
-def _copy_call(plan: FetchKVPlan, key_cache, value_cache, key_out, value_out):
-    """The copy launch for one layer geometry of ``plan``'s step."""
-    num_kv_heads = key_cache.shape[2]
-    shuffle = plan.kv_cache_layout == "SHUFFLE"
-    cache_size = key_cache.dtype.itemsize
-    out_size = key_out.dtype.itemsize
+    cache_size = cache_dtype.itemsize
+    out_size = out_dtype.itemsize
     rows = plan.pages_per_program * plan.block_size
     warp_size = _gpu_warp_size() if key_cache.is_cuda else 32
     with_table = plan.table is not None
@@ -640,7 +636,7 @@ def _copy_call(plan: FetchKVPlan, key_cache, value_cache, key_out, value_out):
         PAGES_PER_PROGRAM=plan.pages_per_program,
         SHUFFLE=shuffle,
         X=_VECTOR_BYTES // cache_size if shuffle else 1,
-        DEQUANT=key_cache.dtype != key_out.dtype,
+        DEQUANT=cache_dtype != out_dtype,
         PLAN=with_table,
         PLAN_WIDTH=_plan_width(plan.pages_per_program),
         PLAN_HEADER=_PLAN_HEADER,
@@ -711,7 +707,7 @@ def fetch_kv(
     )
     copy = plan.copies.get(geometry)
     if copy is None:
-        _check_layer(
+        copy = _copy_call(
             plan,
             key_cache,
             value_cache,
@@ -721,7 +717,6 @@ def fetch_kv(
             kv_cache_layout,
             max_num_tokens,
         )
-        copy = _copy_call(plan, key_cache, value_cache, key_out, value_out)
         plan.copies[geometry] = copy
     dequant = copy.fixed["DEQUANT"]
     if dequant and not (_float32_scalar(k_scale) and _float32_scalar(v_scale)):

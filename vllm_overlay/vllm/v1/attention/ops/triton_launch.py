@@ -12,8 +12,10 @@ without the launch metadata and hooks, which only hooks read; with one set,
 through ``CompiledKernel[grid]`` itself.
 
 ``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and every argument
-that is not a tensor (scalars, constexprs, ``None`` for pointers the kernel
-does not read, ``num_warps`` ...).  ``call(q_ptr=q, ...)`` launches
+that does not change per call (scalars, constexprs, a step's own tensors,
+``None`` for pointers the kernel does not read, ``num_warps`` ...).  A fixed
+tensor counts by its dtype and alignment (on AMD, its 2 GiB bound), not by
+its identity, and is handed over as its pointer.  ``call(q_ptr=q, ...)`` launches
 ``kernel[grid](**fixed, **tensors)`` the first time and relaunches that
 compiled kernel afterwards, on the current stream, handing the launcher the
 tensors' pointers (ints: the launcher then neither calls ``data_ptr()`` nor

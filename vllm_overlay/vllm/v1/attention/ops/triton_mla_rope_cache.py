@@ -37,6 +37,7 @@ tensors.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -467,12 +468,22 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+class _Tile(NamedTuple):
+    """A launch configuration of ``_mla_rope_cache_kernel``."""
+
+    block_l: int
+    block_half: int
+    block_t: int  # tokens per program
+    block_h: int  # heads per q program
+    num_warps: int
+
+
 def _tile_config(
     num_tokens: int, num_heads: int, lora_rank: int, rot_dim: int, decode: bool
-) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_L, BLOCK_HALF, BLOCK_T, BLOCK_H, num_warps)`` of one launch:
-    a pure function of the shapes, the same on every target (the compile
-    tier, scripts/compile_tier, checks it on gfx942, gfx950 and sm_90)."""
+) -> _Tile:
+    """The tile of one launch: a pure function of the shapes, the same on
+    every target (the compile tier, scripts/compile_tier, checks it on gfx942
+    and gfx950)."""
     block_l = next_power_of_2(lora_rank)
     block_half = next_power_of_2(rot_dim // 2)
     # Widest per-head row a q program tiles: the ql_nope copy (decode) or q_pe.
@@ -484,7 +495,13 @@ def _tile_config(
         by_tile = _pow2_floor(_Q_TILE_ELEMS // (block_h * row_elems))
         block_t = min(by_tile, _pow2_floor(max(1, num_tokens // _MIN_TOKEN_BLOCKS)))
     tile = max(block_t * block_h * row_elems, block_t * (block_l + 2 * block_half))
-    return block_l, block_half, block_t, block_h, 8 if tile >= _BIG_TILE_ELEMS else 4
+    return _Tile(
+        block_l=block_l,
+        block_half=block_half,
+        block_t=block_t,
+        block_h=block_h,
+        num_warps=8 if tile >= _BIG_TILE_ELEMS else 4,
+    )
 
 
 def _check_scale(fn: str, name: str, scale: torch.Tensor | None) -> None:
@@ -680,10 +697,8 @@ def _check_and_launch(
         if num_tokens == 0 or num_heads == 0:
             return q_out  # nothing to launch
 
-        block_l, block_half, block_t, block_h, num_warps = _tile_config(
-            num_tokens, num_heads, lora_rank, rot_dim, decode
-        )
-        grid = (cdiv(num_tokens, block_t), cdiv(num_heads, block_h) + 1)
+        tile = _tile_config(num_tokens, num_heads, lora_rank, rot_dim, decode)
+        grid = (cdiv(num_tokens, tile.block_t), cdiv(num_heads, tile.block_h) + 1)
         call = KernelCall(
             _mla_rope_cache_kernel,
             grid,
@@ -704,15 +719,15 @@ def _check_and_launch(
             stride_cs_p=cos_sin_cache.stride(0),
             L=lora_rank,
             HALF=rot_dim // 2,
-            BLOCK_L=block_l,
-            BLOCK_HALF=block_half,
-            BLOCK_T=block_t,
-            BLOCK_H=block_h,
+            BLOCK_L=tile.block_l,
+            BLOCK_HALF=tile.block_half,
+            BLOCK_T=tile.block_t,
+            BLOCK_H=tile.block_h,
             IS_NEOX=bool(is_neox),
             DECODE=decode,
             Q_FP8_MAX=q_fp8_max,
             KV_FP8_MAX=kv_fp8_max,
-            num_warps=num_warps,
+            num_warps=tile.num_warps,
             # No FMA contraction: x1 cos - x2 sin rounds like the unfused fp32
             # RoPE, and both forms (compiled separately) write identical bytes.
             enable_fp_fusion=False,

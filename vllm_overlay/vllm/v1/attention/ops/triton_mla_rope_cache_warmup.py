@@ -53,7 +53,8 @@ class MLAGeometry:
 
 
 def _block_t(g: MLAGeometry, num_tokens: int) -> int:
-    return mla._tile_config(num_tokens, g.num_heads, g.lora_rank, g.rope_dim, False)[2]
+    tile = mla._tile_config(num_tokens, g.num_heads, g.lora_rank, g.rope_dim, False)
+    return tile.block_t
 
 
 def warmup_cases(g: MLAGeometry) -> list[tuple]:

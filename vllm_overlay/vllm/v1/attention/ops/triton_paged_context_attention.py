@@ -34,6 +34,7 @@ their fp32 partials.  Offsets of block ids and tokens are 64-bit.
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -693,9 +694,18 @@ def _tile_config(target, head_size: int, group: int, dtype: torch.dtype) -> _Til
     return _Tile(block_m, block_m // group_pad, block_n, warps, stages)
 
 
-def _combine_config(num_heads: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) of ``_combine_splits_kernel``."""
-    return min(next_power_of_2(num_heads), _COMBINE_BLOCK_H), _NUM_WARPS
+class _CombineTile(NamedTuple):
+    """A launch configuration of ``_combine_splits_kernel``."""
+
+    block_h: int
+    num_warps: int
+
+
+def _combine_config(num_heads: int) -> _CombineTile:
+    return _CombineTile(
+        block_h=min(next_power_of_2(num_heads), _COMBINE_BLOCK_H),
+        num_warps=_NUM_WARPS,
+    )
 
 
 @functools.cache
@@ -892,7 +902,7 @@ def paged_context_workspace_size(
     return num_heads * max_tokens, rows * num_heads * head_size, rows * num_heads
 
 
-def _check_layer(
+def _layer_calls(
     ws,
     query,
     key_cache,
@@ -903,10 +913,12 @@ def _check_layer(
     lse,
     seq_lens,
     num_splits,
+    scale,
     window,
-):
-    """What a layer's tensors must be for ``ws``'s step (the step's first
-    call of each geometry)."""
+) -> _LayerCalls:
+    """The launches of one layer geometry of ``ws``'s step, after checking
+    the layer's tensors against the workspace (the step's first call of each
+    geometry)."""
     fn = "paged_context_attention"
     if num_splits not in (None, ws.num_splits):
         raise ValueError(f"{fn}: num_splits differs from the workspace's")
@@ -961,12 +973,6 @@ def _check_layer(
     if any(t is not None and t.device != device for t in tensors):
         raise ValueError(f"{fn}: every tensor must be on {device}")
 
-
-def _layer_calls(
-    ws, query, key_cache, value_cache, key, value, out, lse, scale, window
-):
-    """The launches of one layer geometry of ``ws``'s step."""
-    fp8 = key_cache.dtype in _FP8_DTYPES
     if ws.num_reqs == 0 or ws.num_tokens == 0:
         return _LayerCalls(attend=None, combine=None, fp8=fp8)
     tile = ws.tile
@@ -1027,10 +1033,10 @@ def _layer_calls(
     )
     if not split:
         return _LayerCalls(attend=attend, combine=None, fp8=fp8)
-    block_h, num_warps = _combine_config(ws.num_heads)
+    combine_tile = _combine_config(ws.num_heads)
     combine = KernelCall(
         _combine_splits_kernel,
-        (ws.num_tokens, cdiv(ws.num_heads, block_h)),
+        (ws.num_tokens, cdiv(ws.num_heads, combine_tile.block_h)),
         part_out_ptr=part_out,
         part_lse_ptr=part_lse,
         cu_seqlens_q_ptr=ws.cu_seqlens_q,
@@ -1049,8 +1055,8 @@ def _layer_calls(
         stride_lt=lse.stride(1),
         HEAD_DIM=ws.head_size,
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_H=block_h,
-        num_warps=num_warps,
+        BLOCK_H=combine_tile.block_h,
+        num_warps=combine_tile.num_warps,
     )
     return _LayerCalls(attend=attend, combine=combine, fp8=fp8)
 
@@ -1153,7 +1159,7 @@ def paged_context_attention(
     )
     calls = ws.calls.get(geometry)
     if calls is None:
-        _check_layer(
+        calls = _layer_calls(
             ws,
             query,
             key_cache,
@@ -1164,17 +1170,6 @@ def paged_context_attention(
             lse,
             seq_lens,
             num_splits,
-            sliding_window,
-        )
-        calls = _layer_calls(
-            ws,
-            query,
-            key_cache,
-            value_cache,
-            key,
-            value,
-            out,
-            lse,
             scale,
             sliding_window,
         )

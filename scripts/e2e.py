@@ -51,7 +51,8 @@ SERVER_START_S = 1800     # serve: bench serve waits this long for the server to
 GSM8K = "exact_match,strict-match"
 GSM8K_STDERR = "exact_match_stderr,strict-match"
 GATE_SIGMAS = 3  # gsm8k: patched >= upstream - 3 combined standard errors
-RECORDED = re.compile(r"VLLM_|AITER_|(HIP|CUDA|ROCR)_VISIBLE_DEVICES$|HSA_OVERRIDE_GFX_VERSION$")
+RECORDED = re.compile(r"VLLM_|AITER_|(HIP|CUDA|ROCR)_VISIBLE_DEVICES$|HSA_OVERRIDE_GFX_VERSION$"
+                      r"|(HF_HUB|TRANSFORMERS)_OFFLINE$")
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 
 
@@ -99,8 +100,8 @@ def run_logged(cmd: list, env: dict, log: Path, timeout_s: float | None = None) 
 
 def command(install: list[str], args: list, env: dict) -> list[str]:
     """``args`` run by an install: a Python, or a prefix ending in one (`docker exec C python3`
-    passes no environment), with the VLLM_*, AITER_* and device visibility variables of ``env``
-    but no secret set by `env`; so each result's command records them."""
+    passes no environment), with the VLLM_*, AITER_*, device visibility and Hugging Face offline
+    variables of ``env`` but no secret set by `env`; so each result's command records them."""
     recorded = [f"{k}={env[k]}" for k in sorted(env) if RECORDED.match(k) and not SECRET.search(k)]
     return [*install[:-1], "env", *recorded, install[-1], *map(str, args)]
 

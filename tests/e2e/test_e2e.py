@@ -51,13 +51,15 @@ def test_recipes_measure_both_installs_compare_and_gate(tmp_path):
                       "--upstream", e2e_standin.install(tmp_path, rate=2.0, acc=0.80),
                       "--patched", e2e_standin.install(tmp_path, rate=2.5, acc=0.76),
                       "--lengths", "128/4", "--num-prompts", "10", "--concurrency", "4",
-                      "--env", "VLLM_API_KEY=s3cret", "--", "--max-num-seqs", "8")
+                      "--env", "VLLM_API_KEY=s3cret", "--env", "HF_HUB_OFFLINE=1",
+                      "--", "--max-num-seqs", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(docs) == {"throughput", "serve", "gsm8k"}
     assert docs["throughput"]["machine_info"]["series"]["device"] == "Stand-in MI300X"
     command = docs["throughput"]["benchmarks"][0]["extra_info"]["command"]
     assert "--max-model-len 196 " in command and command.endswith("--max-num-seqs 8")
     assert "VLLM_ROCM_USE_AITER=1" in command.split() and "s3cret" not in json.dumps(docs)
+    assert "HF_HUB_OFFLINE=1" in command.split()  # reaches a `docker exec` install too
     ratios = {(r["case"], r["metric"]): r["ratio"] for d in docs.values() for r in d["comparison"]}
     assert ratios[("128/4", "requests_per_second")] == pytest.approx(1.25)
     assert ratios[("c4", "request_throughput")] == pytest.approx(1.25)

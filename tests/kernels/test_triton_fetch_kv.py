@@ -787,6 +787,28 @@ def test_second_layer_of_a_step_builds_and_plans_nothing(device, monkeypatch):
     assert built == kernels
 
 
+def test_a_layer_of_another_dtype_gets_its_own_launch(device):
+    """A relaunch does not read the dtypes again: the plan keys each layer's
+    launch by its tensors' dtypes, so a layer that differs from the step's
+    first only in dtype (bf16 for fp16: the same strides, the same plan)
+    builds its own launch, and every copy is exact."""
+    args = _valid_args(device)
+    metadata = [args[k] for k in ("block_table", "cu_seqlens_kv", "seq_starts")]
+    plan = fetch_kv_plan(
+        *metadata, num_tokens=8, block_size=16, head_size=64, cache_dtype=F16
+    )
+    for dtype in (F16, torch.bfloat16, F16):
+        key_cache = torch.randn(4, 16, 2, 64, device=device).to(dtype)
+        value_cache = torch.randn_like(key_cache)
+        key_out = torch.zeros(8, 2, 64, device=device, dtype=dtype)
+        value_out = torch.zeros_like(key_out)
+        fetch_kv(key_cache, value_cache, key_out, value_out, *metadata, plan=plan)
+        # Block table [1, 1], one request of 8 tokens from position 0.
+        assert_bitwise_equal(key_out, key_cache[1, :8], f"{dtype} key_out")
+        assert_bitwise_equal(value_out, value_cache[1, :8], f"{dtype} value_out")
+    assert len(plan.copies) == 2
+
+
 def _fp8_args():
     args = _valid_args()
     args["key_cache"] = args["key_cache"].to(FP8)

@@ -775,6 +775,27 @@ def _valid_args(device: str, dtype=torch.float32) -> dict:
     )
 
 
+def test_a_layer_of_another_index_dtype_gets_its_own_launch(device: str):
+    """A relaunch does not read the dtypes again: the step's launches are
+    keyed by every tensor's dtype, the slot mapping's and positions' too, so
+    int32 rows after int64 ones build their own launch, and each call writes
+    what a call without the step's launches writes."""
+    launches: dict = {}
+    for index_dtype in (torch.int64, torch.int32, torch.int64):
+        args = _valid_args(device)
+        del args["ql_nope"]
+        args["slot_mapping"] = args["slot_mapping"].to(index_dtype)
+        args["positions"] = args["positions"].to(index_dtype)
+        alone = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()
+        }
+        mla_rope_and_cache(**alone)
+        mla_rope_and_cache(**args, launches=launches)
+        for name in ("kv_cache", "q_pe", "k_pe"):
+            assert_same_bits(args[name], alone[name], f"{index_dtype} {name}")
+    assert len(launches) == 2
+
+
 def _fp8_cache(args: dict) -> dict:
     args["kv_cache"] = torch.zeros(
         args["kv_cache"].shape, dtype=torch.uint8, device=args["kv_cache"].device

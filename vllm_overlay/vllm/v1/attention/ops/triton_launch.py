@@ -88,8 +88,9 @@ def relaunch_supported() -> tuple[bool, bool]:
 
 
 class KernelCall:
-    """One launch configuration of ``kernel``: its grid and non-tensor
-    arguments, fixed; the tensors come per call, by keyword."""
+    """One launch configuration of ``kernel``: its grid and the arguments
+    that do not change per call, fixed; the others (tensors) come per call,
+    by keyword."""
 
     def __init__(self, kernel, grid: tuple[int, ...], **fixed: Any) -> None:
         self.kernel = kernel

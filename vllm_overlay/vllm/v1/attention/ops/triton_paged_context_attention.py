@@ -984,14 +984,19 @@ def _layer_calls(
     part_out = ws.partial_out if split else out
     part_lse = ws.partial_lse if split else lse
     assert part_out is not None and part_lse is not None
-    attend = KernelCall(
-        _paged_context_attention_kernel,
-        (ws.num_tokens // tile.block_q + ws.num_reqs, ws.num_kv_heads, ws.num_splits),
-        # The step's tensors (the workspace's, fixed for its layers).
+    # The step's tensors are fixed for its layers, and so, with splits, are
+    # the partials the kernel writes (with one split: the call's out, lse).
+    step_tensors = dict(
         block_table_ptr=ws.block_table,
         cu_seqlens_q_ptr=ws.cu_seqlens_q,
         seq_lens_ptr=ws.seq_lens,
-        **({"out_ptr": part_out, "lse_ptr": part_lse} if split else {}),
+    )
+    if split:
+        step_tensors.update(out_ptr=part_out, lse_ptr=part_lse)
+    attend = KernelCall(
+        _paged_context_attention_kernel,
+        (ws.num_tokens // tile.block_q + ws.num_reqs, ws.num_kv_heads, ws.num_splits),
+        **step_tensors,
         num_reqs=ws.num_reqs,
         num_splits=ws.num_splits,
         qk_scale_log2=scale * _LOG2E,

@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -125,7 +126,7 @@ class KernelCall:
             elif isinstance(value, torch.Tensor):
                 pointer = value.data_ptr()
                 aligned = name in params.any_alignment or not pointer & 15
-                within = self._hip and _within_buffer({name: value})
+                within = self._hip and _within_buffer((value,))
                 key.append((value.dtype, aligned, within))
                 value = pointer
             else:
@@ -137,11 +138,11 @@ class KernelCall:
             (params.number, tuple(fixed), tuple(key)), len(_CONFIGS)
         )
         # What a relaunch of the first call's kernel needs of a later call:
-        # its keywords, on AMD which storages were within 2 GiB.
+        # its keywords, which of its tensors Triton specialises on 16-byte
+        # alignment, on AMD which storages were within 2 GiB.
         self._names: tuple[str, ...] = ()
-        self._within: tuple[bool, ...] | None = None
-        # Which of the tensors Triton specialises on 16-byte alignment.
         self._aligned: tuple[bool, ...] = ()
+        self._within: tuple[bool, ...] | None = None
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
         relaunch = self._relaunch
@@ -182,12 +183,10 @@ class KernelCall:
             pointers = [t if t is None else t.data_ptr() for t in tensors.values()]
         except AttributeError:  # not a tensor: Triton decides
             return None
-        bits = 0
-        for pointer in itertools.compress(pointers, self._aligned):
-            bits |= pointer or 0
-        if bits & 15:
+        if _misaligned(pointers, self._aligned):
             return None
-        if self._within is not None and self._within != _within_buffer(tensors):
+        within = self._within
+        if within is not None and within != _within_buffer(tensors.values()):
             return None
         return pointers
 
@@ -199,7 +198,9 @@ class KernelCall:
         variant = None
         first = self._may_relaunch and self._relaunch is None
         if first and not torch.compiler.is_compiling():
-            variant = self._variant(tensors)
+            # Which of the tensors Triton specialises on 16-byte alignment.
+            aligned = tuple(name not in self._any_alignment for name in tensors)
+            variant = self._variant(tensors, aligned)
         if variant is None:
             self.kernel[self.grid](**self.fixed, **tensors)  # Triton decides
             return
@@ -217,26 +218,26 @@ class KernelCall:
             found = _Relaunch(compiled, order, self.grid)
             if len(_COMPILED) < _MAX_COMPILED:
                 _COMPILED[key] = found
-        any_alignment = self._any_alignment
         self._names = tuple(tensors)
-        self._aligned = tuple(name not in any_alignment for name in tensors)
+        self._aligned = aligned
         self._within = variant[-1]
         self._relaunch = found
         if not launched:
             self(**tensors)  # relaunches the kernel found
 
-    def _variant(self, tensors: dict[str, torch.Tensor | None]) -> tuple | None:
+    def _variant(
+        self, tensors: dict[str, torch.Tensor | None], aligned: tuple[bool, ...]
+    ) -> tuple | None:
         """What the compiled kernel depends on beyond the configuration
         (None: ``kernel[grid]``): the keywords in order (the launcher takes
         the arguments in it), the tensors' dtypes (None for None) and, on
         AMD, each storage's bound.  A misaligned pointer: None."""
-        any_alignment = self._any_alignment
         try:
-            for name, t in tensors.items():
-                if t is not None and name not in any_alignment and t.data_ptr() & 15:
-                    return None  # a pointer not 16-byte aligned
-            within = _within_buffer(tensors) if self._hip else None
+            pointers = [t if t is None else t.data_ptr() for t in tensors.values()]
+            within = _within_buffer(tensors.values()) if self._hip else None
         except AttributeError:  # not a tensor: Triton decides
+            return None
+        if _misaligned(pointers, aligned):
             return None
         dtypes = map(getattr, tensors.values(), _DTYPE, _NO_DTYPE)
         return (*tensors, *dtypes, within)
@@ -317,11 +318,20 @@ def _parameters(kernel) -> _Parameters:
     )
 
 
-def _within_buffer(tensors: dict[str, torch.Tensor | None]) -> tuple[bool, ...]:
+def _misaligned(pointers: list, specialised: tuple[bool, ...]) -> bool:
+    """Whether a pointer Triton specialises on alignment (``specialised``,
+    per pointer; None counts as aligned) is not 16-byte aligned."""
+    bits = 0
+    for pointer in itertools.compress(pointers, specialised):
+        bits |= pointer or 0
+    return bool(bits & 15)
+
+
+def _within_buffer(tensors: Iterable[torch.Tensor | None]) -> tuple[bool, ...]:
     """Whether each tensor's storage is within AMD's 2 GiB buffer bound."""
     return tuple(
         t.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES
-        for t in tensors.values()
+        for t in tensors
         if t is not None
     )
 

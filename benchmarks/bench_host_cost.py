@@ -82,7 +82,8 @@ def plain_path():
     (``relaunch_supported`` is functools.cache'd: the module's name is
     replaced, as tests/kernels/test_triton_launch.py does)."""
     saved = triton_launch.relaunch_supported
-    triton_launch.relaunch_supported = lambda: (False, False)
+    triton_launch.relaunch_supported = lambda: triton_launch.RelaunchSupport(
+        relaunch=False, amd_buffer_bound=False)
     try:
         yield
     finally:
@@ -452,9 +453,9 @@ def _relaunch_everywhere(monkeypatch, hip: bool | None = None):
     (with the host's own AMD answer unless ``hip``), an empty compiled-kernel
     table, and where no GPU driver is active a stand-in for its current
     device."""
-    supported = triton_launch.relaunch_supported()
-    hip = supported[1] if hip is None else hip
-    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, hip))
+    hip = triton_launch.relaunch_supported().amd_buffer_bound if hip is None else hip
+    support = triton_launch.RelaunchSupport(relaunch=True, amd_buffer_bound=hip)
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: support)
     monkeypatch.setattr(triton_launch, "_COMPILED", {})
     if not torch.cuda.is_available():
         monkeypatch.setattr(triton_launch.triton.runtime.driver, "_active", _StubDriver())

@@ -14,10 +14,11 @@ import pytest
 import torch
 import triton
 from vllm.v1.attention.ops import triton_launch
-from vllm.v1.attention.ops.triton_launch import KernelCall
+from vllm.v1.attention.ops.triton_launch import KernelCall, RelaunchSupport
 
 NAMES = ["x_ptr", "y_ptr", "s_ptr", "n", "stride", "BLOCK"]
 STREAM = 7
+SUPPORTED = RelaunchSupport(relaunch=True, amd_buffer_bound=False)
 
 
 class _Compiled:
@@ -72,7 +73,7 @@ class _FakeJIT:
 @pytest.fixture
 def jit(monkeypatch):
     monkeypatch.setattr(triton.runtime, "JITFunction", _FakeJIT, raising=False)
-    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, False))
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: SUPPORTED)
     monkeypatch.setattr(triton_launch, "_COMPILED", {})
     driver = types.SimpleNamespace(active=types.SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: STREAM))
@@ -100,7 +101,7 @@ def test_first_call_compiles_then_relaunches_with_every_parameter(jit):
     assert args == (x.data_ptr(), y.data_ptr(), None, 5, 16, 64)
 
 
-def test_a_launch_hook_set_goes_through_the_compiled_kernels_own_launch(jit):
+def test_a_launch_hook_set_goes_through_kernel_grid(jit):
     x, y = torch.zeros(64), torch.zeros(64)
     call = _call(jit)
     call(x_ptr=x, y_ptr=y)
@@ -108,15 +109,15 @@ def test_a_launch_hook_set_goes_through_the_compiled_kernels_own_launch(jit):
     seen = []
     hooks.add(seen.append)
     try:
-        call(x_ptr=x, y_ptr=y)
+        call(x_ptr=x, y_ptr=y)  # JITFunction.run, which calls the hooks
     finally:
         hooks.remove(seen.append)
-    call(x_ptr=x, y_ptr=y)
-    (_, _, with_hook, args), (_, _, without, again) = jit.compiled[0].calls
-    assert with_hook is hooks and without is None
-    assert args[:2] == (x, y) and again[:2] == (x.data_ptr(), y.data_ptr())
-    assert args[2:] == again[2:]
-    assert len(jit.launches) == 1
+    assert len(jit.launches) == 2 and jit.launches[1][1]["x_ptr"] is x
+    assert jit.compiled[0].calls == [] and jit.compiled[1].calls == []
+    call(x_ptr=x, y_ptr=y)  # no hook: the first call's kernel, relaunched
+    (_, _, hook, args), = jit.compiled[0].calls
+    assert hook is None and args[:2] == (x.data_ptr(), y.data_ptr())
+    assert len(jit.launches) == 2
 
 
 def test_another_keyword_order_is_only_a_miss(jit):
@@ -184,7 +185,8 @@ def test_anything_triton_specialises_on_is_another_variant(jit, change):
 
 
 def test_amd_keys_the_2gib_buffer_bound(jit, monkeypatch):
-    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, True))
+    amd = SUPPORTED._replace(amd_buffer_bound=True)
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: amd)
     call = _call(jit)
     small = torch.zeros(64)
     call(x_ptr=small, y_ptr=small)
@@ -219,12 +221,13 @@ def test_a_missing_or_non_tensor_argument_goes_through_kernel_grid(jit):
 
 def test_unsupported_triton_or_compiling_goes_through_kernel_grid(jit, monkeypatch):
     x = torch.zeros(64)
-    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (False, False))
+    unsupported = RelaunchSupport(relaunch=False, amd_buffer_bound=False)
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: unsupported)
     call = _call(jit)
     call(x_ptr=x, y_ptr=x)
     call(x_ptr=x, y_ptr=x)
     assert len(jit.launches) == 2
-    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: (True, False))
+    monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: SUPPORTED)
     call = _call(jit)
     call(x_ptr=x, y_ptr=x)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -249,6 +252,6 @@ def test_interpreted_kernels_always_go_through_kernel_grid():
 
 
 def test_version_check_is_plain():
-    ok, _ = triton_launch.relaunch_supported()
-    assert isinstance(ok, bool)
+    support = triton_launch.relaunch_supported()
+    assert isinstance(support.relaunch, bool) and isinstance(support.amd_buffer_bound, bool)
     assert triton_launch.TESTED_TRITON[0] <= triton_launch.TESTED_TRITON[1]

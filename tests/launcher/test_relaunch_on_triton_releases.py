@@ -3,7 +3,8 @@ TRITON_RELAUNCH_RELEASES): this file's ``main`` in a fresh process on that relea
 stand-in driver for sm_90 or gfx942, so ``kernel[grid]`` really specialises and compiles and
 only the driver's load and launch are recorded.  Every call must reach the launcher of the
 kernel ``JITFunction.run`` selects, and a relaunch must hand it what Triton's launch did, the
-tensors' pointers for the tensors (without launch metadata and hooks while no hook is set)."""
+tensors' pointers for the tensors, without launch metadata and hooks; while a launch hook is set,
+every call goes through ``kernel[grid]``."""
 
 from __future__ import annotations
 
@@ -170,15 +171,15 @@ def main(target):
 
     saved = knobs.runtime.launch_enter_hook
     knobs.runtime.launch_enter_hook = hook = lambda metadata: None
-    call(x, y)          # 5: a launch hook is set: CompiledKernel[grid] hands it on
+    call(x, y)          # 5: a launch hook is set: through kernel[grid], which hands it on
     knobs.runtime.launch_enter_hook = saved
     call(big[:128], y)  # 6
     call(big[:128], y)  # 7
-    supported, hip_bound = triton_launch.relaunch_supported()
+    support = triton_launch.relaunch_supported()
     print(json.dumps({
         "triton": triton.__version__,
-        "supported": supported,
-        "hip_bound": hip_bound,
+        "supported": support.relaunch,
+        "hip_bound": support.amd_buffer_bound,
         "calls": calls,
         "hook": _label(hook, buf),
     }))
@@ -234,10 +235,11 @@ def test_relaunch_matches_triton_on_each_release(release, target, tmp_path):
     # Every call reached the launcher of the kernel Triton selects.
     assert [c["launcher"] for c in calls] == [c["picked"] for c in calls]
     # Only these go through JITFunction.run: the first call, each call with a
-    # misaligned tensor (2, 3) and, on AMD (buffer ops: a relaunch keeps the
-    # first call's 2 GiB bound), each with the big storage (6, 7).
+    # misaligned tensor (2, 3), the call with a launch hook set (5) and, on AMD
+    # (buffer ops: a relaunch keeps the first call's 2 GiB bound), each with
+    # the big storage (6, 7).
     hip = target.startswith("hip")
-    new = {0, 2, 3} | ({6, 7} if hip else set())
+    new = {0, 2, 3, 5} | ({6, 7} if hip else set())
     assert {i for i, c in enumerate(calls) if c["jit"]} == new
     # A relaunch hands the launcher what Triton's own launch handed it (grid,
     # stream, kernel handle, metadata, every argument; a tensor's pointer for
@@ -246,8 +248,8 @@ def test_relaunch_matches_triton_on_each_release(release, target, tmp_path):
         args, expected = calls[relaunch]["args"], calls[jit]["args"]
         assert args[:6] == expected[:6] and args[9:] == expected[9:], (relaunch, jit)
         assert args[6:9] == ["None", "None", "None"]
-    # A launch hook set later: CompiledKernel[grid] hands the launcher the hook
-    # and the launch metadata, the rest as before.
+    # A launch hook set later: Triton hands the launcher the hook and the
+    # launch metadata, the rest as before.
     assert calls[5]["args"][7] == result["hook"] and calls[5]["args"][6] != "None"
     assert calls[5]["args"][:6] == calls[0]["args"][:6] and calls[5]["args"][9:] == calls[0]["args"][9:]
 

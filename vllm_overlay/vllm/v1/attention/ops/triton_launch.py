@@ -7,9 +7,10 @@ graph pays ``kernel[grid](...)`` on every layer: ``JITFunction.run`` binds,
 specialises and keys every argument (about 3x a torch op on the host).  The
 kernel it compiled can be launched again through its own launcher,
 ``CompiledKernel.run``, called as ``CompiledKernel[grid]`` calls it on the
-releases in ``TESTED_TRITON``: with no launch hook set (profilers set them),
-without the launch metadata and hooks, which only hooks read; with one set,
-through ``CompiledKernel[grid]`` itself.
+releases in ``TESTED_TRITON`` with no launch hook set, less the launch
+metadata and hooks, which only hooks read.  While a launch hook is set
+(profilers set them), every call goes through ``kernel[grid]``, which calls
+the hooks.
 
 ``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and every argument
 that does not change per call (scalars, constexprs, a step's own tensors,
@@ -36,8 +37,8 @@ multiple of 16 (only the first with ``do_not_specialize``).
 
 ``kernel[grid]`` runs instead whenever anything is unknown: not a compiled
 ``JITFunction`` (``TRITON_INTERPRET=1``), a Triton release outside
-``TESTED_TRITON``, a non-tensor argument given per call, or while
-torch.compile traces.  Launches go to the current stream, so CUDA graphs
+``TESTED_TRITON``, a non-tensor argument given per call, a launch hook set,
+or while torch.compile traces.  Launches go to the current stream, so CUDA graphs
 capture them as they capture ``kernel[grid]``.  A KernelCall serves one step
 on one device: the wrappers build one per layer geometry of a step.
 """
@@ -54,7 +55,7 @@ import torch
 
 from vllm.triton_utils import triton
 
-__all__ = ["TESTED_TRITON", "KernelCall", "relaunch_supported"]
+__all__ = ["TESTED_TRITON", "KernelCall", "RelaunchSupport", "relaunch_supported"]
 
 # Triton releases whose CompiledKernel[grid] launcher this was checked against.
 TESTED_TRITON = ((3, 4), (3, 9))
@@ -70,10 +71,15 @@ _COMPILED: dict[tuple, _Relaunch] = {}
 _MAX_COMPILED = 4096
 
 
+class RelaunchSupport(NamedTuple):
+    relaunch: bool  # compiled kernels may be relaunched
+    amd_buffer_bound: bool  # a pointer counts by its storage's side of 2 GiB
+
+
 @functools.cache
-def relaunch_supported() -> tuple[bool, bool]:
-    """(whether compiled kernels may be relaunched, whether pointers are keyed
-    by the AMD 2 GiB bound): a plain version and capability check."""
+def relaunch_supported() -> RelaunchSupport:
+    """What this Triton and driver allow: a plain version and capability
+    check."""
     try:
         version = tuple(int(x) for x in triton.__version__.split(".")[:2])
         from triton.compiler.compiler import CompiledKernel
@@ -82,10 +88,10 @@ def relaunch_supported() -> tuple[bool, bool]:
         target = driver.active.get_current_target()
         _launch_hooks_set()  # (triton.knobs: Triton 3.4 and later)
     except Exception:  # vLLM's placeholder, another layout, no driver
-        return False, False
+        return RelaunchSupport(relaunch=False, amd_buffer_bound=False)
     ok = TESTED_TRITON[0] <= version <= TESTED_TRITON[1]
     ok = ok and callable(getattr(CompiledKernel, "__getitem__", None))
-    return ok, target.backend == "hip"
+    return RelaunchSupport(relaunch=ok, amd_buffer_bound=target.backend == "hip")
 
 
 class KernelCall:
@@ -98,7 +104,8 @@ class KernelCall:
         # Three dimensions: CompiledKernel[grid] reads grid[0], grid[1], grid[2].
         self.grid = (*grid, 1, 1)[:3]
         self.fixed = fixed
-        self._may_relaunch = relaunch_supported()[0] and isinstance(
+        support = relaunch_supported()
+        self._may_relaunch = support.relaunch and isinstance(
             kernel, getattr(triton.runtime, "JITFunction", ())
         )
         self._relaunch: _Relaunch | None = None
@@ -106,7 +113,7 @@ class KernelCall:
             return
         params = _parameters(kernel)
         self._any_alignment = params.any_alignment
-        self._hip = relaunch_supported()[1]
+        self._hip = support.amd_buffer_bound
         # The fixed kernel arguments (not the launch options), in order (a
         # tensor as its pointer), and the configuration's key: an int
         # argument counts by the class Triton specialises it by (int32 or
@@ -146,12 +153,12 @@ class KernelCall:
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
         relaunch = self._relaunch
-        if relaunch is not None and not torch.compiler.is_compiling():
+        if (
+            relaunch is not None
+            and not torch.compiler.is_compiling()
+            and not _launch_hooks_set()
+        ):
             pointers = self.pointers(tensors)
-            if pointers is not None and _launch_hooks_set():
-                args = relaunch.order((*self._fixed_values, *tensors.values()))
-                relaunch.compiled[self.grid](*args)
-                return
             if pointers is not None:
                 # CompiledKernel[grid]'s own call of run, less what only
                 # launch hooks read (launch metadata, the hooks).
@@ -262,7 +269,6 @@ class _Relaunch:
     def __init__(self, compiled, order, grid: tuple[int, ...]) -> None:
         compiled[grid]  # loads the kernel's handles, as its first launch did
         active = triton.runtime.driver.active
-        self.compiled = compiled
         self.run = compiled.run
         self.function = compiled.function
         self.packed_metadata = compiled.packed_metadata

@@ -8,7 +8,11 @@ KernelCall alone, with the call's tensors), the compiled kernel's launcher
 check (``guard``: ``KernelCall.pointers``; before 964ab4b, ``KernelCall.guard``),
 the current stream, ``torch.compiler.is_compiling`` and the launch-hook check;
 on Triton 3.8+ also the C launch function under ``run`` (``c_launch_ints``,
-which KernelCall does not call).  Host µs per call, 300 calls, median of 9
+which KernelCall does not call), and torch's Inductor static launcher
+(``StaticallyLaunchedCudaKernel``) handed the same compiled function and the
+pointers, through its ``run`` (``static_run_ints``) and its C function alone
+(``static_c_ints``), after checking that it writes exactly what the compiled
+kernel's own launcher writes.  Host µs per call, 300 calls, median of 9
 rounds, beside one torch op.  Not a pytest suite: a diagnostic, logged in
 ``results/logs/*-relaunch-breakdown*.log`` (the logs of 1206e54 and 964ab4b
 came from a first draft of this file: the same parts, timed the same way).
@@ -90,6 +94,72 @@ def launches_of(call) -> list[Launch]:
     return launches
 
 
+def compiled_kernel(call: triton_launch.KernelCall):
+    """The CompiledKernel a KernelCall relaunches, from its JITFunction's
+    per-device kernel cache (Triton 3.x), by its loaded function."""
+    function = call._relaunch.function
+    for kernel_cache, *_ in call.kernel.device_caches.values():
+        for compiled in kernel_cache.values():
+            if compiled.function == function:
+                return compiled
+    raise LookupError("the relaunched kernel is not in its JITFunction's cache")
+
+
+class Static:
+    """torch's Inductor static launcher for a launch's compiled kernel, on the
+    function Triton loaded; the launch's pointers less the constexprs."""
+
+    def __init__(self, lc: Launch) -> None:
+        from torch._inductor.runtime.static_triton_launcher import (
+            StaticallyLaunchedCudaKernel,
+        )
+
+        compiled = compiled_kernel(lc.call)
+        compiled._cubin_path = None  # (inductor's file; the function is loaded)
+        self.kernel = StaticallyLaunchedCudaKernel(compiled)
+        self.kernel.function = compiled.function
+        signature = list(compiled.src.signature.values())
+        constexprs = set(self.kernel.full_constexprs)
+        self.args = tuple(
+            p for i, p in enumerate(lc.pointers)
+            if signature[i] != "constexpr" and i not in constexprs
+        )
+        self.grid = lc.call.grid
+        # What StaticallyLaunchedCudaKernel.run appends (scratch pointers).
+        extra = "OO" if torch.version.hip else "O" * (
+            self.kernel.has_global_scratch + self.kernel.has_profile_scratch)
+        self.c_args = (*self.args, *[None] * len(extra))
+        self.c_tys = self.kernel.arg_tys + extra
+
+    def run(self, stream: int) -> None:
+        self.kernel.run(*self.grid, stream, *self.args)
+
+    def c_launch(self, stream: int) -> None:
+        k = self.kernel
+        k.C_impl._launch_kernel(k.function, *self.grid, k.num_warps, k.shared,
+                                self.c_tys, self.c_args, stream)
+
+
+def same_writes(lc: Launch, static: Static, stream: int) -> bool:
+    """Whether the static launcher leaves every tensor of the launch exactly as
+    the compiled kernel's own launcher does, from the same starting state, in
+    which the outputs (``*out*``, ``*lse*``) hold a value no kernel writes."""
+    tensors = [t for t in lc.tensors.values() if isinstance(t, torch.Tensor)]
+    for name, t in lc.tensors.items():
+        if t is not None and ("out" in name or "lse" in name):
+            t.fill_(7)
+    before = [t.clone() for t in tensors]
+    lc.run(lc.pointers, stream)
+    torch.cuda.synchronize()
+    expected = [t.clone() for t in tensors]
+    for t, b in zip(tensors, before):
+        t.copy_(b)
+    static.run(stream)
+    torch.cuda.synchronize()
+    same = all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    return same and not all(torch.equal(b, e) for b, e in zip(before, expected))
+
+
 def parts(call, launches: list[Launch], x: torch.Tensor) -> dict:
     first = launches[0].call._relaunch
     streams = [first.current_stream(first.current_device()) for _ in launches]
@@ -119,6 +189,15 @@ def parts(call, launches: list[Launch], x: torch.Tensor) -> dict:
                            run.arg_annotations, run.kernel_signature, lc.pointers)
 
         fns["c_launch_ints"] = c_launch
+    try:
+        statics = [Static(lc) for lc in launches]
+        same = [same_writes(lc, st, s) for lc, st, s in zip(launches, statics, streams)]
+        print(f"  static launcher: args={[len(st.c_args) for st in statics]} "
+              f"tys={[st.c_tys for st in statics]} same writes={same}", flush=True)
+        fns["static_run_ints"] = lambda: [st.run(s) for st, s in zip(statics, streams)]
+        fns["static_c_ints"] = lambda: [st.c_launch(s) for st, s in zip(statics, streams)]
+    except Exception as exc:  # noqa: BLE001 (a diagnostic: say why, time the rest)
+        print(f"  static launcher: {type(exc).__name__}: {exc}", flush=True)
     return fns
 
 
@@ -132,6 +211,7 @@ def main() -> None:
     entries = {
         "fetch_kv": fa["fetch_kv"](),
         "paged_1split": fa["paged"](64)[0](),
+        "paged_splits": fa["paged"](16384)[0](),
         "mla_decode": mla["decode"](),
         "mla_prefill": mla["prefill"](),
     }
@@ -139,10 +219,10 @@ def main() -> None:
         call()  # the step's first layer: checks, KernelCall, compile
         call()
         launches = launches_of(call)
-        times = host_us(parts(call, launches, x))
         num_args = [len(lc.args) for lc in launches]
         num_tensors = [sum(isinstance(a, torch.Tensor) for a in lc.args) for lc in launches]
         print(f"== {name}: launches={len(launches)} args={num_args} tensor_args={num_tensors}")
+        times = host_us(parts(call, launches, x))
         for part, us in times.items():
             print(f"  {part:24s} {us:7.2f} us  {us / times['torch_op']:5.2f}x")
 

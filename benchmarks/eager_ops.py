@@ -34,8 +34,12 @@ decode and ``P`` prefill tokens:
     hands the layer; until 2026-12-03 a new tensor per layer): the step's rows of each kind and their launches once per step
     (as MLACommonMetadataBuilder builds them), per layer ``q_pe`` of the
     prefill views forward_impl makes for forward_mha anyway, and the decode
-    rows' ``q_pe`` / ``kv_c`` / ``k_pe``.  Not modelled: the layer's own
-    per-call Python (``begin()``, the custom op's dispatch);
+    rows' ``q_pe`` / ``kv_c`` / ``k_pe``; each op called through the
+    dispatcher, as ``torch.ops.vllm`` calls it, its implementation finding the
+    step's launches by the layer's name (as ``_step_launches`` does through
+    the forward context; until 2026-12-03 the Triton functions were called
+    directly, without the dispatch upstream's side pays).  Not modelled: the
+    layer's own per-call Python (``begin()``, the ``q_out`` workspace lookup);
   * upstream: RoPE of ``q_pe`` / ``k_pe`` inside the compiled piece (replayed
     as a CUDA graph with the rest of the piece), the cache write
     (``unified_mla_kv_cache_update``, an eager custom op, modelled by one
@@ -354,29 +358,68 @@ def _compiled_rope():
 
 
 # What upstream's unified_mla_kv_cache_update finds through the forward
-# context for a layer name: (kv_cache, slot_mapping, positions, cos_sin).
+# context for a layer name: (kv_cache, slot_mapping, positions, cos_sin); what
+# 0303's ops find there: the step's MLARopeRows launches of each kind
+# ({"decode": {...}, "prefill": {...}}, renewed per step as the builder does).
 _LAYER_CONTEXT: dict = {}
+_OUR_LAYER_ROWS: dict = {}
 _LIBRARY = None
 
 
-def _kv_cache_update_op(ops: UpstreamOps):
-    """``unified_mla_kv_cache_update`` as vLLM registers it (a custom op with a
-    Python implementation, called through the dispatcher): look the layer up,
-    write its cache rows, return the dummy dependency tensor."""
+def _library() -> torch.library.Library:
+    """The three MLA ops as vLLM registers its own (a custom op with a Python
+    implementation, called through the dispatcher): upstream's cache write,
+    and 0303's two fused ops with the parameters of theirs."""
     global _LIBRARY
-    if _LIBRARY is None:
-        _LIBRARY = torch.library.Library("eager_step_bench", "FRAGMENT")
-        _LIBRARY.define("mla_kv_cache_update(Tensor kv_c, Tensor k_pe, str layer_name, "
-                        "str kv_cache_dtype, Tensor k_scale) -> Tensor")
+    if _LIBRARY is not None:
+        return _LIBRARY
+    from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 
-        def impl(kv_c, k_pe, layer_name, kv_cache_dtype, k_scale):
-            kv_cache, slots, positions, cos_sin = _LAYER_CONTEXT[layer_name]
-            _LIBRARY.cache_mla(kv_c, k_pe, kv_cache, slots, positions, cos_sin, k_scale)
-            return torch.empty(0, device=kv_c.device, dtype=kv_c.dtype)
+    lib = torch.library.Library("eager_step_bench", "FRAGMENT")
+    lib.define("mla_kv_cache_update(Tensor kv_c, Tensor k_pe, str layer_name, "
+               "str kv_cache_dtype, Tensor k_scale) -> Tensor")
+    lib.define("mla_rope_concat_and_cache(Tensor ql_nope, Tensor q_pe, Tensor kv_c, "
+               "Tensor k_pe, Tensor(a!) kv_cache, Tensor(b!) q_out, Tensor slot_mapping, "
+               "Tensor positions, Tensor cos_sin_cache, bool is_neox, str kv_cache_dtype, "
+               "Tensor k_scale, Tensor? q_scale, bool use_aiter, bool all_q_rope, "
+               "str layer_name) -> ()")
+    lib.define("mla_rope_and_cache(Tensor(a!) q_pe, Tensor kv_c, Tensor(b!) k_pe, "
+               "Tensor(c!) kv_cache, Tensor slot_mapping, Tensor positions, "
+               "Tensor cos_sin_cache, bool is_neox, str kv_cache_dtype, Tensor k_scale, "
+               "str layer_name) -> ()")
 
-        for key in ("CUDA", "CPU"):
-            _LIBRARY.impl("mla_kv_cache_update", impl, key)
-    _LIBRARY.cache_mla = ops.cache_mla
+    def update(kv_c, k_pe, layer_name, kv_cache_dtype, k_scale):
+        kv_cache, slots, positions, cos_sin = _LAYER_CONTEXT[layer_name]
+        lib.cache_mla(kv_c, k_pe, kv_cache, slots, positions, cos_sin, k_scale)
+        return torch.empty(0, device=kv_c.device, dtype=kv_c.dtype)
+
+    def decode(ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, positions,
+               cos_sin_cache, is_neox, kv_cache_dtype, k_scale, q_scale, use_aiter,
+               all_q_rope, layer_name):
+        mla.mla_rope_concat_and_cache(
+            ql_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+            is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, q_out=q_out,
+            q_scale=q_scale, launches=_OUR_LAYER_ROWS[layer_name]["decode"])
+
+    def prefill(q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+                kv_cache_dtype, k_scale, layer_name):
+        mla.mla_rope_and_cache(
+            q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+            launches=_OUR_LAYER_ROWS[layer_name]["prefill"])
+
+    for key in ("CUDA", "CPU"):
+        lib.impl("mla_kv_cache_update", update, key)
+        lib.impl("mla_rope_concat_and_cache", decode, key)
+        lib.impl("mla_rope_and_cache", prefill, key)
+    _LIBRARY = lib
+    return lib
+
+
+def _kv_cache_update_op(ops: UpstreamOps):
+    """``unified_mla_kv_cache_update``: look the layer up, write its cache
+    rows, return the dummy dependency tensor."""
+    _library().cache_mla = ops.cache_mla
     return torch.ops.eager_step_bench.mla_kv_cache_update
 
 
@@ -396,10 +439,6 @@ class MlaStep:
 def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes: int,
              prefill: int, layers: int | None = None, seed: int = 0) -> MlaStep:
     from benchmarks.bench_mla_rope_cache import cos_sin_cache
-    from vllm.v1.attention.ops.triton_mla_rope_cache import (
-        mla_rope_and_cache,
-        mla_rope_concat_and_cache,
-    )
 
     dev = caches[0].device
     layers = layers or model["layers"]
@@ -451,32 +490,39 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
     # on either side, as forward_mha itself is not.
     mha_q, mha_kv_c, mha_k_pe = q[decodes:], kv_c[decodes:], k_pe[decodes:]
 
+    names = [f"model.layers.{layer}.self_attn.attn" for layer in range(layers)]
+    our_ops = torch.ops.eager_step_bench
+    rows = {"decode": {}, "prefill": {}}  # the step's launches of each kind
+    for layer, name in enumerate(names):
+        _OUR_LAYER_ROWS[name] = rows
+        _LAYER_CONTEXT[name] = (caches[layer], slots, positions, cos_sin)
+    update = _kv_cache_update_op(ops)
+
     def ours(graph_pieces: bool = True):
         # The step's rows, as MLACommonMetadataBuilder builds them once per step
         # (build_mla_rope_step_rows: the slices of each token kind, each with
         # the step's launches, filled by the step's first layer).
-        d_sl, d_pos, d_launches = slots[:decodes], positions[:decodes], {}
-        p_sl, p_pos, p_launches = slots[decodes:], positions[decodes:], {}
-        for layer in range(layers):
-            cache = caches[layer]
+        d_sl, d_pos = slots[:decodes], positions[:decodes]
+        p_sl, p_pos = slots[decodes:], positions[decodes:]
+        rows["decode"] = {}
+        rows["prefill"] = {}
+        for name, cache in zip(names, caches):
             replay("ours", piece_common, graph_pieces)
+            # Through the dispatcher, as MLARopeKVStep calls torch.ops.vllm.
             if prefill:
-                mla_rope_and_cache(mha_q[..., p:], mha_kv_c, mha_k_pe, cache, p_sl, p_pos,
-                                   cos_sin, False, kv_cache_dtype="auto", k_scale=k_scale,
-                                   launches=p_launches)
+                our_ops.mla_rope_and_cache(
+                    q_pe=mha_q[..., p:], kv_c=mha_kv_c, k_pe=mha_k_pe, kv_cache=cache,
+                    slot_mapping=p_sl, positions=p_pos, cos_sin_cache=cos_sin,
+                    is_neox=False, kv_cache_dtype="auto", k_scale=k_scale, layer_name=name)
             if decodes:
                 # The decode rows' view of the layers' persistent q_out buffer
                 # (MLARopeFusion.q_out; its workspace lookup is not modelled).
-                q_out = q_out_buffer[:decodes]
-                mla_rope_concat_and_cache(ql_nope, q[:decodes, :, p:], kv_c[:decodes],
-                                          k_pe[:decodes], cache, d_sl, d_pos, cos_sin, False,
-                                          kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out,
-                                          launches=d_launches)
-
-    update = _kv_cache_update_op(ops)
-    names = [f"model.layers.{layer}.self_attn.attn" for layer in range(layers)]
-    for layer, name in enumerate(names):
-        _LAYER_CONTEXT[name] = (caches[layer], slots, positions, cos_sin)
+                our_ops.mla_rope_concat_and_cache(
+                    ql_nope=ql_nope, q_pe=q[:decodes, :, p:], kv_c=kv_c[:decodes],
+                    k_pe=k_pe[:decodes], kv_cache=cache, q_out=q_out_buffer[:decodes],
+                    slot_mapping=d_sl, positions=d_pos, cos_sin_cache=cos_sin, is_neox=False,
+                    kv_cache_dtype="auto", k_scale=k_scale, q_scale=None, use_aiter=False,
+                    all_q_rope=False, layer_name=name)
 
     def upstream(graph_pieces: bool = True):
         for name in names:

@@ -508,21 +508,18 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
         rows["prefill"] = {}
         for name, cache in zip(names, caches):
             replay("ours", piece_common, graph_pieces)
-            # Through the dispatcher, as MLARopeKVStep calls torch.ops.vllm.
+            # Through the dispatcher, positionally, as MLARopeKVStep calls
+            # torch.ops.vllm (and upstream its cache write).
             if prefill:
-                our_ops.mla_rope_and_cache(
-                    q_pe=mha_q[..., p:], kv_c=mha_kv_c, k_pe=mha_k_pe, kv_cache=cache,
-                    slot_mapping=p_sl, positions=p_pos, cos_sin_cache=cos_sin,
-                    is_neox=False, kv_cache_dtype="auto", k_scale=k_scale, layer_name=name)
+                our_ops.mla_rope_and_cache(mha_q[..., p:], mha_kv_c, mha_k_pe, cache, p_sl,
+                                           p_pos, cos_sin, False, "auto", k_scale, name)
             if decodes:
                 # The decode rows' view of the layers' persistent q_out buffer
                 # (MLARopeFusion.q_out; its workspace lookup is not modelled).
                 our_ops.mla_rope_concat_and_cache(
-                    ql_nope=ql_nope, q_pe=q[:decodes, :, p:], kv_c=kv_c[:decodes],
-                    k_pe=k_pe[:decodes], kv_cache=cache, q_out=q_out_buffer[:decodes],
-                    slot_mapping=d_sl, positions=d_pos, cos_sin_cache=cos_sin, is_neox=False,
-                    kv_cache_dtype="auto", k_scale=k_scale, q_scale=None, use_aiter=False,
-                    all_q_rope=False, layer_name=name)
+                    ql_nope, q[:decodes, :, p:], kv_c[:decodes], k_pe[:decodes], cache,
+                    q_out_buffer[:decodes], d_sl, d_pos, cos_sin, False, "auto", k_scale, None,
+                    False, False, name)
 
     def upstream(graph_pieces: bool = True):
         for name in names:

@@ -509,18 +509,20 @@ class MLARopeKVStep:
         """The prefill rows: rotate q[..., P:] and k_pe in place and write
         their cache rows."""
         f = self.fusion
+        # Positional, in mla_rope_and_cache's order, as vLLM calls its custom
+        # ops: binding keywords to the schema adds to every call's dispatch.
         torch.ops.vllm.mla_rope_and_cache(
-            q_pe=q[..., f.nope_dim :],
-            kv_c=kv_c,
-            k_pe=k_pe,
-            kv_cache=self.kv_cache,
-            slot_mapping=self.rows.prefill.slot_mapping,
-            positions=self.rows.prefill.positions,
-            cos_sin_cache=self.cos_sin_cache,
-            is_neox=f.is_neox,
-            kv_cache_dtype=f.kv_cache_dtype,
-            k_scale=self.k_scale,
-            layer_name=f.layer_name,
+            q[..., f.nope_dim :],  # q_pe
+            kv_c,
+            k_pe,
+            self.kv_cache,
+            self.rows.prefill.slot_mapping,
+            self.rows.prefill.positions,
+            self.cos_sin_cache,
+            f.is_neox,
+            f.kv_cache_dtype,
+            self.k_scale,
+            f.layer_name,
         )
 
     def decode(
@@ -539,22 +541,23 @@ class MLARopeKVStep:
             ql_nope.dtype if q_scale is None else f.fp8_dtype,
             ql_nope.device,
         )
+        # Positional, in mla_rope_concat_and_cache's order (as in prefill()).
         torch.ops.vllm.mla_rope_concat_and_cache(
-            ql_nope=ql_nope,
-            q_pe=q_pe,
-            kv_c=kv_c,
-            k_pe=k_pe,
-            kv_cache=self.kv_cache,
-            q_out=q_out,
-            slot_mapping=self.rows.decode.slot_mapping,
-            positions=self.rows.decode.positions,
-            cos_sin_cache=self.cos_sin_cache,
-            is_neox=f.is_neox,
-            kv_cache_dtype=f.kv_cache_dtype,
-            k_scale=self.k_scale,
-            q_scale=q_scale,
-            use_aiter=f.use_aiter,
-            all_q_rope=f.decision.aiter_all_q_rope,
-            layer_name=f.layer_name,
+            ql_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            self.kv_cache,
+            q_out,
+            self.rows.decode.slot_mapping,
+            self.rows.decode.positions,
+            self.cos_sin_cache,
+            f.is_neox,
+            f.kv_cache_dtype,
+            self.k_scale,
+            q_scale,
+            f.use_aiter,
+            f.decision.aiter_all_q_rope,  # all_q_rope
+            f.layer_name,
         )
         return q_out

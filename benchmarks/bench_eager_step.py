@@ -48,7 +48,8 @@ BASELINE = (
     "the new tokens + cp_mha_gather_cache + varlen over the context + merge_attn_states "
     "(FlashAttention-2 standing in for AITER's varlen, in both); MLA = RoPE inside the "
     "CUDA-graph piece + the cache write (CUDA stand-in for concat_and_cache_mla) + the "
-    "decode query cat"
+    "decode query cat; the MLA custom ops of both sides through the dispatcher, "
+    "positionally"
 )
 
 FA_CASES = [  # (requests, cached tokens each, new tokens each)

@@ -2,45 +2,32 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Relaunch a compiled Triton kernel without ``JITFunction.run``.
 
-An attention op called once per layer between the pieces of a piecewise CUDA
-graph pays ``kernel[grid](...)`` on every layer: ``JITFunction.run`` binds,
-specialises and keys every argument (about 3x a torch op on the host).  The
-kernel it compiled can be launched again through its own launcher,
-``CompiledKernel.run``, called as ``CompiledKernel[grid]`` calls it on the
-releases in ``TESTED_TRITON`` with no launch hook set, less the launch
-metadata and hooks, which only hooks read.  While a launch hook is set
-(profilers set them), every call goes through ``kernel[grid]``, which calls
-the hooks.
+An attention op runs once per layer between the pieces of a piecewise CUDA
+graph, so a wrapper's ``kernel[grid](...)`` is paid on every layer:
+``JITFunction.run`` binds, specialises and keys every argument (about 3x a
+torch op on the host).  The kernel it compiled has its own launcher,
+``CompiledKernel.run`` (about 1x).
 
-``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and every argument
-that does not change per call (scalars, constexprs, a step's own tensors,
-``None`` for pointers the kernel does not read, ``num_warps`` ...).  A fixed
-tensor counts by its dtype and alignment (on AMD, its 2 GiB bound), not by
-its identity, and is handed over as its pointer.  ``call(q_ptr=q, ...)`` launches
-``kernel[grid](**fixed, **tensors)`` the first time and relaunches that
-compiled kernel afterwards, on the current stream, handing the launcher the
-tensors' pointers (ints: the launcher then neither calls ``data_ptr()`` nor
-asks the driver about each pointer again).  A KernelCall's first call finds
-the kernel an earlier step compiled for the same configuration, device and
-tensors (keywords, dtypes, which are None; on AMD whether each storage is
-within the buffer ops' 2 GiB) in ``_COMPILED``, or compiles it.
+``KernelCall(kernel, grid, **fixed)`` fixes a launch's grid and the arguments
+that do not change per call (scalars, constexprs, a step's own tensors,
+``None`` for pointers the kernel does not read, ``num_warps`` ...).
+``call(x_ptr=x, ...)`` launches ``kernel[grid](**fixed, **tensors)`` the first
+time; later calls hand that kernel's launcher the tensors' pointers, as
+``CompiledKernel[grid]`` calls it less the launch metadata and hooks, on the
+current stream (CUDA graphs capture it as they capture ``kernel[grid]``).
 
-Every later call must pass the same keywords with tensors of the same dtypes
-(None where the first call had None): the wrappers keep one KernelCall per
-layer geometry, and their geometry keys hold the dtypes.  Per call the
-relaunch checks what Triton specialises on that a geometry does not fix: each
-pointer's 16-byte alignment (unless the kernel takes it with
-``do_not_specialize_on_alignment``) and, on AMD, each storage's 2 GiB bound;
-a call that differs goes through ``kernel[grid]``.  A fixed int argument
-counts by what Triton specialises on: whether it fits int32, is 1, is a
-multiple of 16 (only the first with ``do_not_specialize``).
-
-``kernel[grid]`` runs instead whenever anything is unknown: not a compiled
-``JITFunction`` (``TRITON_INTERPRET=1``), a Triton release outside
-``TESTED_TRITON``, a non-tensor argument given per call, a launch hook set,
-or while torch.compile traces.  Launches go to the current stream, so CUDA graphs
-capture them as they capture ``kernel[grid]``.  A KernelCall serves one step
-on one device: the wrappers build one per layer geometry of a step.
+Callers keep one KernelCall per layer geometry (shapes, strides, dtypes) of a
+step.  Per call it checks what Triton specialises on that a geometry does not
+fix: the keywords, each pointer's 16-byte alignment (unless the kernel takes
+it with ``do_not_specialize_on_alignment``) and, on AMD, each storage's side
+of the buffer ops' 2 GiB bound.  A call that differs goes through
+``kernel[grid]``, as does every call of an interpreted kernel
+(``TRITON_INTERPRET=1``), on a Triton outside ``TESTED_TRITON``, while a launch
+hook is set (profilers set them) or while torch.compile traces.  The first call
+of a KernelCall built in a later step finds the kernel an earlier step
+compiled (``_COMPILED``), keyed as Triton keys it: a fixed int by whether it
+fits int32, is 1, is a multiple of 16 (only the first with
+``do_not_specialize``), a tensor by its dtype, alignment and AMD bound.
 """
 
 from __future__ import annotations
@@ -61,12 +48,8 @@ __all__ = ["TESTED_TRITON", "KernelCall", "RelaunchSupport", "relaunch_supported
 TESTED_TRITON = ((3, 4), (3, 9))
 _INT32 = range(-(2**31), 2**31)
 _MAX_BUFFER_BYTES = 2**31 - 1
-# The relaunch (launcher, argument order) of each compiled kernel by
-# (configuration, device, variant: KernelCall._variant), so the KernelCalls
-# a later step builds find them without JITFunction.run (Triton keeps each
-# kernel anyway).  A configuration (kernel and fixed arguments) is numbered
-# when a KernelCall is built.
-_CONFIGS: dict[tuple, int] = {}
+# Each compiled kernel's relaunch by (configuration, device, the tensors'
+# keywords, dtypes and AMD bounds), for the KernelCalls of later steps.
 _COMPILED: dict[tuple, _Relaunch] = {}
 _MAX_COMPILED = 4096
 
@@ -105,51 +88,19 @@ class KernelCall:
         self.grid = (*grid, 1, 1)[:3]
         self.fixed = fixed
         support = relaunch_supported()
-        self._may_relaunch = support.relaunch and isinstance(
-            kernel, getattr(triton.runtime, "JITFunction", ())
-        )
-        self._relaunch: _Relaunch | None = None
-        if not self._may_relaunch:
-            return
-        params = _parameters(kernel)
-        self._any_alignment = params.any_alignment
         self._hip = support.amd_buffer_bound
-        # The fixed kernel arguments (not the launch options), in order (a
-        # tensor as its pointer), and the configuration's key: an int
-        # argument counts by the class Triton specialises it by (int32 or
-        # not; unless do_not_specialize, whether it is 1 and whether a
-        # multiple of 16), not by its value, and a tensor by its dtype,
-        # alignment and (AMD) 2 GiB bound, not by its identity.
-        kinds = params.kinds
-        self._fixed_args = [name for name in fixed if name in kinds]
-        fixed_values = []
-        key: list[Any] = []
-        for name, value in fixed.items():
-            kind = kinds.get(name)  # None: a launch option
-            if type(value) is int and kind == _INT:
-                key.append((value in _INT32) + 2 * (value == 1) + 4 * (value % 16 == 0))
-            elif type(value) is int and kind == _LOOSE_INT:
-                key.append(value in _INT32)
-            elif isinstance(value, torch.Tensor):
-                pointer = value.data_ptr()
-                aligned = name in params.any_alignment or not pointer & 15
-                within = self._hip and _within_buffer((value,))
-                key.append((value.dtype, aligned, within))
-                value = pointer
-            else:
-                key.append(value)
-            if kind is not None:
-                fixed_values.append(value)
-        self._fixed_values = tuple(fixed_values)
-        self._config = _CONFIGS.setdefault(
-            (params.number, tuple(fixed), tuple(key)), len(_CONFIGS)
-        )
-        # What a relaunch of the first call's kernel needs of a later call:
-        # its keywords, which of its tensors Triton specialises on 16-byte
-        # alignment, on AMD which storages were within 2 GiB.
+        # Set by the first call that may relaunch: its keywords, which of
+        # their pointers Triton specialises on alignment, on AMD which
+        # storages were within 2 GiB, and the compiled kernel's relaunch.
         self._names: tuple[str, ...] = ()
         self._aligned: tuple[bool, ...] = ()
         self._within: tuple[bool, ...] | None = None
+        self._relaunch: _Relaunch | None = None
+        self._config: tuple | None = None  # None: always kernel[grid]
+        if support.relaunch and isinstance(
+            kernel, getattr(triton.runtime, "JITFunction", ())
+        ):
+            self._config, self._fixed_values = _configuration(kernel, fixed)
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
         relaunch = self._relaunch
@@ -180,17 +131,20 @@ class KernelCall:
         self._launch(tensors)
 
     def pointers(self, tensors: dict[str, torch.Tensor | None]) -> list | None:
-        """The tensors' pointers for a relaunch of the first call's kernel
-        (None for None), or None where the call differs from the first in
-        what it may not: the keywords, a specialised pointer that is not
-        16-byte aligned, on AMD a storage on the other side of 2 GiB."""
+        """The tensors' pointers (None for None), or None where the call
+        differs from the first in what a relaunch may not: the keywords, a
+        specialised pointer that is not 16-byte aligned, on AMD a storage on
+        the other side of 2 GiB."""
         if tuple(tensors) != self._names:
             return None
         try:
             pointers = [t if t is None else t.data_ptr() for t in tensors.values()]
         except AttributeError:  # not a tensor: Triton decides
             return None
-        if _misaligned(pointers, self._aligned):
+        bits = 0
+        for pointer in itertools.compress(pointers, self._aligned):
+            bits |= pointer or 0
+        if bits & 15:
             return None
         within = self._within
         if within is not None and within != _within_buffer(tensors.values()):
@@ -198,56 +152,40 @@ class KernelCall:
         return pointers
 
     def _launch(self, tensors: dict[str, torch.Tensor | None]) -> None:
-        """A call the relaunch does not take (the first, one that differs,
-        anything unknown): through ``kernel[grid]``, or for a first call the
-        kernel an earlier KernelCall of this configuration compiled; keeps
-        what a relaunch needs."""
-        variant = None
-        first = self._may_relaunch and self._relaunch is None
-        if first and not torch.compiler.is_compiling():
-            # Which of the tensors Triton specialises on 16-byte alignment.
-            aligned = tuple(name not in self._any_alignment for name in tensors)
-            variant = self._variant(tensors, aligned)
-        if variant is None:
+        """A call the relaunch does not take: through ``kernel[grid]``, or
+        for a first call the kernel an earlier step's KernelCall of this
+        configuration compiled."""
+        first = self._config is not None and self._relaunch is None
+        if not first or torch.compiler.is_compiling():
             self.kernel[self.grid](**self.fixed, **tensors)  # Triton decides
             return
-        key = (self._config, triton.runtime.driver.active.get_current_device(), variant)
-        found = _COMPILED.get(key)
-        launched = found is None
-        if launched:
-            compiled = self.kernel[self.grid](**self.fixed, **tensors)
-            names = _parameters(self.kernel).names
-            given = [*self._fixed_args, *tensors]
-            if compiled is None or sorted(given) != sorted(names):
-                return  # (Triton launched it, or said what is missing)
-            # The kernel's arguments in order, taken from (*fixed, *pointers).
-            order = operator.itemgetter(*(given.index(n) for n in names))
-            found = _Relaunch(compiled, order, self.grid)
-            if len(_COMPILED) < _MAX_COMPILED:
-                _COMPILED[key] = found
+        params = _parameters(self.kernel)
         self._names = tuple(tensors)
-        self._aligned = aligned
-        self._within = variant[-1]
-        self._relaunch = found
-        if not launched:
-            self(**tensors)  # relaunches the kernel found
-
-    def _variant(
-        self, tensors: dict[str, torch.Tensor | None], aligned: tuple[bool, ...]
-    ) -> tuple | None:
-        """What the compiled kernel depends on beyond the configuration
-        (None: ``kernel[grid]``): the keywords in order (the launcher takes
-        the arguments in it), the tensors' dtypes (None for None) and, on
-        AMD, each storage's bound.  A misaligned pointer: None."""
+        self._aligned = tuple(n not in params.any_alignment for n in self._names)
         try:
-            pointers = [t if t is None else t.data_ptr() for t in tensors.values()]
-            within = _within_buffer(tensors.values()) if self._hip else None
-        except AttributeError:  # not a tensor: Triton decides
-            return None
-        if _misaligned(pointers, aligned):
-            return None
-        dtypes = map(getattr, tensors.values(), _DTYPE, _NO_DTYPE)
-        return (*tensors, *dtypes, within)
+            dtypes = tuple(t if t is None else t.dtype for t in tensors.values())
+            self._within = _within_buffer(tensors.values()) if self._hip else None
+        except AttributeError:  # not a tensor
+            dtypes = None
+        if dtypes is None or self.pointers(tensors) is None:
+            self.kernel[self.grid](**self.fixed, **tensors)  # Triton decides
+            return
+        device = triton.runtime.driver.active.get_current_device()
+        key = (self._config, device, self._names, dtypes, self._within)
+        self._relaunch = _COMPILED.get(key)
+        if self._relaunch is not None:
+            self(**tensors)  # relaunches the kernel found
+            return
+        compiled = self.kernel[self.grid](**self.fixed, **tensors)
+        given = [name for name in self.fixed if name in params.kinds]
+        given += self._names
+        if compiled is None or sorted(given) != sorted(params.names):
+            return  # (Triton launched it, or said what is missing)
+        # The kernel's arguments in order, taken from (*fixed, *pointers).
+        order = operator.itemgetter(*(given.index(n) for n in params.names))
+        self._relaunch = _Relaunch(compiled, order, self.grid)
+        if len(_COMPILED) < _MAX_COMPILED:
+            _COMPILED[key] = self._relaunch
 
     def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
         """Compile without launching (``JITFunction.warmup``, for vLLM's JIT
@@ -286,8 +224,33 @@ def _launch_hooks_set() -> bool:
     return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
-_DTYPE = itertools.repeat("dtype")
-_NO_DTYPE = itertools.repeat(None)
+def _configuration(kernel, fixed: dict[str, Any]) -> tuple[tuple, tuple]:
+    """A KernelCall's configuration (the key of the kernels it may share
+    with other KernelCalls) and its fixed kernel arguments in order (not the
+    launch options; a tensor as its pointer).  An int counts by the class
+    Triton specialises it by, a tensor by its dtype, alignment and (AMD)
+    2 GiB bound, not by its identity."""
+    params = _parameters(kernel)
+    hip = relaunch_supported().amd_buffer_bound
+    key: list[Any] = [params.number, tuple(fixed)]
+    values = []
+    for name, value in fixed.items():
+        kind = params.kinds.get(name)  # None: a launch option
+        if type(value) is int and kind == _INT:
+            key.append((value in _INT32) + 2 * (value == 1) + 4 * (value % 16 == 0))
+        elif type(value) is int and kind == _LOOSE_INT:
+            key.append(value in _INT32)
+        elif isinstance(value, torch.Tensor):
+            pointer = value.data_ptr()
+            aligned = name in params.any_alignment or not pointer & 15
+            within = hip and _within_buffer((value,))
+            key.append((value.dtype, aligned, within))
+            value = pointer
+        else:
+            key.append(value)
+        if kind is not None:
+            values.append(value)
+    return tuple(key), tuple(values)
 
 
 _CONSTEXPR, _INT, _LOOSE_INT = 0, 1, 2
@@ -295,7 +258,7 @@ _KERNEL_NUMBERS = itertools.count()
 
 
 class _Parameters(NamedTuple):
-    number: int  # the kernel's, in _CONFIGS keys
+    number: int  # the kernel's, in configuration keys (one hash, not the kernel's)
     names: tuple[str, ...]
     # _CONSTEXPR (compiled in), _INT (specialised by class) or _LOOSE_INT
     # (do_not_specialize); pointers and other arguments count as _INT.
@@ -305,32 +268,22 @@ class _Parameters(NamedTuple):
 
 @functools.cache
 def _parameters(kernel) -> _Parameters:
-    params = kernel.params
     kinds = {
         p.name: _CONSTEXPR
         if p.is_constexpr
         else _LOOSE_INT
         if p.do_not_specialize
         else _INT
-        for p in params
+        for p in kernel.params
     }
     return _Parameters(
         number=next(_KERNEL_NUMBERS),
-        names=tuple(p.name for p in params),
+        names=tuple(p.name for p in kernel.params),
         kinds=kinds,
         any_alignment=frozenset(
-            p.name for p in params if p.do_not_specialize_on_alignment
+            p.name for p in kernel.params if p.do_not_specialize_on_alignment
         ),
     )
-
-
-def _misaligned(pointers: list, specialised: tuple[bool, ...]) -> bool:
-    """Whether a pointer Triton specialises on alignment (``specialised``,
-    per pointer; None counts as aligned) is not 16-byte aligned."""
-    bits = 0
-    for pointer in itertools.compress(pointers, specialised):
-        bits |= pointer or 0
-    return bool(bits & 15)
 
 
 def _within_buffer(tensors: Iterable[torch.Tensor | None]) -> tuple[bool, ...]:

@@ -143,10 +143,13 @@ class Static:
 def same_writes(lc: Launch, static: Static, stream: int) -> bool:
     """Whether the static launcher leaves every tensor of the launch exactly as
     the compiled kernel's own launcher does, from the same starting state, in
-    which the outputs (``*out*``, ``*lse*``) hold a value no kernel writes."""
-    tensors = [t for t in lc.tensors.values() if isinstance(t, torch.Tensor)]
-    for name, t in lc.tensors.items():
-        if t is not None and ("out" in name or "lse" in name):
+    which the outputs (``*out*``, ``*lse*``, per call or fixed for the step,
+    e.g. the split partials) hold a value no kernel writes."""
+    named = {**lc.call.fixed, **lc.tensors}
+    named = {n: t for n, t in named.items() if isinstance(t, torch.Tensor)}
+    tensors = list(named.values())
+    for name, t in named.items():
+        if "out" in name or "lse" in name:
             t.fill_(7)
     before = [t.clone() for t in tensors]
     lc.run(lc.pointers, stream)

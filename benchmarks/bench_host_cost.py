@@ -301,8 +301,9 @@ def mla_calls(dev, ops=None, decodes=4, prefill=16):
     positions = torch.arange(t, device=dev)
     cos_sin = torch.randn(4096, r, device=dev, dtype=dtype)
     k_scale = torch.tensor(1.0, dtype=torch.float32, device=dev)
-    # The layer's own q / kv views of each kind.
-    d_views = (q[:decodes, :, p:], kv_c[:decodes], k_pe[:decodes])
+    # The layer's own q / kv views of each kind (the decode form reads the
+    # decode rows of the step's kv_c / k_pe, as 0303's forward_impl passes them).
+    d_views = (q[:decodes, :, p:], kv_c, k_pe)
     p_views = (q[decodes:, :, p:], kv_c[decodes:], k_pe[decodes:])
 
     def decode_setup():
@@ -651,7 +652,7 @@ def _mla_trace(dev):
         def decode_setup(q=q, kv_c=kv_c, k_pe=k_pe, slots=slots, positions=positions,
                          ql=ql_nope, q_out=q_out, dec=dec, t=t):
             sl, pos, launches = step_rows(positions, slots, dec, t)["decode"]
-            q_pe, c, kp = q[:dec, :, p:], kv_c[:dec], k_pe[:dec]
+            q_pe, c, kp = q[:dec, :, p:], kv_c, k_pe
             return lambda: mla.mla_rope_concat_and_cache(
                 ql, q_pe, c, kp, cache, sl, pos, cos_sin, False, kv_cache_dtype="auto",
                 k_scale=k_scale, q_out=q_out, launches=launches)

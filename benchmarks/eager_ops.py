@@ -515,9 +515,10 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
                                            p_pos, cos_sin, False, "auto", k_scale, name)
             if decodes:
                 # The decode rows' view of the layers' persistent q_out buffer
-                # (MLARopeFusion.q_out; its workspace lookup is not modelled).
+                # (MLARopeFusion.q_out; its workspace lookup is not modelled);
+                # the step's kv_c / k_pe, whose decode rows the op reads.
                 our_ops.mla_rope_concat_and_cache(
-                    ql_nope, q[:decodes, :, p:], kv_c[:decodes], k_pe[:decodes], cache,
+                    ql_nope, q[:decodes, :, p:], kv_c, k_pe, cache,
                     q_out_buffer[:decodes], d_sl, d_pos, cos_sin, False, "auto", k_scale, None,
                     False, False, name)
 

@@ -666,6 +666,24 @@ def test_cache_rows_identical_between_forms(device: str):
     assert_same_bits(a.kv_cache, b.kv_cache, "cache differs between forms")
 
 
+def test_decode_form_reads_the_first_rows_of_the_steps_kv(device: str):
+    """The decode form given the step's whole kv_c / k_pe (decode rows first,
+    then NaN-poisoned prefill rows) writes exactly what it writes given the
+    decode rows alone, and leaves the step's rows untouched."""
+    args = _valid_args(device)
+    T, R = args["k_pe"].shape
+    step_kv_c = torch.cat([args["kv_c"], torch.full_like(args["kv_c"], float("nan"))])
+    step_k_pe = torch.cat([args["k_pe"], torch.full((5, R), float("nan"), device=device)])
+    alone = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    want = mla_rope_concat_and_cache(**alone)
+    before = step_kv_c.clone(), step_k_pe.clone()
+    got = mla_rope_concat_and_cache(**{**args, "kv_c": step_kv_c, "k_pe": step_k_pe})
+    assert_same_bits(got, want, "q_out")
+    assert_same_bits(args["kv_cache"], alone["kv_cache"], "cache")
+    assert_same_bits(step_kv_c, before[0], "kv_c modified")
+    assert_same_bits(step_k_pe, before[1], "k_pe modified")
+
+
 def test_zero_tokens_is_a_no_op(device: str):
     case = Case("empty", 0, 2, 32, 16, 4, torch.float32)
     cs = rope_cache(16, torch.float32, device)

@@ -169,13 +169,17 @@ def mla_rope_concat_and_cache(
 ) -> None:
     """Decode form (torch.ops.vllm.mla_rope_concat_and_cache): q_out =
     [ql_nope | rope(q_pe)] (fp8, / q_scale, when q_scale is given) and the
-    cache rows [kv_c | rope(k_pe)]; q_pe / k_pe untouched."""
+    cache rows [kv_c | rope(k_pe)] of the first ``ql_nope.shape[0]`` rows of
+    kv_c / k_pe (a step's rows, decode rows first); q_pe / k_pe untouched."""
     if use_aiter:
+        # AITER is handed exactly the decode rows (its launcher takes the
+        # token count from slot_mapping; it is not asked to skip rows).
+        num_tokens = ql_nope.shape[0]
         rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
             ql_nope=ql_nope,
             q_pe=q_pe,
-            kv_c=kv_c,
-            k_pe=k_pe,
+            kv_c=kv_c[:num_tokens],
+            k_pe=k_pe[:num_tokens],
             kv_cache=kv_cache,
             q_out=q_out,
             slot_mapping=slot_mapping,
@@ -534,7 +538,9 @@ class MLARopeKVStep:
         q_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         """The decode rows: the MQA query [ql_nope | rope(q_pe)] (fp8, /
-        q_scale, when q_scale is given) and their cache rows."""
+        q_scale, when q_scale is given) and their cache rows.  ``kv_c`` /
+        ``k_pe``: the step's rows; the first ``ql_nope.shape[0]``, the decode
+        rows, are read (no per-layer slice)."""
         f = self.fusion
         q_out = f.q_out(
             ql_nope.shape[0],

@@ -9,9 +9,11 @@ write the cache rows.
 
 Layouts (``T`` tokens, ``H`` heads, ``L`` = kv_lora_rank, ``R`` even rotary
 dim; last strides 1, other strides free): ``ql_nope`` ``[T, H, L]``, ``q_pe``
-``[T, H, R]``, ``kv_c`` ``[T, L]``, ``k_pe`` ``[T, R]`` or ``[T, 1, R]``,
-``kv_cache`` ``[num_blocks, block_size, L + R]`` (a token's row: ``[kv_c |
-rope(k_pe)]``), ``q_out`` ``[T, H, L + R]``, contiguous int32 / int64
+``[T, H, R]``, ``kv_c`` ``[>= T, L]``, ``k_pe`` ``[>= T, R]`` or ``[>= T, 1,
+R]`` (their first ``T`` rows are read: a step's rows, its decode rows first,
+need no slicing), ``kv_cache`` ``[num_blocks, block_size, L + R]`` (a
+token's row: ``[kv_c | rope(k_pe)]``), ``q_out`` ``[T, H, L + R]``,
+contiguous int32 / int64
 ``slot_mapping`` ``[S <= T]`` and ``positions`` ``[T]``, ``cos_sin_cache``
 ``[max_pos, R]`` (vLLM's ``cat(cos, sin)``).  Tokens with ``slot < 0`` or
 ``t >= S`` (CUDA-graph padding) write no cache row.
@@ -635,15 +637,16 @@ def _check_and_launch(
 
         assert q_pe.dim() == 3, f"{fn}: q_pe must be [T, H, R]"
         num_tokens, num_heads, rot_dim = q_pe.shape
-        assert kv_c.dim() == 2 and kv_c.shape[0] == num_tokens, f"{fn}: kv_c: [T, L]"
+        assert kv_c.dim() == 2 and kv_c.shape[0] >= num_tokens, f"{fn}: kv_c: [>= T, L]"
         lora_rank = kv_c.shape[1]
         width = lora_rank + rot_dim
         assert lora_rank > 0 and rot_dim > 0 and rot_dim % 2 == 0, (
             f"{fn}: rotary dim must be even"
         )
-        assert k_pe.shape in ((num_tokens, rot_dim), (num_tokens, 1, rot_dim)), (
-            f"{fn}: k_pe must be [T, R] or [T, 1, R]"
-        )
+        assert k_pe.shape[0] >= num_tokens and k_pe.shape[1:] in (
+            (rot_dim,),
+            (1, rot_dim),
+        ), f"{fn}: k_pe must be [>= T, R] or [>= T, 1, R]"
         assert kv_cache.dim() == 3 and kv_cache.shape[2] == width, (
             f"{fn}: kv_cache must be [num_blocks, block_size, L + R]"
         )

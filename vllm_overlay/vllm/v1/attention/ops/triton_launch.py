@@ -100,7 +100,7 @@ class KernelCall:
         if support.relaunch and isinstance(
             kernel, getattr(triton.runtime, "JITFunction", ())
         ):
-            self._config, self._fixed_values = _configuration(kernel, fixed)
+            self._config, self._fixed_values = _configuration(kernel, fixed, self._hip)
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
         relaunch = self._relaunch
@@ -224,14 +224,13 @@ def _launch_hooks_set() -> bool:
     return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
-def _configuration(kernel, fixed: dict[str, Any]) -> tuple[tuple, tuple]:
+def _configuration(kernel, fixed: dict[str, Any], hip: bool) -> tuple[tuple, tuple]:
     """A KernelCall's configuration (the key of the kernels it may share
     with other KernelCalls) and its fixed kernel arguments in order (not the
     launch options; a tensor as its pointer).  An int counts by the class
     Triton specialises it by, a tensor by its dtype, alignment and (AMD)
     2 GiB bound, not by its identity."""
     params = _parameters(kernel)
-    hip = relaunch_supported().amd_buffer_bound
     key: list[Any] = [params.number, tuple(fixed)]
     values = []
     for name, value in fixed.items():

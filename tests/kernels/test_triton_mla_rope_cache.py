@@ -673,8 +673,12 @@ def test_decode_form_reads_the_first_rows_of_the_steps_kv(device: str):
     args = _valid_args(device)
     T, R = args["k_pe"].shape
     step_kv_c = torch.cat([args["kv_c"], torch.full_like(args["kv_c"], float("nan"))])
-    step_k_pe = torch.cat([args["k_pe"], torch.full((5, R), float("nan"), device=device)])
-    alone = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    step_k_pe = torch.cat(
+        [args["k_pe"], torch.full((5, R), float("nan"), device=device)]
+    )
+    alone = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()
+    }
     want = mla_rope_concat_and_cache(**alone)
     before = step_kv_c.clone(), step_k_pe.clone()
     got = mla_rope_concat_and_cache(**{**args, "kv_c": step_kv_c, "k_pe": step_k_pe})

@@ -426,6 +426,8 @@ def test_layer_through_the_aiter_path(strict_aiter, case):
     layer.rope_kv_fusion = mla_rope_kv_cache.MLARopeKVFusion(decision, rope, layer)
     fused = h.run(layer, rope, inputs, via="impl", fused=True)
     assert len(op.calls) == 1 and op.calls[0]["q_out"].shape[0] == case.num_decode
+    # forward_impl hands the op the step's kv_c / k_pe; AITER gets the decode rows.
+    assert op.calls[0]["kv_c"].shape[0] == op.calls[0]["k_pe"].shape[0] == case.num_decode
     # Without an fp8 query the op still gets a q_scale tensor: ones, not k_scale.
     assert float(op.calls[0]["q_scale"]) == (h.Q_SCALE if case.quant_query else 1.0)
     h.assert_same_cache(fused["cache"], unfused["cache"], inputs["slot_mapping"])

@@ -76,7 +76,8 @@ def _both_forms(q, kv_c, k_pe, kv_cache, ql_nope, q_out, slots, positions, cos_s
     d = ql_nope.shape[0]
     torch.ops.vllm.mla_rope_and_cache(q[d:, :, h.P:], kv_c[d:], k_pe[d:], kv_cache, slots[d:],
                                       positions[d:], cos_sin_cache, False, "auto", k_scale)
-    torch.ops.vllm.mla_rope_concat_and_cache(ql_nope, q[:d, :, h.P:], kv_c[:d], k_pe[:d],
+    # The step's kv_c / k_pe: the decode form reads their first d rows.
+    torch.ops.vllm.mla_rope_concat_and_cache(ql_nope, q[:d, :, h.P:], kv_c, k_pe,
                                              kv_cache, q_out, slots[:d], positions[:d],
                                              cos_sin_cache, False, "auto", k_scale, None, False,
                                              False)

@@ -34,7 +34,8 @@ decode and ``P`` prefill tokens:
     hands the layer; until 2026-12-03 a new tensor per layer): the step's rows of each kind and their launches once per step
     (as MLACommonMetadataBuilder builds them), per layer ``q_pe`` of the
     prefill views forward_impl makes for forward_mha anyway, and the decode
-    rows' ``q_pe`` / ``kv_c`` / ``k_pe``; each op called through the
+    rows' ``q_pe`` (the decode op reads the step's ``kv_c`` / ``k_pe``
+    unsliced; until 2026-12-04 also sliced per layer); each op called through the
     dispatcher, as ``torch.ops.vllm`` calls it, its implementation finding the
     step's launches by the layer's name (as ``_step_launches`` does through
     the forward context; until 2026-12-03 the Triton functions were called

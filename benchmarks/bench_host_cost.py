@@ -418,7 +418,7 @@ class _StubKernel(_JIT):  # type: ignore[misc, valid-type]
         self._compiled = _StubCompiled()
         self._real = real
 
-    def __hash__(self):  # KernelCall's table keys by kernel: as the real one hashes
+    def __hash__(self):  # as the real one hashes
         return hash(self._real)
 
     def __eq__(self, other):
@@ -451,13 +451,11 @@ _KERNELS = [(fk, "_fetch_kv_kernel"), (fk, "_fetch_kv_plan_kernel"),
 
 def _relaunch_everywhere(monkeypatch, hip: bool | None = None):
     """KernelCall's relaunch path on this host: relaunch_supported forced on
-    (with the host's own AMD answer unless ``hip``), an empty compiled-kernel
-    table, and where no GPU driver is active a stand-in for its current
-    device."""
+    (with the host's own AMD answer unless ``hip``), and where no GPU driver
+    is active a stand-in for its current device."""
     hip = triton_launch.relaunch_supported().amd_buffer_bound if hip is None else hip
     support = triton_launch.RelaunchSupport(relaunch=True, amd_buffer_bound=hip)
     monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: support)
-    monkeypatch.setattr(triton_launch, "_COMPILED", {})
     if not torch.cuda.is_available():
         monkeypatch.setattr(triton_launch.triton.runtime.driver, "_active", _StubDriver())
 
@@ -530,7 +528,7 @@ def test_host_cost_hip_spec(benchmark, monkeypatch):
     ``kernel[grid]`` does: it reads its knob from the environment every call)
     against ``KernelCall.pointers`` with the AMD 2 GiB bound on (what a
     relaunch checks per call: the keywords, 16-byte alignment, each storage
-    within 2 GiB; a first call also keys the dtypes), for the MLA decode
+    within 2 GiB), for the MLA decode
     form's 11 pointer arguments.  ``torch_op`` is the host's own torch op (CPU tensors
     where there is no GPU)."""
     hip = pytest.importorskip("triton.backends.amd.compiler").HIPBackend
@@ -548,9 +546,9 @@ def test_host_cost_hip_spec(benchmark, monkeypatch):
         tuple(hip.get_tensor_specialization(t, align=True) for t in tensors.values())
 
     # The state a first call leaves for the relaunches (no launch here).
-    any_alignment = triton_launch._parameters(mla._mla_rope_cache_kernel).any_alignment
+    params = {p.name: p for p in mla._mla_rope_cache_kernel.params}
     call._names = tuple(tensors)
-    call._aligned = tuple(name not in any_alignment for name in tensors)
+    call._aligned = tuple(not params[n].do_not_specialize_on_alignment for n in tensors)
     call._within = triton_launch._within_buffer(tensors.values())
 
     def ours():
@@ -673,10 +671,9 @@ def _mla_trace(dev):
 def trace_us(setups, layers=TRACE_LAYERS, rounds=TRACE_ROUNDS) -> dict:
     """Host µs per per-layer call over the trace, beside as many torch op
     dispatches; medians over the rounds.  Each round builds every step's
-    objects anew (untimed, as the builder does per step) and empties
-    KernelCall's table of compiled kernels, so each step's first layer
-    checks its tensors, builds its KernelCall and launches through
-    ``kernel[grid]``, as a step of new shapes does in serving."""
+    objects anew (untimed, as the builder does per step), so each step's
+    first layer checks its tensors, builds its KernelCall and launches
+    through ``kernel[grid]``, as a step of new shapes does in serving."""
     x = torch.zeros(16, device="cuda")
     samples = {"ours": [], "torch_op": []}
     for setup in setups:  # compile every variant first (what JIT warmup does)
@@ -684,7 +681,6 @@ def trace_us(setups, layers=TRACE_LAYERS, rounds=TRACE_ROUNDS) -> dict:
     torch.cuda.synchronize()
     for _ in range(rounds):
         steps = [setup() for setup in setups]
-        triton_launch._COMPILED.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for step in steps:
@@ -718,7 +714,7 @@ def test_host_cost_trace(benchmark, entry):
         "copy_ceiling": False, "ratio_to_torch_op": round(ratio, 3), "target_ratio": PER_LAYER,
         "meets_target": ratio <= PER_LAYER, "call": "per layer",
         "notes": "a trace of steps that differ as in serving; each round builds every step's "
-                 "plan / workspace / rows anew and empties KernelCall's compiled-kernel table, "
+                 "plan / workspace / rows anew, "
                  "so each step's first layer checks, builds its launch and goes through "
                  "kernel[grid]",
     })

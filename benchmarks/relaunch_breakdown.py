@@ -88,7 +88,7 @@ def launches_of(call) -> list[Launch]:
         triton_launch.KernelCall.__call__ = original
     launches = []
     for kernel_call, tensors in seen:
-        args = kernel_call._relaunch.order((*kernel_call._fixed_values, *tensors.values()))
+        args = kernel_call._relaunch.order((*kernel_call._relaunch.fixed, *tensors.values()))
         pointers = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
         launches.append(Launch(kernel_call, tensors, args, pointers))
     return launches

@@ -31,18 +31,11 @@ class _Compiled:
     def __init__(self):
         self.calls = []
 
-    def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, leave,
-            *args):
+    def run(
+        self, gx, gy, gz, stream, function, packed, launch_metadata, enter, leave, *args
+    ):
         assert (function, packed) == (self.function, self.packed_metadata)
         self.calls.append(((gx, gy, gz), stream, enter, args))
-
-    def __getitem__(self, grid):  # as CompiledKernel[grid] calls run
-        def runner(*args, stream=None):
-            hooks = triton.knobs.runtime
-            self.run(*grid, STREAM, self.function, self.packed_metadata, "metadata",
-                     hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
-
-        return runner
 
 
 class _FakeJIT:
@@ -74,9 +67,11 @@ class _FakeJIT:
 def jit(monkeypatch):
     monkeypatch.setattr(triton.runtime, "JITFunction", _FakeJIT, raising=False)
     monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: SUPPORTED)
-    monkeypatch.setattr(triton_launch, "_COMPILED", {})
-    driver = types.SimpleNamespace(active=types.SimpleNamespace(
-        get_current_device=lambda: 0, get_current_stream=lambda device: STREAM))
+    driver = types.SimpleNamespace(
+        active=types.SimpleNamespace(
+            get_current_device=lambda: 0, get_current_stream=lambda device: STREAM
+        )
+    )
     monkeypatch.setattr(triton.runtime, "driver", driver, raising=False)
     return _FakeJIT()
 
@@ -95,7 +90,7 @@ def test_first_call_compiles_then_relaunches_with_every_parameter(jit):
     assert grid == (7, 3, 1) and kwargs["num_warps"] == 4 and kwargs["s_ptr"] is None
     call(x_ptr=x, y_ptr=y)
     assert len(jit.launches) == 1
-    (grid, stream, hook, args), = jit.compiled[0].calls
+    ((grid, stream, hook, args),) = jit.compiled[0].calls
     assert grid == (7, 3, 1)  # three dimensions: CompiledKernel[grid] reads grid[2]
     assert stream == STREAM and hook is None  # no hook set: none handed on
     assert args == (x.data_ptr(), y.data_ptr(), None, 5, 16, 64)
@@ -115,7 +110,7 @@ def test_a_launch_hook_set_goes_through_kernel_grid(jit):
     assert len(jit.launches) == 2 and jit.launches[1][1]["x_ptr"] is x
     assert jit.compiled[0].calls == [] and jit.compiled[1].calls == []
     call(x_ptr=x, y_ptr=y)  # no hook: the first call's kernel, relaunched
-    (_, _, hook, args), = jit.compiled[0].calls
+    ((_, _, hook, args),) = jit.compiled[0].calls
     assert hook is None and args[:2] == (x.data_ptr(), y.data_ptr())
     assert len(jit.launches) == 2
 
@@ -137,50 +132,38 @@ def test_a_misaligned_pointer_goes_through_kernel_grid_then_the_aligned_relaunch
     call(x_ptr=x, y_ptr=y)
     assert len(jit.launches) == 2 and jit.launches[1][1]["x_ptr"].data_ptr() & 15
     assert [c[3][:2] for c in jit.compiled[0].calls] == [
-        (x.data_ptr(), y[1:].data_ptr()), (x.data_ptr(), y.data_ptr())]
+        (x.data_ptr(), y[1:].data_ptr()),
+        (x.data_ptr(), y.data_ptr()),
+    ]
 
 
-def test_a_new_object_of_the_same_variant_relaunches(jit):
+def test_each_kernel_call_compiles_through_kernel_grid_once(jit):
     x, y = torch.zeros(64), torch.zeros(64)
-    _call(jit)(x_ptr=x, y_ptr=y)
-    _call(jit, n=1 << 20)(x_ptr=x, y_ptr=y)  # do_not_specialize: same variant
-    assert len(jit.launches) == 1 and len(jit.compiled[0].calls) == 1
-
-
-def test_a_fixed_tensor_counts_by_dtype_and_alignment_not_identity(jit):
-    x, y = torch.zeros(64), torch.zeros(64)
-    for s in (torch.zeros(4), torch.zeros(4)):  # a step's metadata, per step
-        _call(jit, s_ptr=s)(x_ptr=x, y_ptr=y)
-    assert len(jit.launches) == 1 and len(triton_launch._COMPILED) == 1
-    (_, _, _, args), = jit.compiled[0].calls
-    assert args == (x.data_ptr(), y.data_ptr(), s.data_ptr(), 5, 16, 64)  # the second s
-    _call(jit, s_ptr=torch.zeros(4, dtype=torch.float16))(x_ptr=x, y_ptr=y)
-    _call(jit, s_ptr=torch.zeros(8)[1:])(x_ptr=x, y_ptr=y)
-    assert len(jit.launches) == 3
-
-
-@pytest.mark.parametrize("change", ["stride", "n_int64", "dtype", "misaligned",
-                                    "names", "option"])
-def test_anything_triton_specialises_on_is_another_variant(jit, change):
-    x, y = torch.zeros(64), torch.zeros(64)
-    _call(jit)(x_ptr=x, y_ptr=y)
-    fixed, tensors = {}, dict(x_ptr=x, y_ptr=y)
-    if change == "stride":
-        fixed = dict(stride=1)
-    elif change == "n_int64":
-        fixed = dict(n=2**31)
-    elif change == "dtype":
-        tensors["x_ptr"] = torch.zeros(64, dtype=torch.float16)
-    elif change == "misaligned":
-        tensors["x_ptr"] = x[1:]
-    elif change != "names":
-        fixed = dict(num_warps=8)
-    call = _call(jit, **fixed)
-    if change == "names":  # s_ptr a tensor, not None
-        call = KernelCall(jit, (7, 3), n=5, stride=16, BLOCK=64, num_warps=4)
-        tensors["s_ptr"] = y
-    call(**tensors)
+    for _ in range(2):  # a step's KernelCall, built anew the next step
+        call = _call(jit)
+        call(x_ptr=x, y_ptr=y)
+        call(x_ptr=x, y_ptr=y)
     assert len(jit.launches) == 2
+    assert [len(c.calls) for c in jit.compiled] == [1, 1]
+
+
+def test_a_fixed_tensor_is_relaunched_as_its_pointer(jit):
+    x, y, s = torch.zeros(64), torch.zeros(64), torch.zeros(4)
+    call = _call(jit, s_ptr=s)
+    call(x_ptr=x, y_ptr=y)
+    call(x_ptr=y, y_ptr=x)
+    ((_, _, _, args),) = jit.compiled[0].calls
+    assert args == (y.data_ptr(), x.data_ptr(), s.data_ptr(), 5, 16, 64)
+
+
+def test_a_misaligned_first_call_is_not_kept(jit):
+    x, y = torch.zeros(64), torch.zeros(64)
+    call = _call(jit)
+    call(x_ptr=x[1:], y_ptr=y)  # Triton compiles x_ptr without the alignment
+    call(x_ptr=x, y_ptr=y)  # compiles the aligned kernel, kept
+    call(x_ptr=x, y_ptr=y)
+    assert len(jit.launches) == 2
+    assert [len(c.calls) for c in jit.compiled] == [0, 1]
 
 
 def test_amd_keys_the_2gib_buffer_bound(jit, monkeypatch):
@@ -192,20 +175,11 @@ def test_amd_keys_the_2gib_buffer_bound(jit, monkeypatch):
     call(x_ptr=small, y_ptr=small)
     assert len(jit.launches) == 1
     big = types.SimpleNamespace(
-        dtype=torch.float32, data_ptr=lambda: 0,
-        untyped_storage=lambda: types.SimpleNamespace(nbytes=lambda: 2**31))
+        dtype=torch.float32,
+        data_ptr=lambda: 0,
+        untyped_storage=lambda: types.SimpleNamespace(nbytes=lambda: 2**31),
+    )
     call(x_ptr=small, y_ptr=big)
-    assert len(jit.launches) == 2
-
-
-def test_an_int_of_the_same_class_and_an_unspecialised_pointer_relaunch(jit):
-    x, y = torch.zeros(64), torch.zeros(64)
-    _call(jit, stride=16)(x_ptr=x, y_ptr=y)
-    # stride 32: like 16, a multiple of 16 that is not 1; y_ptr is taken with
-    # do_not_specialize_on_alignment, so its offset selects nothing.
-    _call(jit, stride=32)(x_ptr=x, y_ptr=y[1:])
-    assert len(jit.launches) == 1 and len(jit.compiled[0].calls) == 1
-    _call(jit, BLOCK=32)(x_ptr=x, y_ptr=y)  # a constexpr: another kernel
     assert len(jit.launches) == 2
 
 
@@ -252,5 +226,7 @@ def test_interpreted_kernels_always_go_through_kernel_grid():
 
 def test_version_check_is_plain():
     support = triton_launch.relaunch_supported()
-    assert isinstance(support.relaunch, bool) and isinstance(support.amd_buffer_bound, bool)
+    assert isinstance(support.relaunch, bool) and isinstance(
+        support.amd_buffer_bound, bool
+    )
     assert triton_launch.TESTED_TRITON[0] <= triton_launch.TESTED_TRITON[1]

@@ -480,9 +480,13 @@ def fetch_kv_plan(
         assert out.stride() == (width, 1), f"{fn}: out rows must be dense"
         table = out[:num_items]
     if table is not None and num_items:
-        plan_rows = KernelCall(
-            _fetch_kv_plan_kernel,
-            (num_items,),
+        # Once per step: through kernel[grid] (a KernelCall pays off over a
+        # step's layers).
+        _fetch_kv_plan_kernel[(num_items,)](
+            plan_ptr=table,
+            block_table_ptr=block_table,
+            cu_seqlens_ptr=cu_seqlens_kv,
+            seq_starts_ptr=seq_starts,
             num_reqs=num_reqs,
             stride_bt_req=block_table.stride(0),
             stride_bt_blk=block_table.stride(1),
@@ -494,12 +498,6 @@ def fetch_kv_plan(
             PLAN_HEADER=_PLAN_HEADER,
             REQ_STEP=_req_step(num_reqs),
             num_warps=_PLAN_NUM_WARPS,
-        )
-        plan_rows(
-            plan_ptr=table,
-            block_table_ptr=block_table,
-            cu_seqlens_ptr=cu_seqlens_kv,
-            seq_starts_ptr=seq_starts,
         )
     return FetchKVPlan(
         block_table=block_table,

@@ -327,8 +327,11 @@ def mla_calls(dev, ops=None, decodes=4, prefill=16):
 
     up_decode = up_prefill = None
     if ops is not None and ops.cache_mla is not None:
+        # Upstream's forward_impl hands the cache write the decode rows.
+        up_d_views = (q[:decodes, :, p:], kv_c[:decodes], k_pe[:decodes])
+
         def up_decode():
-            q_pe, c, kp = d_views
+            q_pe, c, kp = up_d_views
             ops.cache_mla(c, kp, cache, slots[:decodes], positions[:decodes], cos_sin, k_scale)
             torch.cat((ql_nope, q_pe), dim=-1)
 

@@ -166,6 +166,14 @@ def test_a_misaligned_first_call_is_not_kept(jit):
     assert [len(c.calls) for c in jit.compiled] == [0, 1]
 
 
+def test_a_first_call_leaving_a_parameter_to_its_default_is_not_kept(jit):
+    x = torch.zeros(64)
+    call = _call(jit)
+    call(x_ptr=x)  # y_ptr: a default Triton fills in
+    call(x_ptr=x)
+    assert len(jit.launches) == 2 and jit.compiled[0].calls == []
+
+
 def test_amd_keys_the_2gib_buffer_bound(jit, monkeypatch):
     amd = SUPPORTED._replace(amd_buffer_bound=True)
     monkeypatch.setattr(triton_launch, "relaunch_supported", lambda: amd)

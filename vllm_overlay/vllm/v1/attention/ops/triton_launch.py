@@ -145,32 +145,28 @@ class KernelCall:
         """Keep the kernel a first call compiled for relaunching, if that
         call had every specialised pointer aligned (else a later call tries)
         and named every parameter."""
-        if torch.compiler.is_compiling():
+        if compiled is None or torch.compiler.is_compiling():
             return
-        params = {p.name: p for p in self.kernel.params}
+        any_alignment = _any_alignment(self.kernel)
         self._names = tuple(tensors)
-        self._aligned = tuple(
-            not params[n].do_not_specialize_on_alignment if n in params else True
-            for n in self._names
-        )
+        self._aligned = tuple(name not in any_alignment for name in self._names)
         try:
             self._within = _within_buffer(tensors.values()) if self._hip else None
         except AttributeError:  # not a tensor
             return
-        fixed = {n: v for n, v in self.fixed.items() if n in params}
-        given = [*fixed, *self._names]
-        if (
-            compiled is None
-            or sorted(given) != sorted(params)
-            or self.pointers(tensors) is None
-        ):
+        if self.pointers(tensors) is None:
             return
         # The kernel's arguments in order, taken from (*fixed, *pointers).
-        order = operator.itemgetter(*(given.index(n) for n in params))
-        values = tuple(
-            v.data_ptr() if isinstance(v, torch.Tensor) else v for v in fixed.values()
-        )
-        self._relaunch = _Relaunch(compiled, order, values)
+        given = dict(zip((*self.fixed, *self._names), itertools.count()))
+        try:
+            order = operator.itemgetter(*map(given.__getitem__, self.kernel.arg_names))
+        except KeyError:  # a parameter left to its default
+            return
+        fixed = [
+            v.data_ptr() if isinstance(v, torch.Tensor) else v
+            for v in self.fixed.values()
+        ]
+        self._relaunch = _Relaunch(compiled, order, tuple(fixed))
 
     def warmup(self, storage_bytes: dict[str, int], **tensors: Any) -> None:
         """Compile without launching (``JITFunction.warmup``, for vLLM's JIT
@@ -208,6 +204,12 @@ def _launch_hooks_set() -> bool:
     enter = runtime.launch_enter_hook
     leave = runtime.launch_exit_hook
     return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+@functools.cache
+def _any_alignment(kernel) -> frozenset[str]:
+    """The pointers Triton does not specialise on 16-byte alignment."""
+    return frozenset(p.name for p in kernel.params if p.do_not_specialize_on_alignment)
 
 
 def _within_buffer(tensors: Iterable[torch.Tensor | None]) -> tuple[bool, ...]:

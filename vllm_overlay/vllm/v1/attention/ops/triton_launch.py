@@ -150,12 +150,11 @@ class KernelCall:
         any_alignment = _any_alignment(self.kernel)
         self._names = tuple(tensors)
         self._aligned = tuple(name not in any_alignment for name in self._names)
-        try:
-            self._within = _within_buffer(tensors.values()) if self._hip else None
-        except AttributeError:  # not a tensor
+        self._within = None
+        if self.pointers(tensors) is None:  # misaligned, or not a tensor
             return
-        if self.pointers(tensors) is None:
-            return
+        if self._hip:
+            self._within = _within_buffer(tensors.values())
         # The kernel's arguments in order, taken from (*fixed, *pointers).
         given = dict(zip((*self.fixed, *self._names), itertools.count()))
         try:

@@ -896,7 +896,7 @@ def test_jit_warmup_covers_the_forward_launches(make_backend, fake_aiter, device
     assert warm
     for route, (layer, builder) in routes.items():
         step = make_step(MIXED, device, seed=6, **kw)
-        recorded.caches.add(step.kv_cache.untyped_storage().data_ptr())
+        recorded.add_cache(step.kv_cache)
         run_forward(layer, builder, step, with_kv=route != "kv-sharing")
     new = recorded.keys - warm
     assert not new, compile_keys.explain(new, warm)

@@ -52,7 +52,7 @@ class _Recorder:
             else JITFunction(kernel.fn, **kernel.kwargs)
         )  # fmt: skip
         self.backends = backends
-        self.caches = caches  # storage data pointers of the KV caches
+        self.caches = caches  # the KV caches' storages by data pointer
         self.keys = keys
 
     def __getattr__(self, name):
@@ -100,8 +100,10 @@ class _Recorder:
 def record(monkeypatch, kernels):
     """Replace each ``(module, name)`` kernel by a recorder for the test; the
     returned namespace's ``keys`` collects the compile keys (sm_90, gfx942) of
-    every launch and warmup, ``caches`` takes the storage pointers of tensors
-    that stand for the KV cache pool."""
+    every launch and warmup, ``add_cache(tensor)`` registers a tensor that
+    stands for the KV cache pool. The registry holds the tensor's storage: a
+    freed cache's address, reused by a later allocation (an output, a
+    partial), would otherwise make that tensor count as > 2 GiB too."""
     from compile_tier.targets import TARGETS
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -109,11 +111,16 @@ def record(monkeypatch, kernels):
     targets = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": TARGETS["gfx942"].gpu_target()}
     backends = {name: type(make_backend(t)) for name, t in targets.items()}
     keys: set[str] = set()
-    caches: set[int] = set()
+    caches: dict[int, torch.UntypedStorage] = {}
     for module, name in kernels:
         recorder = _Recorder(getattr(module, name), backends, caches, keys)
         monkeypatch.setattr(module, name, recorder)
-    return SimpleNamespace(keys=keys, caches=caches)
+
+    def add_cache(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        caches[storage.data_ptr()] = storage
+
+    return SimpleNamespace(keys=keys, add_cache=add_cache)
 
 
 def explain(new: set[str], warm: set[str]) -> str:

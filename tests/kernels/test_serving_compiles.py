@@ -66,7 +66,8 @@ def record_keys(monkeypatch):
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["bf16", "fp8"])
 def test_trace_launches_only_warmed_up_keys(record_keys, cache_dtype):
     engine = serving_trace.Engine("cpu", cache_dtype)
-    record_keys.caches.update(c.untyped_storage().data_ptr() for c in engine.caches)
+    for cache in engine.caches:
+        record_keys.add_cache(cache)
     _warm_up(engine)
     warm = set(record_keys.keys)
     assert warm

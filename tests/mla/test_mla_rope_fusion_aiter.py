@@ -43,7 +43,6 @@ ARCH_OF = {FN: "gfx950", FNUZ: "gfx942"}
 
 def _clear():
     aiter_ops._aiter_mla_rope_kv_op.cache_clear()
-    aiter_ops._AITER_COS_SIN.clear()
 
 
 @pytest.fixture
@@ -230,7 +229,8 @@ def test_wrapper_matches_float64_rope(strict_aiter, is_neox, heads, lora, rot, b
     op = strict_aiter()
     t, max_pos, dtype = 5, 40, torch.float16
     inp = _decode_inputs(t, heads, lora, rot, dtype, max_pos)
-    cos_sin = inp["cos_sin64"].to(dtype)  # the rotary cache in the model dtype
+    # AITER's tables from the fp32 rotary cache, in the kv_c dtype.
+    cos_sin = rocm_aiter_ops.mla_rope_cos_sin(inp["cos_sin64"].float(), dtype)
     positions = torch.tensor([1, 7, max_pos - 1, 0, 23])
     slots = torch.tensor([[1], [-1], [block_size * 2 + 2], [0], [block_size * 8 - 1]])
     cache = torch.zeros(8, block_size, lora + rot, dtype=dtype)
@@ -269,7 +269,7 @@ def test_wrapper_fp8_cache(strict_aiter, monkeypatch, fp8, quant_query):
     k_scale, q_scale = torch.tensor([0.5]), torch.tensor([0.25])
     rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
         inp["ql_nope"], inp["q_pe"], inp["kv_c"], inp["k_pe"], cache, q_out, slots,
-        positions, inp["cos_sin64"].to(dtype), False, k_scale,
+        positions, rocm_aiter_ops.mla_rope_cos_sin(inp["cos_sin64"], dtype), False, k_scale,
         q_scale if quant_query else torch.ones(1))
     (call,) = op.calls
     assert call["kv_cache"].dtype is fp8 and call["kv_cache"].data_ptr() == cache.data_ptr()
@@ -285,25 +285,46 @@ def test_wrapper_fp8_cache(strict_aiter, monkeypatch, fp8, quant_query):
         torch.testing.assert_close(qo[i], q_ref[i], rtol=tol, atol=2e-2)
 
 
-def test_cos_sin_built_once_per_rotary_cache(strict_aiter):
-    """One contiguous [max_pos, R/2] cos and sin in the kv_c dtype per rotary
-    cache, shared by every layer and call (not a view of cat(cos, sin))."""
+def test_cos_sin_tables_are_what_the_kernel_reads(strict_aiter):
+    """mla_rope_cos_sin: one contiguous [max_pos, R/2] cos and sin in the kv_c
+    dtype (not views of cat(cos, sin)); the op gets exactly them."""
     op = strict_aiter()
     t, heads, lora, rot, dtype = 2, 2, 32, 16, torch.float16
     inp = _decode_inputs(t, heads, lora, rot, dtype, 16)
     cos_sin = inp["cos_sin64"].float()  # fp32 cache, fp16 model
-    for _layer in range(3):
+    tables = rocm_aiter_ops.mla_rope_cos_sin(cos_sin, dtype)
+    rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
+        inp["ql_nope"], inp["q_pe"], inp["kv_c"], inp["k_pe"],
+        torch.zeros(2, 16, lora + rot, dtype=dtype),
+        torch.empty(t, heads, lora + rot, dtype=dtype), torch.tensor([1, 2]),
+        torch.tensor([3, 4]), tables, True, torch.ones(1), torch.ones(1))
+    (call,) = op.calls
+    cos, sin = call["cos_cache"], call["sin_cache"]
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (16, rot // 2)
+    assert cos.dtype is dtype and torch.equal(cos, cos_sin[:, : rot // 2].to(dtype))
+    assert torch.equal(sin, cos_sin[:, rot // 2:].to(dtype))
+    assert cos.data_ptr() == tables.data_ptr()  # no copy per call
+
+
+@pytest.mark.parametrize("bad", ["vllm-layout", "dtype", "strided"])
+def test_wrapper_refuses_other_cos_sin_before_the_op(strict_aiter, bad):
+    """vLLM's own [max_pos, R] cache, tables in another dtype or not dense:
+    a clear error, and the op is not called."""
+    op = strict_aiter()
+    t, heads, lora, rot, dtype = 2, 2, 32, 16, torch.float16
+    inp = _decode_inputs(t, heads, lora, rot, dtype, 16)
+    cos_sin = {
+        "vllm-layout": inp["cos_sin64"].to(dtype),
+        "dtype": rocm_aiter_ops.mla_rope_cos_sin(inp["cos_sin64"], torch.bfloat16),
+        "strided": rocm_aiter_ops.mla_rope_cos_sin(inp["cos_sin64"], dtype)[:, ::2],
+    }[bad]
+    with pytest.raises(ValueError, match="cos_sin must be mla_rope_cos_sin"):
         rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
             inp["ql_nope"], inp["q_pe"], inp["kv_c"], inp["k_pe"],
             torch.zeros(2, 16, lora + rot, dtype=dtype),
             torch.empty(t, heads, lora + rot, dtype=dtype), torch.tensor([1, 2]),
             torch.tensor([3, 4]), cos_sin, True, torch.ones(1), torch.ones(1))
-    cos0, sin0 = op.calls[0]["cos_cache"], op.calls[0]["sin_cache"]
-    assert cos0.is_contiguous() and sin0.is_contiguous() and cos0.shape == (16, rot // 2)
-    assert cos0.dtype is dtype and torch.equal(cos0, cos_sin[:, : rot // 2].to(dtype))
-    assert torch.equal(sin0, cos_sin[:, rot // 2:].to(dtype))
-    assert all(c["cos_cache"] is cos0 and c["sin_cache"] is sin0 for c in op.calls)
-    assert len(aiter_ops._AITER_COS_SIN) == 1
+    assert not op.calls
 
 
 def test_the_fake_misreads_a_strided_cos_view_like_the_kernel():
@@ -467,13 +488,14 @@ def test_real_aiter_op_matches_the_triton_kernel(kv_cache_dtype, neox):
     k_scale = torch.tensor([0.5], device=dev)
     q_scale = torch.tensor([0.25], device=dev)
     out_dtype = current_platform.fp8_dtype() if fp8 else bf16
+    tables = rocm_aiter_ops.mla_rope_cos_sin(cos_sin, bf16)
     results = []
     for use_aiter in (True, False):
         cache = torch.zeros(blocks + 1, bs, lora + rot, dtype=cache_dtype, device=dev)
         q_out = torch.empty(t, heads, lora + rot, dtype=out_dtype, device=dev)
         if use_aiter:
             rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
-                ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, positions, cos_sin, neox,
+                ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, positions, tables, neox,
                 k_scale, q_scale if fp8 else torch.ones_like(q_scale))
         else:
             mla_rope_concat_and_cache(ql_nope, q_pe, kv_c, k_pe, cache, slots, positions,

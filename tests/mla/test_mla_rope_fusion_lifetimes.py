@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the fused MLA path keeps across steps, beside CUDA graphs.
 
-* ``_aiter_cos_sin`` (0302) and ``MLARopeKVFusion.cos_sin_cache``: derived
-  cos/sin live exactly as long as the rotary cache they come from (weakly keyed
-  on it), are reused, never evicted, never built during a capture.
+* ``MLARopeKVFusion.cos_sin_cache`` and ``aiter_cos_sin``: the moved rotary
+  cache and AITER's cos/sin tables (0302's ``mla_rope_cos_sin``) are kept on
+  the rotary embedding they derive from, shared by every layer sharing it,
+  built once, never during a capture, and go with it.
 * ``MLARopeKVFusion.q_out``: the decode query buffer, reserved by the profiling
   run from vLLM's workspace manager (persistent, at its bound), views per step.
 * GPU: a captured graph that reads the derived cos/sin and the q_out buffer
@@ -13,11 +14,12 @@
 """
 
 import gc
+import weakref
 
 import _mla_rope_harness as h
 import pytest
 import torch
-import vllm._aiter_ops as aiter_ops
+from vllm._aiter_ops import rocm_aiter_ops
 from vllm.model_executor.layers.attention import mla_rope_kv_cache
 from vllm.model_executor.layers.attention.mla_rope_fusion import (
     RopeKVDecision,
@@ -25,10 +27,10 @@ from vllm.model_executor.layers.attention.mla_rope_fusion import (
 )
 
 
-def _fusion(rope=None, case="decode_only"):
+def _fusion(rope=None, case="decode_only", path=RopeKVPath.TRITON):
     rope = rope if rope is not None else h.make_rope("neox")
     layer = h.make_layer(h.CASES_BY_NAME[case])
-    decision = RopeKVDecision(RopeKVPath.TRITON, "test", requested=True)
+    decision = RopeKVDecision(path, "test", requested=True)
     return mla_rope_kv_cache.MLARopeKVFusion(decision, rope, layer), rope
 
 
@@ -37,32 +39,34 @@ def _capturing(monkeypatch, module):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
 
 
-def test_aiter_cos_sin_lives_with_its_source():
-    a = torch.rand(32, 8)
-    cos, sin = aiter_ops._aiter_cos_sin(a, torch.bfloat16)
-    assert torch.equal(cos, a[:, :4].to(torch.bfloat16)) and cos.is_contiguous()
-    assert torch.equal(sin, a[:, 4:].to(torch.bfloat16)) and sin.is_contiguous()
-    again = aiter_ops._aiter_cos_sin(a, torch.bfloat16)
-    assert again[0] is cos and again[1] is sin  # built once
-    half = aiter_ops._aiter_cos_sin(a, torch.float16)
-    assert half[0] is not cos and half[0].dtype == torch.float16
-    b = torch.rand(32, 8)  # a second rotary cache: its own entry, nothing evicted
-    for _ in range(16):
-        aiter_ops._aiter_cos_sin(b, torch.bfloat16)
-    assert aiter_ops._aiter_cos_sin(a, torch.bfloat16)[0] is cos
-    entries = len(aiter_ops._AITER_COS_SIN)
-    del a
+def test_aiter_cos_sin_live_on_the_rotary_embedding():
+    """AITER's tables: built by the first layer that needs them, read by every
+    layer sharing the rotary embedding (one tensor), rebuilt for another
+    dtype, and freed with the rotary embedding (no registry elsewhere)."""
+    first, rope = _fusion(path=RopeKVPath.AITER)
+    second = _fusion(rope, path=RopeKVPath.AITER)[0]
+    cache = first.cos_sin_cache(rope.cos_sin_cache.device)
+    tables = first.aiter_cos_sin(cache, torch.bfloat16)
+    assert torch.equal(tables, rocm_aiter_ops.mla_rope_cos_sin(cache, torch.bfloat16))
+    assert second.aiter_cos_sin(cache, torch.bfloat16) is tables  # built once
+    half = second.aiter_cos_sin(cache, torch.float16)
+    assert half.dtype == torch.float16 and first.aiter_cos_sin(cache, torch.float16) is half
+    other, other_rope = _fusion(path=RopeKVPath.AITER)  # another rotary embedding
+    assert other.aiter_cos_sin(other_rope.cos_sin_cache, torch.float16) is not half
+    freed = weakref.ref(half)
+    del first, second, rope, half
     gc.collect()
-    assert len(aiter_ops._AITER_COS_SIN) == entries - 1  # went with its source
+    assert freed() is None
 
 
-def test_aiter_cos_sin_is_never_built_during_capture(monkeypatch):
-    a = torch.rand(16, 8)
-    built = aiter_ops._aiter_cos_sin(a, torch.bfloat16)
-    _capturing(monkeypatch, aiter_ops)
-    assert aiter_ops._aiter_cos_sin(a, torch.bfloat16)[0] is built[0]  # a hit is fine
+def test_aiter_cos_sin_are_never_built_during_capture(monkeypatch):
+    fusion, rope = _fusion(path=RopeKVPath.AITER)
+    cache = fusion.cos_sin_cache(rope.cos_sin_cache.device)
+    built = fusion.aiter_cos_sin(cache, torch.bfloat16)
+    _capturing(monkeypatch, mla_rope_kv_cache)
+    assert fusion.aiter_cos_sin(cache, torch.bfloat16) is built  # built before: fine
     with pytest.raises(RuntimeError, match="during a CUDA graph capture"):
-        aiter_ops._aiter_cos_sin(a, torch.float16)
+        fusion.aiter_cos_sin(cache, torch.float16)
 
 
 def test_cos_sin_moves_with_the_rotary_embedding(monkeypatch):
@@ -163,8 +167,9 @@ def test_graph_replays_after_new_cache_entries():
     second = h.make_rope("neox").to("cpu")
     second.cos_sin_cache = second.cos_sin_cache * 2
     _fusion(second)[0].cos_sin_cache(cuda)
-    aiter_ops._aiter_cos_sin(cos_sin, torch.bfloat16)
-    aiter_ops._aiter_cos_sin(cos_sin, torch.float16)
+    aiter_fusion, _ = _fusion(rope, path=RopeKVPath.AITER)
+    aiter_fusion.aiter_cos_sin(cos_sin, torch.bfloat16)
+    aiter_fusion.aiter_cos_sin(cos_sin, torch.float16)
     del second
     gc.collect()
     torch.cuda.empty_cache()

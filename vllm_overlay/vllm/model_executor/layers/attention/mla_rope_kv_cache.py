@@ -72,6 +72,10 @@ __all__ = [
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+# The rotary embedding's attribute that keeps AITER's cos/sin tables
+# (MLARopeKVFusion.aiter_cos_sin).
+_AITER_COS_SIN = "mla_rope_aiter_cos_sin"
+
 # One-element fp32 ones per device: AITER's op takes a q_scale tensor also
 # when q_out is not fp8.
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
@@ -170,7 +174,9 @@ def mla_rope_concat_and_cache(
     """Decode form (torch.ops.vllm.mla_rope_concat_and_cache): q_out =
     [ql_nope | rope(q_pe)] (fp8, / q_scale, when q_scale is given) and the
     cache rows [kv_c | rope(k_pe)] of the first ``ql_nope.shape[0]`` rows of
-    kv_c / k_pe (a step's rows, decode rows first); q_pe / k_pe untouched."""
+    kv_c / k_pe (a step's rows, decode rows first); q_pe / k_pe untouched.
+    ``cos_sin_cache``: the rotary embedding's [max_pos, R] cache, or with
+    ``use_aiter`` AITER's tables (``MLARopeKVFusion.aiter_cos_sin``)."""
     if use_aiter:
         # AITER is handed exactly the decode rows (its launcher takes the
         # token count from slot_mapping; it is not asked to skip rows).
@@ -184,7 +190,7 @@ def mla_rope_concat_and_cache(
             q_out=q_out,
             slot_mapping=slot_mapping,
             positions=positions,
-            cos_sin_cache=cos_sin_cache,
+            cos_sin=cos_sin_cache,
             is_neox=is_neox,
             k_scale=k_scale,
             q_scale=q_scale if q_scale is not None else _unit_scale(q_out.device),
@@ -380,17 +386,32 @@ class MLARopeKVFusion:
         return cls(decision, rotary_emb, layer) if decision.fused else None
 
     def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
-        """The rotary embedding's cos/sin cache on ``device`` (both kernels
-        read any float type; AITER's wrapper converts and splits it once per
-        cache).  On another device it is moved as upstream's rotary
-        embedding moves it (``_match_cos_sin_cache_dtype``): the rotary
-        embedding's own attribute is replaced, once, shared by every layer
-        sharing that rotary embedding; never during a graph capture."""
+        """The rotary embedding's cos/sin cache on ``device`` (the Triton
+        kernel reads any float type).  On another device it is moved as
+        upstream's rotary embedding moves it (``_match_cos_sin_cache_dtype``):
+        the rotary embedding's own attribute is replaced, once, shared by
+        every layer sharing that rotary embedding; never during a graph
+        capture."""
         cache = self.rotary_emb.cos_sin_cache
         if cache.device != device:
             _not_capturing("the rotary cos/sin cache on the KV cache's device")
             cache = self.rotary_emb.cos_sin_cache = cache.to(device=device)
         return cache
+
+    def aiter_cos_sin(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """AITER's dense cos/sin tables of the rotary ``cache`` in the model
+        ``dtype`` (``rocm_aiter_ops.mla_rope_cos_sin``), what the AITER path's
+        decode op reads.  Kept beside the cache they derive from, on the
+        rotary embedding: built by the first layer that needs them, shared by
+        every layer sharing the rotary embedding (vLLM shares them; their
+        caches are fixed, ``rope_fusion_problem`` admits no other); rebuilt
+        only for another device or dtype, never during a graph capture."""
+        tables = getattr(self.rotary_emb, _AITER_COS_SIN, None)
+        if tables is None or tables.device != cache.device or tables.dtype != dtype:
+            _not_capturing("AITER's cos/sin tables")
+            tables = rocm_aiter_ops.mla_rope_cos_sin(cache, dtype)
+            setattr(self.rotary_emb, _AITER_COS_SIN, tables)
+        return tables
 
     def q_out(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device
@@ -489,24 +510,31 @@ class MLARopeKVFusion:
                 "mla_rope_rows; the model runner must set "
                 "CommonAttentionMetadata.positions"
             )
+        cos_sin_cache = self.cos_sin_cache(kv_cache.device)
         return MLARopeKVStep(
             fusion=self,
             kv_cache=kv_cache,
             k_scale=layer._k_scale,
-            cos_sin_cache=self.cos_sin_cache(kv_cache.device),
+            cos_sin_cache=cos_sin_cache,
+            decode_cos_sin=(
+                self.aiter_cos_sin(cos_sin_cache, q.dtype)
+                if self.use_aiter
+                else cos_sin_cache
+            ),
             rows=rows,
         ), k_pe
 
 
 @dataclass
 class MLARopeKVStep:
-    """One forward of a fused layer: its cache, scale and cos/sin, and the
-    step's rows."""
+    """One forward of a fused layer: its cache, scale and cos/sin (the
+    prefill form's and the decode form's), and the step's rows."""
 
     fusion: MLARopeKVFusion
     kv_cache: torch.Tensor
     k_scale: torch.Tensor
     cos_sin_cache: torch.Tensor
+    decode_cos_sin: torch.Tensor
     rows: MLARopeStepRows
 
     def prefill(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
@@ -557,7 +585,7 @@ class MLARopeKVStep:
             q_out,
             self.rows.decode.slot_mapping,
             self.rows.decode.positions,
-            self.cos_sin_cache,
+            self.decode_cos_sin,
             f.is_neox,
             f.kv_cache_dtype,
             self.k_scale,

@@ -115,8 +115,8 @@ bench: ## Kernel benchmarks on the GPU at hand; writes benchmarks/results/<date>
 	$(NEED) bench torch triton pytest pytest_benchmark
 	PYTHONPATH=vllm_overlay:tests/without_vllm:. $(GPU_PYTHON) scripts/run_bench.py $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(PYTEST_ARGS)
 
-bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step) into build/results/ (BENCH_OUT= to keep)
-	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host $(PYTEST_ARGS)
+bench-host: apply venv ## Host-side (CPU) benchmarks (batch-order cost per step; 0302's AITER wrapper vs a plain call) into build/results/ (BENCH_OUT= to keep)
+	PYTHONPATH=$(TREE) VLLM_BUILD_TREE=$(abspath $(TREE)) $(VPY) scripts/run_bench.py --out $(or $(BENCH_OUT),$(HOST_BENCH_OUT)) --suite order_host --suite aiter_mla_host $(PYTEST_ARGS)
 
 report: ## Turn committed benchmarks/results/*.json into the README status table and benchmarks/RESULTS.md; flag hand-typed figures
 	$(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) scripts/bench_report.py

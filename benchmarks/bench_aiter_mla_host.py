@@ -15,6 +15,12 @@ interleaved across the calls, as ``bench_host_cost.py`` times) of:
   * ``plain``   -- ``aiter.ops.cache.fused_qk_rope_concat_and_cache_mla``
                    positionally, on inputs already in its layouts (the floor
                    every caller pays);
+  * ``kimi_k3`` -- the op as ``models/kimi_k3/amd/mla.py`` calls it, with its
+                   per-call work: the fp8 cache viewed as fp8 and as
+                   ``[blocks, -1, L + R]``, ``q_out`` allocated, the slot
+                   mapping flattened, ``k_pe`` squeezed, the positions sliced,
+                   ``is_neox`` / ``is_nope_first`` by keyword (its cos / sin
+                   are its own: here the same tables);
   * ``wrapper`` -- ``rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla`` by
                    keyword, as the fused layer's op calls it, on vLLM's layouts
                    and the step's cos / sin tables (``mla_rope_cos_sin``, built
@@ -78,7 +84,8 @@ def host_us(calls: dict) -> dict:
 
 def make_case(num_tokens: int, kv_cache_dtype: str, device, seed: int = 0) -> dict:
     """One layer's decode inputs in vLLM's layouts, the same in AITER's, and
-    the three calls (each returns nothing; all write ``q_out`` and ``kv_cache``)."""
+    the four calls (each writes ``kv_cache`` and returns the ``q_out`` it
+    wrote: the inputs' own, or for ``kimi_k3`` a new one)."""
     from vllm.model_executor.layers.attention import mla_rope_kv_cache  # registers the op
 
     del mla_rope_kv_cache
@@ -126,6 +133,23 @@ def make_case(num_tokens: int, kv_cache_dtype: str, device, seed: int = 0) -> di
 
     def plain():
         aiter_op(*plain_args)
+        return x["q_out"]
+
+    def kimi_k3():  # mla.py, _fused_decode: from the cache view to the call
+        kv_cache = x["kv_cache"]
+        if kv_cache.dtype != fp8_dtype and fp8:
+            kv_cache = kv_cache.view(fp8_dtype)
+        ql_nope = x["ql_nope"]
+        q_out = torch.empty((num_tokens, H, L + R), dtype=x["q_out"].dtype, device=device)
+        slot_mapping = x["slot_mapping"].flatten()
+        num_slots = slot_mapping.shape[0]
+        aiter_op(
+            ql_nope, x["q_pe"], x["kv_c"], x["k_pe"].squeeze(1),
+            kv_cache.view(kv_cache.shape[0], -1, L + R), q_out, slot_mapping,
+            x["k_scale"], q_scale, x["positions"][:num_slots],
+            x["tables"][0], x["tables"][1], is_neox=False, is_nope_first=True,
+        )  # fmt: skip
+        return q_out
 
     def wrapper():
         rocm_aiter_ops.fused_qk_rope_concat_and_cache_mla(
@@ -134,6 +158,7 @@ def make_case(num_tokens: int, kv_cache_dtype: str, device, seed: int = 0) -> di
             positions=x["positions"], cos_sin=x["tables"], is_neox=False,
             k_scale=x["k_scale"], q_scale=q_scale, all_q_rope=False,
         )  # fmt: skip
+        return x["q_out"]
 
     def op():
         torch.ops.vllm.mla_rope_concat_and_cache(
@@ -141,8 +166,10 @@ def make_case(num_tokens: int, kv_cache_dtype: str, device, seed: int = 0) -> di
             x["q_out"], x["slot_mapping"], x["positions"], x["tables"], False,
             kv_cache_dtype, x["k_scale"], x["q_scale"], True, False, "",
         )  # fmt: skip
+        return x["q_out"]
 
-    return dict(inputs=x, calls={"plain": plain, "wrapper": wrapper, "op": op})
+    calls = {"plain": plain, "kimi_k3": kimi_k3, "wrapper": wrapper, "op": op}
+    return dict(inputs=x, calls=calls)
 
 
 @pytest.fixture(scope="module")

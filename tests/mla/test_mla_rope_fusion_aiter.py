@@ -6,7 +6,7 @@ exported as real AITER exports it -- ``(*args, **kwargs)`` over a
 inputs by raw pointer as the HIP kernel does (cos / sin with no stride).
 Checked: detection on that export, the wrapper against a float64 RoPE
 reference at every position (NeoX and GPT-J, padded slots, fp8 caches in both
-e4m3 formats), the cos / sin tables and what the wrapper refuses, the three
+e4m3 formats), the cos / sin tables and what the wrapper refuses, the four
 calls the host benchmark times doing the same work, DCP limits decided before
 the AITER path is chosen, a changed schema failing loudly.
 ROCm tier: the real op against the Triton kernel.
@@ -352,21 +352,21 @@ def test_the_fake_misreads_a_strided_cos_view_like_the_kernel():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_host_bench_times_the_same_work_three_ways(strict_aiter, kv_cache_dtype):
+def test_host_bench_times_the_same_work(strict_aiter, kv_cache_dtype):
     """benchmarks/bench_aiter_mla_host.py times a plain call of AITER's op,
-    0302's wrapper and the fused layer's op: through the strict fake, each
-    writes the same q_out and cache rows."""
+    the call as Kimi-K3 makes it, 0302's wrapper and the fused layer's op:
+    through the strict fake, each writes the same q_out and cache rows."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import bench_aiter_mla_host as bench
 
     op = strict_aiter()
     written = []
-    for name in ("plain", "wrapper", "op"):
+    for name in ("plain", "kimi_k3", "wrapper", "op"):
         case = bench.make_case(4, kv_cache_dtype, torch.device("cpu"))
-        case["calls"][name]()
-        x = case["inputs"]
-        written.append([x[k].view(torch.uint8).clone() for k in ("q_out", "kv_cache")])
-    assert len(op.calls) == 3 and written[0][1].any()
+        q_out = case["calls"][name]()
+        written.append([t.view(torch.uint8).clone()
+                        for t in (q_out, case["inputs"]["kv_cache"])])
+    assert len(op.calls) == 4 and written[0][1].any()
     for q_out, cache in written[1:]:
         assert torch.equal(q_out, written[0][0]) and torch.equal(cache, written[0][1])
 

@@ -9,8 +9,9 @@ fp8 cache allocated as uint8, vLLM's ``cat(cos, sin)`` rotary cache), which
 0302's wrapper maps; docs/topics.md says why that is needed.  This suite shows
 what the mapping costs on the host.  Per case (MLA decode at DeepSeek-V3's
 dims on 8 GPUs: 16 heads, L 512, R 64, bf16 model; ``T`` decode tokens; a bf16
-or an fp8 cache with an fp8 query), host µs per call (calls back to back, median of rounds
-interleaved across the calls, as ``bench_host_cost.py`` times) of:
+or an fp8 cache with an fp8 query), host µs per call (``graphs.host_rounds``: calls back to back,
+median of rounds interleaved across the calls, as ``bench_host_cost.py``
+times) of:
 
   * ``plain``   -- ``aiter.ops.cache.fused_qk_rope_concat_and_cache_mla``
                    positionally, on inputs already in its layouts (the floor
@@ -40,9 +41,7 @@ benchmarks/bench_aiter_mla_host.py`` (``make bench-host`` runs it).
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +52,8 @@ if not hasattr(aiter_ops.rocm_aiter_ops, "mla_rope_cos_sin"):
     pytest.skip("needs the patched tree (make apply; PYTHONPATH=build/vllm)",
                 allow_module_level=True)
 
+from benchmarks import graphs  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 H, P, L, R = 16, 128, 512, 64  # heads per GPU (128 / TP 8), nope, latent, rotary
 BLOCK_SIZE, NUM_BLOCKS, MAX_POS = 64, 64, 4096
@@ -61,25 +62,6 @@ CACHES = ("auto", "fp8")
 CALLS, ROUNDS = 300, 7
 
 
-def host_us(calls: dict) -> dict:
-    """(median, min) host µs per call of each of ``calls``: CALLS calls back
-    to back, ROUNDS rounds interleaved across them.  (bench_host_cost.py's
-    timer imports the Triton kernels, which vLLM from source binds only in
-    test processes.)"""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for fn in calls.values():
-        fn()
-        fn()
-    samples: dict = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, fn in calls.items():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(CALLS):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / CALLS * 1e6)
-    sync()
-    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
 
 
 def make_case(num_tokens: int, kv_cache_dtype: str, device, seed: int = 0) -> dict:
@@ -209,7 +191,11 @@ def aiter_op():
 def test_aiter_mla_host(benchmark, aiter_op, num_tokens, kv_cache_dtype):
     what, device = aiter_op
     calls = make_case(num_tokens, kv_cache_dtype, device)["calls"]
-    medians = host_us(calls)
+    for fn in calls.values():  # warm up
+        fn()
+        fn()
+    samples = graphs.host_rounds(calls, CALLS, ROUNDS)
+    medians = {name: (graphs.median(v), min(v)) for name, v in samples.items()}
     results = {name: {"us": round(med, 2), "min_us": round(low, 2)}
                for name, (med, low) in medians.items()}
     case = f"d{num_tokens}_{kv_cache_dtype}"

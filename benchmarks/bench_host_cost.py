@@ -96,25 +96,17 @@ def host_us(fns: dict, calls: int = CALLS, rounds: int = ROUNDS) -> tuple[dict, 
     ``calls`` calls back to back with no sync inside, ``rounds`` rounds
     interleaved across the impls (so a noisy host slows them alike);
     (median, min) over the rounds, and the calls."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    samples: dict = {name: [] for name in fns}
     built: dict = {}
     for name, (setup, plain) in fns.items():
         with plain_path() if plain else contextlib.nullcontext():
             fn = built[name] = setup()
             fn()  # the step's first layer: checks, KernelCall, compile
             fn()
-    sync()
-    for _ in range(rounds):
-        for name, (_, plain) in fns.items():
-            fn = built[name]
-            with plain_path() if plain else contextlib.nullcontext():
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-                sync()
+
+    def around(name):
+        return plain_path() if fns[name][1] else contextlib.nullcontext()
+
+    samples = graphs.host_rounds(built, calls, rounds, around)
     return {name: (graphs.median(v), min(v)) for name, v in samples.items()}, built
 
 

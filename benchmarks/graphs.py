@@ -1,17 +1,21 @@
-"""CUDA-graph capture and replay timing shared by the benchmark suites.
+"""CUDA-graph capture and replay timing shared by the benchmark suites, and
+the suites' host timer.
 
 ``capture(fn)`` warms ``fn`` up on a side stream (autotuning, allocator) and
 captures it; ``replay_us(graph)`` is the median device time of a replay
-between two events, divided by the calls the graph holds.
+between two events, divided by the calls the graph holds.  ``host_rounds``
+times calls on the host, rounds interleaved across them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["capture", "median", "replay_us"]
+__all__ = ["capture", "host_rounds", "median", "replay_us"]
 
 
 def median(values):
@@ -52,3 +56,25 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int, calls: int = 1,
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return median(times)
+
+
+def host_rounds(calls: dict[str, Callable[[], object]], repeats: int, rounds: int,
+                around: Callable[[str], contextlib.AbstractContextManager] | None = None,
+                ) -> dict[str, list[float]]:
+    """Host µs per call of each of ``calls``, one sample per round: ``repeats``
+    calls back to back with no synchronisation inside, ``rounds`` rounds
+    interleaved across the calls (a host that slows down slows them alike).
+    The GPU, if any, is drained before and after each timed run;
+    ``around(name)`` is entered around each (e.g. a launch-path switch)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            with around(name) if around else contextlib.nullcontext():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / repeats * 1e6)
+                sync()
+    return samples

@@ -9,9 +9,9 @@ fp8 cache allocated as uint8, vLLM's ``cat(cos, sin)`` rotary cache), which
 0302's wrapper maps; docs/topics.md says why that is needed.  This suite shows
 what the mapping costs on the host.  Per case (MLA decode at DeepSeek-V3's
 dims on 8 GPUs: 16 heads, L 512, R 64, bf16 model; ``T`` decode tokens; a bf16
-or an fp8 cache with an fp8 query), host µs per call (``graphs.host_rounds``: calls back to back,
-median of rounds interleaved across the calls, as ``bench_host_cost.py``
-times) of:
+or an fp8 cache with an fp8 query), host µs per call (``graphs.host_rounds``:
+calls back to back, median of rounds interleaved across the calls, as
+``bench_host_cost.py`` times) of:
 
   * ``plain``   -- ``aiter.ops.cache.fused_qk_rope_concat_and_cache_mla``
                    positionally, on inputs already in its layouts (the floor
@@ -62,15 +62,13 @@ CACHES = ("auto", "fp8")
 CALLS, ROUNDS = 300, 7
 
 
-
-
 def make_case(num_tokens: int, kv_cache_dtype: str, device, seed: int = 0) -> dict:
     """One layer's decode inputs in vLLM's layouts, the same in AITER's, and
     the four calls (each writes ``kv_cache`` and returns the ``q_out`` it
     wrote: the inputs' own, or for ``kimi_k3`` a new one)."""
-    from vllm.model_executor.layers.attention import mla_rope_kv_cache  # registers the op
+    # Importing it registers torch.ops.vllm.mla_rope_concat_and_cache.
+    import vllm.model_executor.layers.attention.mla_rope_kv_cache  # noqa: F401
 
-    del mla_rope_kv_cache
     rocm_aiter_ops = aiter_ops.rocm_aiter_ops
     fp8 = kv_cache_dtype == "fp8"
     model, fp8_dtype = torch.bfloat16, aiter_ops.FP8_DTYPE
@@ -117,16 +115,15 @@ def make_case(num_tokens: int, kv_cache_dtype: str, device, seed: int = 0) -> di
         aiter_op(*plain_args)
         return x["q_out"]
 
-    def kimi_k3():  # mla.py, _fused_decode: from the cache view to the call
+    def kimi_k3():  # mla.py (0.34.0) _fused_decode, from the cache view to the call
         kv_cache = x["kv_cache"]
-        if kv_cache.dtype != fp8_dtype and fp8:
+        if fp8 and kv_cache.dtype != fp8_dtype:
             kv_cache = kv_cache.view(fp8_dtype)
-        ql_nope = x["ql_nope"]
         q_out = torch.empty((num_tokens, H, L + R), dtype=x["q_out"].dtype, device=device)
         slot_mapping = x["slot_mapping"].flatten()
         num_slots = slot_mapping.shape[0]
         aiter_op(
-            ql_nope, x["q_pe"], x["kv_c"], x["k_pe"].squeeze(1),
+            x["ql_nope"], x["q_pe"], x["kv_c"], x["k_pe"].squeeze(1),
             kv_cache.view(kv_cache.shape[0], -1, L + R), q_out, slot_mapping,
             x["k_scale"], q_scale, x["positions"][:num_slots],
             x["tables"][0], x["tables"][1], is_neox=False, is_nope_first=True,

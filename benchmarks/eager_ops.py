@@ -435,11 +435,15 @@ class MlaStep:
     ours: object  # (graph_pieces: bool) -> None
     upstream: object
     layers: int
+    # One layer's calls of each sequence, one by one (eager_mla_parts.py):
+    # name -> a call with no arguments, the same call the step makes per layer.
+    parts: dict = field(default_factory=dict)
 
 
 def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes: int,
              prefill: int, layers: int | None = None, seed: int = 0) -> MlaStep:
     from benchmarks.bench_mla_rope_cache import cos_sin_cache
+    from vllm.v1.attention.ops import triton_mla_rope_cache as mla
 
     dev = caches[0].device
     layers = layers or model["layers"]
@@ -531,7 +535,27 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
             if decodes:
                 torch.cat((ql_nope, q[:decodes, :, p:]), dim=-1)
 
-    return MlaStep(ours=ours, upstream=upstream, layers=layers)
+    # The first layer's calls, as the two steps make them.
+    name, cache = names[0], caches[0]
+    parts = {
+        "torch op": piece_common,
+        "graph piece, ours": lambda: replay("ours", piece_common, True),
+        "graph piece, upstream": lambda: replay("upstream", piece_upstream, True),
+        "cache write op, upstream": lambda: update(kv_c, k_pe, name, "auto", k_scale),
+    }
+    if decodes:
+        parts["decode op, ours"] = lambda: our_ops.mla_rope_concat_and_cache(
+            ql_nope, q[:decodes, :, p:], kv_c, k_pe, cache, q_out_buffer[:decodes],
+            slots[:decodes], positions[:decodes], cos_sin, False, "auto", k_scale, None, False,
+            False, name)
+        # The same call's implementation, without the dispatcher.
+        parts["decode function, ours"] = lambda: mla.mla_rope_concat_and_cache(
+            ql_nope, q[:decodes, :, p:], kv_c, k_pe, cache, slots[:decodes],
+            positions[:decodes], cos_sin, False, kv_cache_dtype="auto", k_scale=k_scale,
+            q_out=q_out_buffer[:decodes], q_scale=None, launches=rows["decode"])
+        parts["decode query cat, upstream"] = lambda: torch.cat(
+            (ql_nope, q[:decodes, :, p:]), dim=-1)
+    return MlaStep(ours=ours, upstream=upstream, layers=layers, parts=parts)
 
 
 def mla_bytes(model: dict, decodes: int, prefill: int) -> int:

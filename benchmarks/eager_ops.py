@@ -535,8 +535,10 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
             if decodes:
                 torch.cat((ql_nope, q[:decodes, :, p:]), dim=-1)
 
-    # The first layer's calls, as the two steps make them.
+    # The first layer's calls, as the two steps make them: the decode rows'
+    # slots and positions sliced once, as ours() slices them once per step.
     name, cache = names[0], caches[0]
+    d_sl, d_pos = slots[:decodes], positions[:decodes]
     parts = {
         "torch op": piece_common,
         "graph piece, ours": lambda: replay("ours", piece_common, True),
@@ -545,14 +547,13 @@ def mla_step(model: dict, caches: list[torch.Tensor], ops: UpstreamOps, decodes:
     }
     if decodes:
         parts["decode op, ours"] = lambda: our_ops.mla_rope_concat_and_cache(
-            ql_nope, q[:decodes, :, p:], kv_c, k_pe, cache, q_out_buffer[:decodes],
-            slots[:decodes], positions[:decodes], cos_sin, False, "auto", k_scale, None, False,
-            False, name)
+            ql_nope, q[:decodes, :, p:], kv_c, k_pe, cache, q_out_buffer[:decodes], d_sl,
+            d_pos, cos_sin, False, "auto", k_scale, None, False, False, name)
         # The same call's implementation, without the dispatcher.
         parts["decode function, ours"] = lambda: mla.mla_rope_concat_and_cache(
-            ql_nope, q[:decodes, :, p:], kv_c, k_pe, cache, slots[:decodes],
-            positions[:decodes], cos_sin, False, kv_cache_dtype="auto", k_scale=k_scale,
-            q_out=q_out_buffer[:decodes], q_scale=None, launches=rows["decode"])
+            ql_nope, q[:decodes, :, p:], kv_c, k_pe, cache, d_sl, d_pos, cos_sin, False,
+            kv_cache_dtype="auto", k_scale=k_scale, q_out=q_out_buffer[:decodes],
+            q_scale=None, launches=rows["decode"])
         parts["decode query cat, upstream"] = lambda: torch.cat(
             (ql_nope, q[:decodes, :, p:]), dim=-1)
     return MlaStep(ours=ours, upstream=upstream, layers=layers, parts=parts)
